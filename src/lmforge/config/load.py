@@ -1,0 +1,190 @@
+"""YAML <-> Config, `--set a.b=c` overrides, and error messages that name file, line, key and choices."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from lmforge.config.schema import Config
+from lmforge.errors import ConfigError
+
+
+def _key_lines(path: str, text: str) -> dict[tuple[str, ...], int]:
+    """Map every dotted key path in a YAML mapping document to its 1-based line number."""
+    lines: dict[tuple[str, ...], int] = {}
+
+    def walk(node: yaml.Node, prefix: tuple[str, ...]) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                key = prefix + (str(k.value),)
+                lines[key] = k.start_mark.line + 1
+                walk(v, key)
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        return lines
+    if root is not None:
+        walk(root, ())
+    return lines
+
+
+def _parse_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _section_model(model_cls: type[BaseModel], keys: tuple[str, ...]) -> type[BaseModel] | None:
+    """The pydantic class at a dotted path inside Config, or None if the path leaves the tree."""
+    cls: type[BaseModel] = model_cls
+    for k in keys:
+        field = cls.model_fields.get(k)
+        if field is None:
+            return None
+        ann = field.annotation
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        cls = ann
+    return cls
+
+
+def _suggest(key: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(key, choices, n=1, cutoff=0.6)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{hint}; valid keys: {', '.join(sorted(choices))}"
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    parent_keys: tuple[str, ...] = ()
+    node = data
+    for i, k in enumerate(keys):
+        cls = _section_model(Config, parent_keys)
+        if cls is not None and k not in cls.model_fields:
+            where = ".".join(parent_keys) or "the top level"
+            raise ConfigError(
+                f"--set {dotted}: unknown key {'.'.join(keys[: i + 1])!r} in {where}"
+                + _suggest(k, list(cls.model_fields))
+            )
+        if i == len(keys) - 1:
+            node[k] = value
+            return
+        child = node.get(k)
+        if child is None:
+            child = node[k] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {'.'.join(keys[: i + 1])} is a value, not a section")
+        node = child
+        parent_keys += (k,)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """'train.max_steps=10' -> ('train.max_steps', 10); the value is parsed as YAML."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.max_steps=100")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set {item!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def _format_error(err: dict[str, Any], source: str, lines: dict[tuple[str, ...], int],
+                  overridden: set[str]) -> str:
+    loc = tuple(str(p) for p in err["loc"])
+    # Drop pydantic's internal validator names from the location.
+    loc = tuple(p for p in loc if not p.startswith("function-") and p not in {"tagged-union"})
+    dotted = ".".join(loc)
+    where = source
+    if dotted in overridden or any(dotted.startswith(o + ".") for o in overridden):
+        where = f"--set {dotted}"
+    else:
+        for n in range(len(loc), 0, -1):
+            if loc[:n] in lines:
+                where = f"{source}:{lines[loc[:n]]}"
+                break
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = _section_model(Config, loc[:-1])
+        valid = _suggest(loc[-1], list(parent.model_fields)) if parent else ""
+        return f"{where}: unknown key {dotted!r}{valid}"
+    msg = err["msg"].removeprefix("Value error, ")
+    key = f"key {dotted!r}" if dotted else "config"
+    if "input" in err and kind not in {"missing"} and not isinstance(err["input"], dict):
+        return f"{where}: {key}: bad value {err['input']!r}: {msg}"
+    return f"{where}: {key}: {msg}"
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (or start from defaults), apply `--set` overrides, validate.
+
+    Raises ConfigError naming the file and line (or the override), the key, the bad value
+    and the valid choices.
+    """
+    data: dict[str, Any] = {}
+    lines: dict[tuple[str, ...], int] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        data = _parse_yaml(p)
+        lines = _key_lines(str(p), p.read_text(encoding="utf-8"))
+        source = str(p)
+    overridden: set[str] = set()
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_dotted(data, key, value)
+        overridden.add(key)
+    return validate_config(data, source=source, lines=lines, overridden=overridden)
+
+
+def validate_config(data: dict[str, Any], source: str = "<config>",
+                    lines: dict[tuple[str, ...], int] | None = None,
+                    overridden: set[str] | None = None) -> Config:
+    """Validate a raw mapping into a Config, with readable errors."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        msgs = [_format_error(err, source, lines or {}, overridden or set()) for err in e.errors()]
+        head = "invalid config" if len(msgs) == 1 else f"invalid config ({len(msgs)} problems)"
+        raise ConfigError(head + ":\n  " + "\n  ".join(msgs)) from None
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """The resolved config as plain data (tuples become lists)."""
+    return cfg.model_dump(mode="json")
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    """Write the resolved config atomically."""
+    from lmforge.utils.io import atomic_write_text
+
+    atomic_write_text(path, dump_config(cfg))

@@ -1,0 +1,20 @@
+"""Errors a user can cause. Anything raised as an `LmforgeError` is printed as one clear message
+(exit status 2, no traceback); everything else is a bug and keeps its traceback."""
+
+from __future__ import annotations
+
+
+class LmforgeError(ValueError):
+    """A user error: bad config, bad input data, a run dir in the wrong state, a full disk."""
+
+
+class ConfigError(LmforgeError):
+    """The config tree (YAML file or `--set` override) is invalid."""
+
+
+class DataError(LmforgeError):
+    """Input text or prepared shards are missing, empty or malformed."""
+
+
+class CheckpointError(LmforgeError):
+    """A checkpoint cannot be written or does not match the run being resumed."""

@@ -1,0 +1,68 @@
+"""Atomic file writes: a crash or a full disk never leaves a partial file where a good one stood."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lmforge.errors import LmforgeError
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make a rename inside `path` durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def disk_error(e: OSError, what: str) -> BaseException:
+    """A full disk or quota error becomes a user error; any other OSError is returned as it is."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return LmforgeError(f"no space left on device while writing {what}; free some space and retry "
+                            "(earlier files were left intact)")
+    return e
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        _unlink(tmp)
+        raise disk_error(e, str(path)) from None
+    except BaseException:
+        _unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _unlink(p: str) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
