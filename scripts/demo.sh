@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The main job: prepare a corpus from the docs and stdlib of this Python, train a BPE tokenizer,
+# pretrain a small model on the CPU, evaluate it and sample from it. Idempotent: re-running reuses
+# the venv and the prepared data and starts a fresh run.
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" ""
+CONFIG="${1:-configs/demo.yaml}"
+shift || true
+RUN_DIR="$(lmforge config -c "$CONFIG" "$@" | python -c 'import sys, yaml; print(yaml.safe_load(sys.stdin)["run"]["dir"])')"
+lmforge train -c "$CONFIG" --set run.overwrite=true "$@"
+lmforge eval "$RUN_DIR"
+lmforge generate "$RUN_DIR" --prompt "def " --set generate.max_new_tokens=120 --set generate.num_samples=2
+echo
+echo "[lmforge] run dir: $RUN_DIR (config.yaml, metrics.jsonl, curves.png, checkpoints/)"

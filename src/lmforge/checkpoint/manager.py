@@ -1,0 +1,205 @@
+"""Save, find and restore training checkpoints: atomic, with keep-last-k retention.
+
+Layout of one checkpoint (a directory, so sharded saves drop in without changing it):
+
+    <run.dir>/checkpoints/step_00000100/
+        state/               model + optimizer via torch.distributed.checkpoint (one file per rank)
+        rank_00000.pt        per-rank train state: step, data loader position, RNG states, scaler
+        meta.json            step, world size, parameter shapes; written last
+
+A checkpoint is written into `.tmp-step_...` and renamed into place only once complete, so a
+crash or a full disk mid-save never damages the previous one, and any `step_*` directory that
+exists is whole. Model and optimizer go through `torch.distributed.checkpoint` with FQN-keyed
+state dicts, which is what lets the distributed issue save shards and load them into another
+world size without changing this layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+
+from lmforge.errors import CheckpointError
+from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+
+
+def list_checkpoints(ckpt_root: Path) -> list[CheckpointInfo]:
+    """Complete checkpoints under `ckpt_root`, oldest first."""
+    if not ckpt_root.is_dir():
+        return []
+    found = []
+    for child in ckpt_root.iterdir():
+        m = _STEP_DIR.match(child.name)
+        if m and (child / "meta.json").is_file():
+            found.append(CheckpointInfo(child, int(m.group(1))))
+    return sorted(found, key=lambda c: c.step)
+
+
+def param_shapes(model: nn.Module) -> dict[str, list[int]]:
+    return {k: list(v.shape) for k, v in model.state_dict().items()}
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from None
+
+
+def check_shapes(path: Path, meta: dict[str, Any], model: nn.Module) -> None:
+    """Refuse, with the first differing tensor named, to load a checkpoint of another model shape."""
+    saved = meta.get("param_shapes", {})
+    current = param_shapes(model)
+    if saved == current:
+        return
+    missing = sorted(set(current) - set(saved))
+    extra = sorted(set(saved) - set(current))
+    differ = [k for k in current if k in saved and saved[k] != current[k]]
+    if differ:
+        k = differ[0]
+        detail = f"{k} is {tuple(saved[k])} in the checkpoint but {tuple(current[k])} in the config"
+    elif missing:
+        detail = f"the config's model has {missing[0]!r}, which the checkpoint lacks"
+    else:
+        detail = f"the checkpoint has {extra[0]!r}, which the config's model lacks"
+    raise CheckpointError(
+        f"checkpoint {path} holds a model of a different shape ({detail}); resume it with the "
+        "model config it was trained with, or start a new run (another run.dir, or run.overwrite=true)"
+    )
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns on every single-process save/load that it assumes one process; that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _find_os_error(e: BaseException) -> OSError | None:
+    """The OSError behind `e`, also when DCP wrapped it in a CheckpointException per rank."""
+    seen = 0
+    stack = [e]
+    while stack and seen < 20:
+        cur = stack.pop()
+        seen += 1
+        if isinstance(cur, OSError):
+            return cur
+        failures = getattr(cur, "failures", None)
+        if isinstance(failures, dict):  # rank -> (exception, traceback frames)
+            for f in failures.values():
+                f = f[0] if isinstance(f, tuple) and f else f
+                if isinstance(f, BaseException):
+                    stack.append(f)
+        for nxt in (cur.__cause__, cur.__context__):
+            if nxt is not None:
+                stack.append(nxt)
+    return None
+
+
+class CheckpointManager:
+    """Writes and restores checkpoints of one run directory."""
+
+    def __init__(self, run_dir: Path, keep_last: int, rank: int = 0, world_size: int = 1) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+        self.rank = rank
+        self.world_size = world_size
+
+    # -- save ---------------------------------------------------------------------------------
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             train_state: dict[str, Any]) -> Path:
+        """Write checkpoint `step` atomically and apply retention. Returns its path."""
+        final = self.root / f"step_{step:08d}"
+        tmp = self.root / f".tmp-step_{step:08d}"
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions())
+            with _quiet_single_process():
+                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+            torch.save(train_state, tmp / f"rank_{self.rank:05d}.pt")
+            if self.rank == 0:
+                meta = {
+                    "format": FORMAT_VERSION,
+                    "step": step,
+                    "world_size": self.world_size,
+                    "param_shapes": param_shapes(model),
+                }
+                atomic_write_json(tmp / "meta.json", meta)
+                fsync_dir(tmp)
+                if final.exists():  # a re-save of the same step (e.g. after a rollback)
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                fsync_dir(self.root)
+                self._retain()
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os_error = _find_os_error(e)
+            if os_error is not None:
+                raise disk_error(os_error, f"checkpoint {final}") from None
+            raise
+        return final
+
+    def _retain(self) -> None:
+        ckpts = list_checkpoints(self.root)
+        for old in ckpts[: max(0, len(ckpts) - self.keep_last)]:
+            shutil.rmtree(old.path, ignore_errors=True)
+        for stale in self.root.glob(".tmp-step_*"):  # left by a crash during an earlier save
+            shutil.rmtree(stale, ignore_errors=True)
+
+    # -- load ---------------------------------------------------------------------------------
+    def latest(self) -> CheckpointInfo | None:
+        ckpts = list_checkpoints(self.root)
+        return ckpts[-1] if ckpts else None
+
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Restore model and optimizer in place from checkpoint `path`; return this rank's train state."""
+        load_states(path, model, optimizer)
+        rank_file = path / f"rank_{self.rank:05d}.pt"
+        try:
+            return torch.load(rank_file, weights_only=True)
+        except Exception as e:
+            raise CheckpointError(f"cannot read train state {rank_file}: {e}") from None
+
+
+def load_states(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Load model (and optimizer) state of checkpoint `path` in place. Returns its step."""
+    meta = read_meta(path)
+    check_shapes(path, meta, model)
+    optimizers = [optimizer] if optimizer is not None else []
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+    try:
+        with _quiet_single_process():
+            dcp.load(state, checkpoint_id=str(path / "state"))
+    except Exception as e:  # DCP wraps reader errors in its own exception types
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+    return int(meta["step"])

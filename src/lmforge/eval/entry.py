@@ -1,0 +1,94 @@
+"""`lmforge eval` and `lmforge generate`: load a trained run (or one checkpoint of it) and use it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lmforge.checkpoint.manager import list_checkpoints, load_states
+from lmforge.config.load import load_config
+from lmforge.config.schema import Config
+from lmforge.data import Tokenizer, TokenLoader, prepare
+from lmforge.errors import LmforgeError
+from lmforge.eval.generate import generate
+from lmforge.eval.perplexity import evaluate_loss
+from lmforge.models import Transformer, build_model
+from lmforge.parallel.world import World, resolve_device
+from lmforge.train.precision import Precision, resolve_precision
+from lmforge.utils.io import atomic_write_json
+
+
+@dataclass
+class LoadedRun:
+    cfg: Config
+    run_dir: Path
+    checkpoint: Path
+    step: int
+    model: Transformer
+    tokenizer: Tokenizer
+    device: torch.device
+
+
+def find_checkpoint(path: Path) -> tuple[Path, Path]:
+    """(run dir, checkpoint dir) for a run dir (its latest checkpoint) or a checkpoint dir."""
+    if (path / "meta.json").is_file() and path.parent.name == "checkpoints":
+        return path.parent.parent, path
+    if (path / "config.yaml").is_file():
+        ckpts = list_checkpoints(path / "checkpoints")
+        if not ckpts:
+            raise LmforgeError(f"run dir {path} has no checkpoint yet; train it first (lmforge train)")
+        return path, ckpts[-1].path
+    raise LmforgeError(
+        f"{path} is neither a run dir (with config.yaml) nor a checkpoint dir (runs/X/checkpoints/step_N)"
+    )
+
+
+def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRun:
+    """Rebuild the model of a run from its resolved config.yaml and load checkpoint weights."""
+    path = Path(path)
+    if not path.exists():
+        raise LmforgeError(f"no such run or checkpoint: {path}")
+    run_dir, ckpt = find_checkpoint(path)
+    cfg = load_config(run_dir / "config.yaml", overrides)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device, World.from_env())
+    tok_path = Path(cfg.data.dir or run_dir / "data") / "tokenizer.json"
+    if not tok_path.is_file():
+        raise LmforgeError(f"tokenizer {tok_path} of run {run_dir} is missing; was data.dir moved?")
+    tokenizer = Tokenizer.load(tok_path)
+    model = build_model(cfg.model, device=device)
+    step = load_states(ckpt, model)
+    model.eval()
+    return LoadedRun(cfg, run_dir, ckpt, step, model, tokenizer, device)
+
+
+def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=print) -> dict[str, float]:
+    """Loss, perplexity and bits per byte of a run's checkpoint on its validation (or train) split."""
+    run = load_run(path, overrides)
+    cfg = run.cfg
+    data = prepare(cfg, console=lambda *_: None)
+    loader = TokenLoader(data.shards(cfg.eval.split), cfg.seq_len, cfg.eval.batch_size,
+                         shuffle=False, drop_last=False)
+    precision = Precision(resolve_precision(cfg.train.precision, run.device), run.device)
+    token_bytes = torch.as_tensor(run.tokenizer.token_byte_lengths(), dtype=torch.long)
+    out = evaluate_loss(run.model, loader.iter_eval_batches(cfg.eval.max_batches), precision, token_bytes,
+                        run.device)
+    result = {"step": run.step, "split": cfg.eval.split, **out}
+    atomic_write_json(run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}.json", result)
+    say(f"{run.checkpoint} ({cfg.eval.split}, {out['tokens']:,} tokens): loss {out['loss']:.4f}  "
+        f"ppl {out['ppl']:.2f}" + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else ""))
+    return result
+
+
+def generate_text(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Continue `generate.prompt` with a run's checkpoint; returns the generated continuations."""
+    run = load_run(path, overrides)
+    g = run.cfg.generate
+    prompt_ids = run.tokenizer.encode(g.prompt) if g.prompt else [run.tokenizer.eos_id]
+    outs = generate(run.model, prompt_ids, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
+                    top_p=g.top_p, num_samples=g.num_samples, seed=g.seed, eos_id=run.tokenizer.eos_id,
+                    device=run.device)
+    return [run.tokenizer.decode(ids) for ids in outs]

@@ -1,0 +1,260 @@
+"""`lmforge train`: build the components from the config, then run the loop.
+
+The loop (`Trainer.fit`) reads top to bottom: schedule -> step -> log -> validate -> checkpoint.
+Everything with state (model, optimizer, loader, RNG, precision scaler, counters) is captured in
+checkpoints, so a run killed at any point resumes onto the exact same loss curve.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lmforge.checkpoint.manager import CheckpointManager
+from lmforge.config.load import save_config
+from lmforge.config.schema import Config
+from lmforge.data import TokenLoader, prepare
+from lmforge.errors import ConfigError, LmforgeError
+from lmforge.eval.perplexity import evaluate_loss
+from lmforge.metrics.console import Console
+from lmforge.metrics.loggers import MetricsLogger, truncate_metrics
+from lmforge.metrics.throughput import Throughput, measure_peak_flops, peak_memory_mib
+from lmforge.models import build_model
+from lmforge.models.flops import flops_per_token
+from lmforge.optim.builder import build_optimizer
+from lmforge.optim.schedule import make_schedule
+from lmforge.parallel.checkpointing import apply_activation_checkpointing
+from lmforge.parallel.world import World, resolve_device
+from lmforge.train.precision import Precision, resolve_precision
+from lmforge.train.run_dir import open_run_dir
+from lmforge.train.state import capture_rng, restore_rng, seed_everything
+from lmforge.train.step import train_step
+
+
+class TrainingInterrupted(LmforgeError):
+    """SIGINT/SIGTERM arrived; a checkpoint was saved at a step boundary."""
+
+    def __init__(self, msg: str, signum: int) -> None:
+        super().__init__(msg)
+        self.exit_code = 128 + signum
+
+
+def resolve_vocab_size(cfg: Config, tokenizer_vocab: int) -> int:
+    """The model's vocabulary: the config's, or the tokenizer's rounded up to a multiple of 64
+    (matmul-friendly; the extra rows are never targets)."""
+    if cfg.model.vocab_size is None:
+        return 64 * math.ceil(tokenizer_vocab / 64)
+    if cfg.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab}); set it to at least {tokenizer_vocab} or leave it unset"
+        )
+    return cfg.model.vocab_size
+
+
+class Trainer:
+    """Owns the components of one training run."""
+
+    def __init__(self, cfg: Config, resume: bool = False, console: Console | None = None) -> None:
+        self.cfg = cfg
+        self.world = World.from_env()
+        self.console = console or Console(cfg.logging.progress, enabled=self.world.is_main)
+        if cfg.train.threads:
+            torch.set_num_threads(cfg.train.threads)
+        self.device = resolve_device(cfg.train.device, self.world)
+        self.run_dir = Path(cfg.run.dir)
+        resuming = open_run_dir(self.run_dir, resume=resume, overwrite=cfg.run.overwrite, say=self.console)
+
+        self.data = prepare(cfg, console=self.console.print)
+        cfg.model.vocab_size = resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
+        if self.world.is_main:
+            save_config(cfg, self.run_dir / "config.yaml")
+
+        seed_everything(cfg.run.seed)
+        self.model = build_model(cfg.model, device=self.device)
+        apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing, cfg.train.ac_every)
+        self.forward_model = torch.compile(self.model) if cfg.train.compile else self.model
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.lr_at = make_schedule(cfg.schedule, cfg.train.max_steps, cfg.optim.lr)
+        self.precision = Precision(resolve_precision(cfg.train.precision, self.device), self.device)
+
+        seq_len = cfg.seq_len
+        self.train_loader = TokenLoader(self.data.shards("train"), seq_len, cfg.train.micro_batch_size,
+                                        seed=cfg.run.seed, rank=self.world.rank,
+                                        world_size=self.world.world_size)
+        self.val_loader = TokenLoader(self.data.shards("val"), seq_len, cfg.train.micro_batch_size,
+                                      seed=cfg.run.seed, rank=self.world.rank,
+                                      world_size=self.world.world_size, shuffle=False, drop_last=False)
+        self.token_bytes = torch.as_tensor(self.data.tokenizer.token_byte_lengths(), dtype=torch.long)
+        self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, self.world.rank,
+                                      self.world.world_size)
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped_steps = 0
+        if resuming:
+            self._restore()
+        self.logger = MetricsLogger.for_run(self.run_dir, cfg.logging.tensorboard, self.world.is_main)
+        self.flops_per_token = flops_per_token(cfg.model, seq_len)
+        self.peak_flops = measure_peak_flops(self.device, self.precision.dtype)
+        self._signal: int | None = None
+        self._last_saved_step = self.step if resuming else -1
+
+    # -- the loop -----------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train to `train.max_steps`; returns the final validation metrics."""
+        tc = self.cfg.train
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.console(f"model {n_params / 1e6:.2f}M params, {self.flops_per_token / 1e6:.1f} MFLOP/token, "
+                     f"precision {self.precision.name}, device {self.device}, "
+                     f"{tc.micro_batch_size * tc.grad_accum_steps * self.world.world_size * self.cfg.seq_len:,} "
+                     "tokens/step")
+        window, losses, norms = Throughput(), [], []
+        old_handlers = self._install_signal_handlers()
+        self.console.start(total=tc.max_steps, completed=self.step)
+        try:
+            while self.step < tc.max_steps:
+                lr = self.lr_at(self.step)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                window.start()
+                batches = [self._next_batch() for _ in range(tc.grad_accum_steps)]
+                result = train_step(self.forward_model, batches, self.optimizer, self.precision, tc.grad_clip)
+                window.stop(result.tokens * self.world.world_size)
+                self.step += 1
+                self.tokens_seen += result.tokens * self.world.world_size
+                self.skipped_steps += result.skipped
+                losses.append(result.loss)
+                norms.append(result.grad_norm)
+                if self.step % tc.log_every == 0 or self.step == tc.max_steps:
+                    self._log_train(lr, losses, norms, window)
+                    window, losses, norms = Throughput(), [], []
+                else:
+                    self.console.step(self.step)
+                if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
+                    self.validate()
+                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                    self.save()
+                if self._signal is not None:
+                    self._stop_on_signal()
+            final = self.validate()
+            if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
+                self.save()
+        finally:
+            self.console.stop()
+            self._restore_signal_handlers(old_handlers)
+            self.logger.close()
+            self._plot()
+        return final
+
+    # -- pieces of the loop -------------------------------------------------------------------
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self.train_loader.next_batch()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+    def _log_train(self, lr: float, losses: list[float], norms: list[float], window: Throughput) -> None:
+        tps = window.tokens_per_s
+        record = {
+            "step": self.step,
+            "loss": sum(losses) / len(losses),
+            "lr": lr,
+            "grad_norm": sum(norms) / len(norms),
+            "tokens_per_s": tps,
+            "mfu": self.flops_per_token * tps / (self.peak_flops * self.world.world_size),
+            "peak_mem_mib": peak_memory_mib(self.device),
+            "tokens_seen": self.tokens_seen,
+        }
+        if self.skipped_steps:
+            record["skipped_steps"] = self.skipped_steps
+        self.logger.log(record)
+        self.console.log(record, self.cfg.train.max_steps)
+
+    def validate(self) -> dict[str, float]:
+        batches = self.val_loader.iter_eval_batches(self.cfg.train.eval_batches)
+        out = evaluate_loss(self.forward_model, batches, self.precision, self.token_bytes, self.device)
+        record = {"step": self.step, "val_loss": out["loss"], "val_ppl": out["ppl"]}
+        if "bpb" in out:
+            record["val_bpb"] = out["bpb"]
+        self.logger.log(record)
+        self.console(f"step {self.step}: val_loss {out['loss']:.4f}  val_ppl {out['ppl']:.2f}"
+                     + (f"  val_bpb {out['bpb']:.4f}" if "bpb" in out else ""))
+        return out
+
+    def train_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped_steps,
+            "loader": self.train_loader.state_dict(),
+            "rng": capture_rng(),
+            "precision": self.precision.state_dict(),
+        }
+
+    def save(self) -> Path:
+        path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state())
+        self._last_saved_step = self.step
+        self.console(f"step {self.step}: saved checkpoint {path}")
+        self._plot()
+        return path
+
+    def _restore(self) -> None:
+        latest = self.ckpt.latest()
+        if latest is None:
+            self.console(f"[yellow]no checkpoint in {self.ckpt.root}: starting from step 0[/yellow]")
+            truncate_metrics(self.run_dir / "metrics.jsonl", 0)
+            return
+        state = self.ckpt.load(latest.path, self.model, self.optimizer)
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.train_loader.load_state_dict(state["loader"])
+        self.precision.load_state_dict(state["precision"])
+        restore_rng(state["rng"])
+        if self.world.is_main:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+        self.console(f"resumed from {latest.path} (step {self.step})")
+
+    # -- signals: a preempted job (SIGTERM) or Ctrl-C saves at the next step boundary ----------
+    def _install_signal_handlers(self) -> dict[int, Any]:
+        def handler(signum, frame):  # noqa: ARG001
+            self._signal = signum
+
+        old = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                old[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return old
+
+    def _restore_signal_handlers(self, old: dict[int, Any]) -> None:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+    def _stop_on_signal(self) -> None:
+        signum = self._signal
+        path = self.save() if self._last_saved_step != self.step else self.ckpt.latest().path
+        raise TrainingInterrupted(
+            f"{signal.Signals(signum).name} at step {self.step}: checkpoint saved to {path}; "
+            "continue with the same command plus --resume", signum,
+        )
+
+    def _plot(self) -> None:
+        if not (self.world.is_main and self.cfg.logging.plot):
+            return
+        from lmforge.tools.plots import plot_curves
+
+        plot_curves(self.run_dir / "metrics.jsonl", self.run_dir / "curves.png", title=self.cfg.run.name)
+
+
+def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
+    """Train the model the config describes; returns the final validation metrics."""
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, resume=resume)
+    out = trainer.fit()
+    trainer.console(f"done in {time.perf_counter() - t0:.0f}s; run dir {trainer.run_dir}")
+    return out
