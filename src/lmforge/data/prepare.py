@@ -1,0 +1,291 @@
+"""`prepare(cfg)`: sources -> train/val split -> tokenizer -> token shards -> meta.json.
+
+The work happens in a temporary sibling of the data dir that is renamed into place at the end, and
+meta.json is the last file written: a data dir either holds complete prepared data or does not exist.
+A data dir is reused when its fingerprint (a hash of every setting that decides its content) matches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmforge import __version__
+from lmforge.config.schema import Config, DataConfig
+from lmforge.data.shards import ShardWriter, dtype_for_vocab, read_meta, write_meta
+from lmforge.data.sources import (
+    BUILTIN_PYTHON,
+    SourceStats,
+    builtin_python_identity,
+    iter_documents,
+    walk_files,
+)
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.errors import DataError
+
+FORMAT = 1  # bump when the layout of a prepared dir changes, so old dirs are not silently reused
+SPLITS = ("train", "val")
+TOKENIZER_FILE = "tokenizer.json"
+_BATCH_DOCS = 1000  # documents per encode_batch call
+_BATCH_CHARS = 16_000_000  # ... or fewer, so a chunk of huge documents stays small in memory
+
+
+@dataclass
+class PreparedData:
+    """A prepared data dir: its tokenizer, its meta.json and its shard files."""
+
+    dir: Path
+    tokenizer: Tokenizer
+    meta: dict
+
+    def shards(self, split: str) -> list[Path]:
+        """Shard files of `split` ("train" or "val"), in stream order."""
+        return [self.dir / name for name in self._split(split)["shards"]]
+
+    def num_tokens(self, split: str) -> int:
+        """Tokens in `split`, EOS tokens included."""
+        return int(self._split(split)["tokens"])
+
+    def _split(self, split: str) -> dict:
+        if split not in self.meta["splits"]:
+            raise DataError(f"unknown split {split!r}; valid splits: {', '.join(self.meta['splits'])}")
+        return self.meta["splits"][split]
+
+
+def data_dir(cfg: Config) -> Path:
+    """Where `cfg`'s prepared data lives: data.dir, else <run.dir>/data."""
+    return Path(cfg.data.dir) if cfg.data.dir else Path(cfg.run.dir) / "data"
+
+
+def load_prepared(dir: str | Path) -> PreparedData:
+    """Open a data dir written by `prepare` (no config needed)."""
+    dir = Path(dir)
+    meta = read_meta(dir)
+    if meta is None:
+        raise DataError(f"{dir} holds no prepared data (no meta.json); run `lmforge prepare` first")
+    tok = Tokenizer.load(dir / TOKENIZER_FILE, eos_id=meta["eos_id"])
+    return PreparedData(dir, tok, meta)
+
+
+def split_of(index: int, seed: int, val_fraction: float) -> str:
+    """The split ("train" or "val") of document number `index`: a seeded hash, stable and streamable.
+
+    Documents 0 and 1 go to val and train, so that any corpus of two or more documents has both.
+    """
+    if index < 2:
+        return SPLITS[1 - index]
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return "val" if int.from_bytes(digest, "little") < val_fraction * 2.0**64 else "train"
+
+
+def prepare(cfg: Config, console: Callable[[str], object] = print) -> PreparedData:
+    """Prepare (or reuse) the token shards and tokenizer that `cfg` describes."""
+    t0 = time.perf_counter()
+    out = data_dir(cfg)
+    settings = _settings(cfg)
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    existing = _existing(out, settings, fingerprint)
+    if existing is not None:
+        console(f"reusing prepared data in {out}")
+        return existing
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_tmp(out)
+    tmp = out.with_name(f"{_tmp_prefix(out)}{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        meta = _build(cfg, tmp, console)
+        meta.update(fingerprint=fingerprint, settings=settings, seconds=round(time.perf_counter() - t0, 2))
+        write_meta(tmp, meta)
+        try:
+            os.rename(tmp, out)  # replaces an empty dir; fails if another process published first
+        except OSError:
+            other = _existing(out, settings, fingerprint)
+            if other is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            console(f"reusing prepared data in {out} (written by another process meanwhile)")
+            return other
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _print_summary(meta, out, console)
+    return load_prepared(out)
+
+
+def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
+    d, seed = cfg.data, cfg.run.seed
+    if d.tokenizer.path:
+        tok = Tokenizer.load(d.tokenizer.path)
+        how = f"loaded {d.tokenizer.path}"
+    else:
+        console(f"training a byte-level BPE (vocab {d.tokenizer.vocab_size:,}) on up to "
+                f"{d.tokenizer.train_chars:,} chars of the train documents")
+        pass_stats, fed = SourceStats(), [0]
+        tok = Tokenizer.train(_train_texts(d, seed, pass_stats, fed), d.tokenizer.vocab_size,
+                              d.tokenizer.min_frequency)
+        if fed[0] == 0:  # no train document means the pass read the whole corpus
+            raise _too_small(d, pass_stats)
+        how = f"trained on {fed[0]:,} chars"
+    tok.save(dir / TOKENIZER_FILE)
+
+    dtype = dtype_for_vocab(tok.vocab_size)
+    writers = {s: ShardWriter(dir, s, dtype, d.shard_tokens) for s in SPLITS}
+    stats = SourceStats()
+    chunk: list[tuple[str, str]] = []
+    chars = 0
+    for i, doc in enumerate(iter_documents(d, stats)):
+        chunk.append((split_of(i, seed, d.val_fraction), doc))
+        chars += len(doc)
+        if len(chunk) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+            _write_chunk(tok, chunk, writers)
+            chunk, chars = [], 0
+    _write_chunk(tok, chunk, writers)
+    files = {s: w.close() for s, w in writers.items()}
+    if writers["train"].num_docs == 0 or writers["val"].num_docs == 0:
+        raise _too_small(d, stats)
+    return {
+        "format": FORMAT,
+        "lmforge_version": __version__,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        "dtype": dtype.name,
+        "tokenizer": {"file": TOKENIZER_FILE, "how": how},
+        "splits": {s: {"tokens": w.num_tokens, "documents": w.num_docs, "shards": files[s]}
+                   for s, w in writers.items()},
+        "stats": stats.to_dict(),
+    }
+
+
+def _train_texts(d: DataConfig, seed: int, stats: SourceStats, fed: list[int]) -> Iterator[str]:
+    """The train documents, cut off after tokenizer.train_chars characters; `fed[0]` counts them."""
+    budget = d.tokenizer.train_chars
+    for i, doc in enumerate(iter_documents(d, stats)):
+        if split_of(i, seed, d.val_fraction) != "train":
+            continue  # the tokenizer must not see validation text, or val loss would flatter it
+        doc = doc[: budget - fed[0]]
+        fed[0] += len(doc)
+        yield doc
+        if fed[0] >= budget:
+            return
+
+
+def _write_chunk(tok: Tokenizer, chunk: list[tuple[str, str]], writers: dict[str, ShardWriter]) -> None:
+    if not chunk:
+        return
+    for (split, _), ids in zip(chunk, tok.encode_batch([doc for _, doc in chunk])):
+        ids.append(tok.eos_id)  # every document ends with EOS, so packed windows see where it ended
+        writers[split].add(ids)
+
+
+def _too_small(d: DataConfig, stats: SourceStats) -> DataError:
+    if stats.documents == 0:
+        return DataError(f"no documents found in data.sources {d.sources}: {stats.summary()}; "
+                         "point data.sources at .txt/.md/.jsonl files or folders with text in them")
+    return DataError(f"corpus too small: {stats.documents} documents ({stats.summary()}); "
+                     "need at least 2 documents so that train and val each get one")
+
+
+# ---- fingerprint and existing dirs -------------------------------------------------------------------
+
+
+def _settings(cfg: Config) -> dict:
+    """Every setting that decides what a prepared dir holds (its sha256 is the fingerprint)."""
+    d = cfg.data
+    tok = d.tokenizer
+    if tok.path:
+        tok_id: dict = {"path": str(Path(tok.path).resolve()), "sha256": _file_sha256(Path(tok.path))}
+    else:
+        tok_id = {"vocab_size": tok.vocab_size, "min_frequency": tok.min_frequency,
+                  "train_chars": tok.train_chars}
+    return {
+        "format": FORMAT,
+        "sources": [_source_identity(s) for s in d.sources],
+        "text_key": d.text_key,
+        "val_fraction": d.val_fraction,
+        "max_chars": d.max_chars,
+        "tokenizer": tok_id,
+        "seed": cfg.run.seed,
+        "on_bad_utf8": d.on_bad_utf8,
+        "on_bad_json": d.on_bad_json,
+        "shard_tokens": d.shard_tokens,
+    }
+
+
+def _source_identity(src: str) -> dict:
+    """Resolved path + total size + newest mtime: changes when the text a source holds changes."""
+    if src == BUILTIN_PYTHON:
+        return builtin_python_identity()
+    path = Path(src)
+    if not path.exists():
+        raise DataError(f"data source {src!r} does not exist (resolved: {path.resolve()}); "
+                        f"give a file, a folder or {BUILTIN_PYTHON!r}")
+    files = list(walk_files(path)) if path.is_dir() else [path]
+    st = [f.stat() for f in files]
+    return {"source": src, "path": str(path.resolve()), "files": len(files),
+            "bytes": sum(s.st_size for s in st), "mtime_ns": max((s.st_mtime_ns for s in st), default=0)}
+
+
+def _file_sha256(path: Path) -> str:
+    if not path.is_file():
+        raise DataError(f"data.tokenizer.path {path} does not exist; give the path of a tokenizer.json")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _existing(out: Path, settings: dict, fingerprint: str) -> PreparedData | None:
+    """The prepared data in `out` if it matches; None if there is none; DataError if it differs."""
+    if not out.exists():
+        return None
+    meta = read_meta(out)
+    if meta is None:
+        if out.is_dir() and not any(out.iterdir()):
+            return None
+        raise DataError(f"data dir {out} exists but holds no meta.json, so it is not prepared data; "
+                        "delete it or choose another data.dir")
+    if meta.get("fingerprint") == fingerprint:
+        return load_prepared(out)
+    old = meta.get("settings", {})
+    differ = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k)) or ["format"]
+    raise DataError(f"data dir {out} was prepared with different settings ({', '.join(differ)} differ); "
+                    "choose another data.dir or delete that dir to prepare again")
+
+
+def _tmp_prefix(out: Path) -> str:
+    return f".{out.name}.tmp-{socket.gethostname()}-"
+
+
+def _remove_stale_tmp(out: Path) -> None:
+    """Delete work dirs left by a killed prepare on this host (its pid no longer runs)."""
+    prefix = _tmp_prefix(out)
+    for p in out.parent.glob(f"{prefix}*"):
+        pid = p.name[len(prefix):]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _print_summary(meta: dict, out: Path, console: Callable[[str], object]) -> None:
+    s = meta["splits"]
+    console(f"prepared data in {out} in {meta['seconds']:.1f}s")
+    for name in SPLITS:
+        console(f"  {name:5s} {s[name]['documents']:>10,} docs {s[name]['tokens']:>14,} tokens "
+                f"in {len(s[name]['shards'])} shard(s)")
+    st = SourceStats(**meta["stats"])
+    console(f"  read  {st.summary()}")
+    console(f"  tokenizer: vocab {meta['vocab_size']:,} ({meta['tokenizer']['how']}), dtype {meta['dtype']}")

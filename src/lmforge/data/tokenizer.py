@@ -1,0 +1,158 @@
+"""Byte-level BPE (GPT-2 style) on top of Hugging Face `tokenizers`: train, load, save, encode, decode.
+
+Text never produces control tokens: a document that literally contains "<|endoftext|>" is encoded
+as ordinary text, so only the data pipeline decides where documents end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from lmforge.errors import DataError
+from lmforge.utils.io import atomic_write_text
+
+EOS_TOKEN = "<|endoftext|>"
+# End-of-document tokens of common tokenizer families, tried in this order when loading one.
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+@lru_cache(maxsize=1)
+def byte_level_decoder_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: printable stand-in character -> the byte it represents."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:  # bytes without a printable glyph are shifted past 255
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the end-of-document id the data pipeline needs."""
+
+    def __init__(self, tok: HFTokenizer, eos_id: int):
+        self._tok = tok
+        self._tok.encode_special_tokens = True  # see the module docstring
+        self.eos_id = eos_id
+
+    @property
+    def hf(self) -> HFTokenizer:
+        """The wrapped `tokenizers.Tokenizer` (for export)."""
+        return self._tok
+
+    @classmethod
+    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
+        """Train a byte-level BPE whose first id is the EOS token; every byte is in the vocab."""
+        tok = HFTokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            min_frequency=min_frequency,
+            special_tokens=[EOS_TOKEN],
+            # all 256 bytes up front, so any text round-trips even if the training text never had it
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok, tok.token_to_id(EOS_TOKEN))
+
+    @classmethod
+    def load(cls, path: str | Path, eos_id: int | None = None) -> Tokenizer:
+        """Load any tokenizer.json (or a folder holding one).
+
+        The EOS is `eos_id` when given, else the first known end token in the vocabulary, else the
+        eos_token of a tokenizer_config.json next to the file.
+        """
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise DataError(f"tokenizer file {path} does not exist; give the path of a tokenizer.json")
+        try:
+            tok = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the Rust side raises a bare Exception for every parse error
+            raise DataError(f"{path} is not a valid tokenizer.json: {e}") from None
+        if eos_id is not None:
+            return cls(tok, eos_id)
+        for name in EOS_CANDIDATES:
+            if tok.token_to_id(name) is not None:
+                return cls(tok, tok.token_to_id(name))
+        name = _config_eos(path.parent / "tokenizer_config.json")
+        if name is not None and tok.token_to_id(name) is not None:
+            return cls(tok, tok.token_to_id(name))
+        raise DataError(
+            f"{path}: no end-of-document token found (looked for {', '.join(EOS_CANDIDATES)} and for "
+            f"eos_token in {path.parent / 'tokenizer_config.json'}); add one of them to the tokenizer"
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write tokenizer.json atomically."""
+        atomic_write_text(path, self._tok.to_str(pretty=True))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, with no special tokens added."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, encoded in parallel by the Rust side."""
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of `ids`; special tokens are kept so that decode(encode(s)) == s."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (one more than the largest id)."""
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        return max(self._tok.get_vocab_size(with_added_tokens=True), max(ids) + 1)
+
+    def token_byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes each id stands for (int64, one entry per id; special tokens 0), for bits per byte.
+
+        Exact for byte-level BPE; for SentencePiece-style vocabularies "▁" counts as a space and
+        "<0xNN>" byte-fallback tokens as one byte.
+        """
+        lengths = np.zeros(self.vocab_size, dtype=np.int64)
+        added = self._tok.get_added_tokens_decoder()
+        byte_map = byte_level_decoder_map() if self._is_byte_level() else None
+        for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if i in added:  # added tokens are stored as plain text, not in the model's alphabet
+                lengths[i] = 0 if added[i].special else len(added[i].content.encode("utf-8"))
+            elif byte_map is not None and all(c in byte_map for c in token):
+                lengths[i] = len(token)  # one stand-in character per byte
+            elif _BYTE_FALLBACK.fullmatch(token):
+                lengths[i] = 1
+            else:
+                lengths[i] = len(token.replace("\u2581", " ").encode("utf-8"))
+        return lengths
+
+    def _is_byte_level(self) -> bool:
+        dec = json.loads(self._tok.to_str()).get("decoder") or {}
+        parts = dec.get("decoders", [dec]) if dec.get("type") == "Sequence" else [dec]
+        return any(d.get("type") == "ByteLevel" for d in parts)
+
+
+def _config_eos(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    try:
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(eos, dict):  # transformers also writes {"content": "...", ...}
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) else None

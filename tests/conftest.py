@@ -1,0 +1,39 @@
+"""Shared fixtures: the tiny debug recipe pointed at temporary dirs and a fixed shipped corpus."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lmforge.config import Config, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "configs" / "debug" / "tiny.yaml"
+CORPUS = REPO / "tests" / "data" / "pydoc_topics.jsonl"
+
+
+def tiny_overrides(run_dir: Path, data_dir: Path, *extra: str) -> list[str]:
+    """Overrides that make configs/debug/tiny.yaml hermetic: shipped corpus, temp dirs, quiet."""
+    return [
+        f"run.dir={run_dir}",
+        f"data.dir={data_dir}",
+        f"data.sources=[{CORPUS}]",
+        "data.max_chars=null",
+        "logging.progress=none",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir(tmp_path_factory) -> Path:
+    """One prepared copy of the shipped corpus for every test that does not test preparation."""
+    return tmp_path_factory.mktemp("prepared") / "data"
+
+
+@pytest.fixture
+def tiny_cfg(tmp_path, shared_data_dir):
+    def make(*extra: str) -> Config:
+        return load_config(TINY, tiny_overrides(tmp_path / "run", shared_data_dir, *extra))
+
+    return make
