@@ -201,5 +201,6 @@ def load_states(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer |
             dcp.load(state, checkpoint_id=str(path / "state"))
     except Exception as e:  # DCP wraps reader errors in its own exception types
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
-    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state.get("optim", {}))
+    set_state_dict(model, optimizers, model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}))
     return int(meta["step"])

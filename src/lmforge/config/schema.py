@@ -237,7 +237,8 @@ class Config(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="`lmforge eval` settings.")
-    generate: GenerateConfig = Field(default_factory=GenerateConfig, description="`lmforge generate` settings.")
+    generate: GenerateConfig = Field(default_factory=GenerateConfig,
+                                     description="`lmforge generate` settings.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

@@ -9,14 +9,14 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@lru_cache(maxsize=None)
+@cache
 def bf16_speedup_on_cpu(n: int = 256, repeats: int = 3) -> float:
     """fp32 time / bf16 time of an n x n matmul on this CPU (> 1 means bf16 is faster)."""
 

@@ -109,10 +109,10 @@ class Trainer:
         """Train to `train.max_steps`; returns the final validation metrics."""
         tc = self.cfg.train
         n_params = sum(p.numel() for p in self.model.parameters())
+        tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * self.world.world_size * self.cfg.seq_len
         self.console(f"model {n_params / 1e6:.2f}M params, {self.flops_per_token / 1e6:.1f} MFLOP/token, "
                      f"precision {self.precision.name}, device {self.device}, "
-                     f"{tc.micro_batch_size * tc.grad_accum_steps * self.world.world_size * self.cfg.seq_len:,} "
-                     "tokens/step")
+                     f"{tokens_per_step:,} tokens/step")
         window, losses, norms = Throughput(), [], []
         old_handlers = self._install_signal_handlers()
         self.console.start(total=tc.max_steps, completed=self.step)

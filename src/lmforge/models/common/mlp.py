@@ -1,0 +1,38 @@
+"""Feed-forward blocks: SwiGLU (Llama) or a two-layer GELU MLP (erf, or GPT-2's tanh approximation)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
+    from lmforge.config.schema import ModelConfig
+
+
+class MLP(nn.Module):
+    """swiglu: w_down(silu(w_gate x) * w_up x); gelu / gelu_tanh: w_down(gelu(w_up x)).
+
+    Parameter names are part of the checkpoint format: `w_gate` (swiglu only), `w_up`, `w_down`.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, ff = cfg.d_model, cfg.resolved_d_ff
+        self.kind = cfg.mlp
+        if self.kind == "swiglu":
+            self.w_gate = nn.Linear(d, ff, bias=cfg.bias)
+        self.w_up = nn.Linear(d, ff, bias=cfg.bias)
+        self.w_down = nn.Linear(ff, d, bias=cfg.bias)
+        # "tanh" is GPT-2's gelu_new; "none" is the exact erf form.
+        self.approximate = "tanh" if self.kind == "gelu_tanh" else "none"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (B, T, d_model)
+        if self.kind == "swiglu":
+            h = F.silu(self.w_gate(x)) * self.w_up(x)  # (B, T, d_ff)
+        else:
+            h = F.gelu(self.w_up(x), approximate=self.approximate)  # (B, T, d_ff)
+        return self.w_down(h)

@@ -1,0 +1,93 @@
+"""Exact parameter counts and training FLOPs per token, from the config alone (no model needed)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
+    from lmforge.config.schema import ModelConfig
+
+
+def _layer_matmul_params(cfg: ModelConfig) -> int:
+    """Weights of the Linear layers in one block (the parameters that take part in matmuls)."""
+    d, q_dim, kv_dim, ff = (
+        cfg.d_model,
+        cfg.n_heads * cfg.resolved_head_dim,
+        cfg.resolved_kv_heads * cfg.resolved_head_dim,
+        cfg.resolved_d_ff,
+    )
+    attn = d * q_dim + 2 * d * kv_dim + q_dim * d
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * ff
+    return attn + mlp
+
+
+def _layer_other_params(cfg: ModelConfig) -> int:
+    """Biases and norm weights of one block."""
+    d, q_dim, kv_dim, ff = (
+        cfg.d_model,
+        cfg.n_heads * cfg.resolved_head_dim,
+        cfg.resolved_kv_heads * cfg.resolved_head_dim,
+        cfg.resolved_d_ff,
+    )
+    n = 0
+    if cfg.bias or cfg.qkv_bias:
+        n += q_dim + 2 * kv_dim
+    if cfg.bias:
+        n += d  # wo
+        n += (2 if cfg.mlp == "swiglu" else 1) * ff + d  # w_gate/w_up, w_down
+    return n + 2 * _norm_params(cfg)
+
+
+def _norm_params(cfg: ModelConfig) -> int:
+    return cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+
+
+def _require_vocab(cfg: ModelConfig) -> int:
+    if cfg.vocab_size is None:
+        raise ValueError("model.vocab_size is not set; parameter and FLOP counts need it")
+    return cfg.vocab_size
+
+
+def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
+    """Number of parameters of `Transformer(cfg)`, tied weights counted once.
+
+    Equal to `sum(p.numel() for p in model.parameters())`. With exclude_embeddings=True the token
+    and position tables are left out but the output projection is counted, also when it is tied to
+    the token table: it is a matmul, and this is the count that scaling laws and FLOPs use.
+    """
+    vocab = _require_vocab(cfg)
+    blocks = cfg.n_layers * (_layer_matmul_params(cfg) + _layer_other_params(cfg))
+    head = vocab * cfg.d_model  # output projection, or the token table it is tied to
+    n = blocks + _norm_params(cfg) + head
+    if exclude_embeddings:
+        return n
+    n += cfg.max_seq_len * cfg.d_model if cfg.pos_embedding == "learned" else 0
+    return n + (0 if cfg.tie_embeddings else vocab * cfg.d_model)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token at sequence length `seq_len`.
+
+    = 6 * N + 6 * n_layers * n_heads * head_dim * seq_len, where
+
+    - N is the number of parameters in matmuls: all Linear weights of the blocks plus the output
+      projection (counted once, tied or not). A matmul costs 2 FLOPs per weight per token forward
+      and 4 backward (input and weight gradients): 6 * N. Embedding lookups, norms and biases are
+      not matmuls and are left out.
+    - Attention scores QK^T and the weighted sum AV each cost 2 * head_dim FLOPs per head per
+      (query, key) pair forward, i.e. 4 * H * D * T per token per layer over T keys; times 3 for
+      training gives 12 * L * H * D * T. With causal masking a query sees on average T/2 keys, so
+      only half is counted: 6 * L * H * D * T.
+    """
+    n_matmul = count_params(cfg, exclude_embeddings=True) - _non_matmul_params(cfg)
+    attn = 6 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+    return float(6 * n_matmul + attn)
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Forward-only FLOPs per token: a third of `flops_per_token` (2 of its 6 FLOPs per weight)."""
+    return flops_per_token(cfg, seq_len) / 3.0
+
+
+def _non_matmul_params(cfg: ModelConfig) -> int:
+    return cfg.n_layers * _layer_other_params(cfg) + _norm_params(cfg)

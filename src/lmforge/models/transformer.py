@@ -1,0 +1,207 @@
+"""The decoder-only transformer. Llama, Qwen2, Mistral and GPT-2 style models differ by config flags only.
+
+Parameter names are the checkpoint format (HF key maps build on them):
+
+    tok_embeddings.weight, pos_embeddings.weight (learned positions only),
+    layers.{i}.attn_norm, layers.{i}.attn.{wq,wk,wv,wo}, layers.{i}.mlp_norm,
+    layers.{i}.mlp.{w_gate (swiglu only), w_up, w_down}, norm, output.weight (untied only)
+
+With tied embeddings there is no `output` module: the logits use `tok_embeddings.weight`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
+    from lmforge.config.schema import ModelConfig
+
+from lmforge.models.common.attention import Attention, KVCache, LayerKV
+from lmforge.models.common.mlp import MLP
+from lmforge.models.common.norm import RMSNorm, build_norm
+from lmforge.models.common.rope import rope_tables
+
+# Residual-stream output projections get init_std / sqrt(2 * n_layers) (GPT-2 / nanoGPT), so the
+# variance of the residual stream does not grow with depth at init.
+_RESIDUAL_OUT = ("attn.wo", "mlp.w_down")
+
+
+def _dropout(p: float) -> nn.Module:
+    # Identity when off: F.dropout(p=0) in training mode still costs a pass over the activations.
+    return nn.Dropout(p) if p > 0 else nn.Identity()
+
+
+def _refill_buffers(module: Transformer, _incompatible_keys) -> None:
+    # A module-level function, not a lambda, so that whole models still pickle (torch.save(model)).
+    module.init_buffers()
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    Call as `block(x, rope, mask=None, kv=None)`:
+      x     (B, T, d_model) hidden states;
+      rope  (cos, sin), each (T, head_dim) for the positions of x, or None with learned positions;
+      mask  boolean (T, S) attention mask (True = attend), or None for plain causal attention;
+      kv    this layer's KVCache view `cache.layer(i)`, or None.
+    Training only ever passes (x, rope) plus, with a sliding window, a mask: wrappers (activation
+    checkpointing, FSDP, pipeline stages) can forward the arguments unchanged.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = build_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = build_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = _dropout(cfg.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None = None,
+        kv: LayerKV | None = None,
+    ) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, kv))  # (B, T, d_model)
+        return x + self.drop(self.mlp(self.mlp_norm(x)))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: `model(input_ids (B, T), cache=None) -> logits (B, T, vocab)`.
+
+    Built on the current default device (the meta device inside `with torch.device("meta")`, where
+    it stays uninitialised); elsewhere it is initialised with `init_weights()`. Construction itself
+    draws no random numbers, so a direct build and `build_model` give the same weights for a seed.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        if cfg.vocab_size is None:
+            raise ValueError(
+                "model.vocab_size is not set; set it in the config or derive it from the tokenizer "
+                "before building the model"
+            )
+        super().__init__()
+        self.cfg = cfg
+        target = torch.get_default_device()
+        # Allocate on meta, then materialise: PyTorch's default inits would be wasted work (they
+        # are overwritten by init_weights) and would consume the global RNG.
+        with torch.device("meta"):
+            self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            if cfg.pos_embedding == "learned":
+                self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            self.drop = _dropout(cfg.dropout)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.norm = build_norm(cfg)
+            if not cfg.tie_embeddings:
+                self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            if cfg.pos_embedding == "rope":
+                # Non-persistent: derived from the config, never part of a checkpoint.
+                shape = (cfg.max_seq_len, cfg.resolved_head_dim)
+                self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
+                self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
+        # to_empty() leaves buffers uninitialised too; refilling them after every load_state_dict
+        # makes "build on meta -> to_empty -> load a checkpoint" correct without an init_weights call.
+        self.register_load_state_dict_post_hook(_refill_buffers)
+        if target.type != "meta":
+            self.to_empty(device=target)
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Fresh initialisation, deterministic given torch's global seed.
+
+        Linear weights and embeddings ~ N(0, init_std); attn.wo and mlp.w_down ~ N(0, init_std /
+        sqrt(2 * n_layers)); biases 0; norm weights 1 (LayerNorm bias 0). Also refills RoPE tables.
+        """
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, mean=0.0, std=out_std if name.endswith(_RESIDUAL_OUT) else std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+            elif isinstance(m, (RMSNorm, nn.LayerNorm)):
+                m.reset_parameters()
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Recompute the non-persistent RoPE cos/sin tables on the buffers' device."""
+        if self.cfg.pos_embedding != "rope" or self.rope_cos.is_meta:
+            return
+        cos, sin = rope_tables(
+            self.cfg.resolved_head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device
+        )
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def _mask(self, start: int, T: int, device: torch.device) -> torch.Tensor | None:
+        """Boolean (T, start + T) mask, or None where SDPA's is_causal (or no mask) is exact."""
+        window = self.cfg.sliding_window
+        window_binds = window is not None and start + T > window
+        if not window_binds and (start == 0 or T == 1):
+            return None
+        q_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
+        k_pos = torch.arange(start + T, device=device)[None, :]  # (1, S)
+        mask = k_pos <= q_pos
+        if window_binds:
+            # Mistral: query i sees keys j with i - window < j <= i.
+            mask &= k_pos > q_pos - window
+        return mask  # (T, S)
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids (B, T) -> logits (B, T, vocab_size) in the model's dtype.
+
+        Positions are 0..T-1, or cache.pos..cache.pos+T-1 with a cache (whose pos then advances).
+        """
+        B, T = input_ids.shape
+        start = 0 if cache is None else cache.pos
+        end = start + T
+        if end > self.cfg.max_seq_len:
+            raise ValueError(
+                f"sequence of {end} positions exceeds model.max_seq_len={self.cfg.max_seq_len}; "
+                "shorten the input or raise model.max_seq_len"
+            )
+        if cache is not None and (end > cache.max_len or B != cache.batch_size):
+            raise ValueError(
+                f"input (batch {B}, positions {start}..{end - 1}) does not fit the KVCache "
+                f"(batch {cache.batch_size}, max_len {cache.max_len})"
+            )
+        x = self.tok_embeddings(input_ids)  # (B, T, d_model)
+        if self.cfg.pos_embedding == "learned":
+            x = x + self.pos_embeddings.weight[start:end]  # (T, d_model) broadcast over B
+        x = self.drop(x)
+        rope = None
+        if self.cfg.pos_embedding == "rope":
+            rope = (self.rope_cos[start:end], self.rope_sin[start:end])  # each (T, head_dim)
+        mask = self._mask(start, T, input_ids.device)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, None if cache is None else cache.layer(i))
+        x = self.norm(x)
+        weight = self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight
+        logits = F.linear(x, weight)  # (B, T, vocab_size)
+        if cache is not None:
+            cache.pos = end
+        return logits
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> Transformer:
+    """Build on the meta device, then materialise on `device` (default CPU) and init_weights().
+
+    device="meta" returns the uninitialised meta model (to count or shard a large model without memory).
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    device = torch.device(device or "cpu")
+    if device.type != "meta":
+        model.to_empty(device=device)
+        model.init_weights()
+    return model
