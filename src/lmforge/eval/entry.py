@@ -84,11 +84,12 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
 
 
 def generate_text(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
-    """Continue `generate.prompt` with a run's checkpoint; returns the generated continuations."""
+    """Continue `generate.prompt` with a run's checkpoint; returns prompt + continuation per sample."""
     run = load_run(path, overrides)
     g = run.cfg.generate
     prompt_ids = run.tokenizer.encode(g.prompt) if g.prompt else [run.tokenizer.eos_id]
     outs = generate(run.model, prompt_ids, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
                     top_p=g.top_p, num_samples=g.num_samples, seed=g.seed, eos_id=run.tokenizer.eos_id,
                     device=run.device)
-    return [run.tokenizer.decode(ids) for ids in outs]
+    prefix = prompt_ids if g.prompt else []
+    return [run.tokenizer.decode(prefix + ids) for ids in outs]

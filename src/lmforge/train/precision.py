@@ -1,7 +1,8 @@
 """Mixed precision: which dtype to autocast to, and the loss scaler fp16 needs.
 
 `auto` is decided by measurement, not by the device name: on CPUs without native bf16 units a
-bf16 matmul is many times slower than fp32 (shared cpu-facts), so we time both.
+bf16 matmul is many times slower than fp32 (shared cpu-facts), and on CPUs with AMX the matmuls are
+faster but a whole bf16 training step can still be slower, so we time a real step of the model.
 """
 
 from __future__ import annotations
@@ -9,38 +10,47 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@cache
-def bf16_speedup_on_cpu(n: int = 256, repeats: int = 3) -> float:
-    """fp32 time / bf16 time of an n x n matmul on this CPU (> 1 means bf16 is faster)."""
+def bf16_step_speedup(model: torch.nn.Module, seq_len: int, vocab_size: int, device: torch.device,
+                      backward: bool = True, repeats: int = 2) -> float:
+    """fp32 time / bf16-autocast time of one forward(+backward) of `model` on one sequence.
 
-    def best(dtype: torch.dtype) -> float:
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
-        torch.mm(a, b)  # warm-up: first call pays for kernel selection
-        times = []
-        for _ in range(repeats):
+    The whole step is timed, not a matmul: on CPUs with fast bf16 matmuls (AMX) the casts and the
+    non-matmul ops under autocast can still make a bf16 training step slower than fp32.
+    Global RNG state is left untouched, so measuring never changes a run's random stream.
+    """
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab_size, (1, seq_len), generator=gen).to(device)
+    best = {"fp32": float("inf"), "bf16": float("inf")}
+    with torch.random.fork_rng(devices=[]):
+        for name in ("fp32", "bf16") * (repeats + 1):  # the first pair warms up kernels
+            ctx = contextlib.nullcontext() if name == "fp32" else torch.autocast(device.type, torch.bfloat16)
             t0 = time.perf_counter()
-            torch.mm(a, b)
-            times.append(time.perf_counter() - t0)
-        return min(times)
+            with torch.set_grad_enabled(backward), ctx:
+                out = model(x).float().mean()
+            if backward:
+                out.backward()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return best["fp32"] / best["bf16"]
 
-    return best(torch.float32) / best(torch.bfloat16)
 
-
-def resolve_precision(name: str, device: torch.device) -> str:
-    """'auto' -> 'bf16' on a GPU that supports it, else bf16 only on a CPU where it measures faster."""
+def resolve_precision(name: str, device: torch.device, model: torch.nn.Module | None = None,
+                      seq_len: int = 128, vocab_size: int = 256, backward: bool = True) -> str:
+    """'auto' -> bf16 on a GPU that supports it; on a CPU, bf16 only where a step of this model
+    measures clearly faster in bf16 than in fp32 (fp32 when there is no model to measure)."""
     if name != "auto":
         return name
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-    return "bf16" if bf16_speedup_on_cpu() > 1.0 else "fp32"
+    if model is None:
+        return "fp32"
+    return "bf16" if bf16_step_speedup(model, seq_len, vocab_size, device, backward) > 1.1 else "fp32"
 
 
 @dataclass
