@@ -18,3 +18,7 @@ class DataError(LmforgeError):
 
 class CheckpointError(LmforgeError):
     """A checkpoint cannot be written or does not match the run being resumed."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint is readable but belongs to a model of another shape."""

@@ -103,3 +103,17 @@ def test_sigterm_saves_and_resumes(tmp_path, shared_data_dir):
     subprocess.run(cmd + ["--resume", "--set", f"train.max_steps={stopped_at + 3}"], check=True, timeout=120)
     steps = [r["step"] for r in read_metrics(metrics) if "loss" in r]
     assert steps == list(range(1, stopped_at + 4))
+
+
+def test_resume_skips_a_damaged_latest_checkpoint(tiny_cfg, tmp_path, shared_data_dir):
+    train(tiny_cfg("train.max_steps=6", "checkpoint.every=3"))
+    (tmp_path / "run" / "checkpoints" / "step_00000006" / "rank_00000.pt").write_bytes(b"garbage")
+    train(tiny_cfg("train.max_steps=8", "checkpoint.every=3"), resume=True)  # continues from step 3
+    clean = load_config(TINY, tiny_overrides(tmp_path / "clean", shared_data_dir, "train.max_steps=8",
+                                             "checkpoint.every=3"))
+    train(clean)
+
+    def losses(run):
+        return [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+    assert losses(tmp_path / "run") == losses(tmp_path / "clean")

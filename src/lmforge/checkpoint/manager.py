@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from lmforge.errors import CheckpointError
+from lmforge.errors import CheckpointError, CheckpointMismatchError
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -87,7 +87,7 @@ def check_shapes(path: Path, meta: dict[str, Any], model: nn.Module) -> None:
         detail = f"the config's model has {missing[0]!r}, which the checkpoint lacks"
     else:
         detail = f"the checkpoint has {extra[0]!r}, which the config's model lacks"
-    raise CheckpointError(
+    raise CheckpointMismatchError(
         f"checkpoint {path} holds a model of a different shape ({detail}); resume it with the "
         "model config it was trained with, or start a new run (another run.dir, or run.overwrite=true)"
     )

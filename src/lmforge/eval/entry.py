@@ -10,7 +10,7 @@ import torch
 from lmforge.checkpoint.manager import list_checkpoints, load_states
 from lmforge.config.load import load_config
 from lmforge.config.schema import Config
-from lmforge.data import Tokenizer, TokenLoader, prepare
+from lmforge.data import Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.errors import LmforgeError
 from lmforge.eval.generate import generate
 from lmforge.eval.perplexity import evaluate_loss
@@ -52,10 +52,11 @@ def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> L
         raise LmforgeError(f"no such run or checkpoint: {path}")
     run_dir, ckpt = find_checkpoint(path)
     cfg = load_config(run_dir / "config.yaml", overrides)
+    cfg.run.dir = str(run_dir)  # where the run actually is now, whatever the cwd was at training time
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device, World.from_env())
-    tok_path = Path(cfg.data.dir or run_dir / "data") / "tokenizer.json"
+    tok_path = data_dir(cfg) / "tokenizer.json"
     if not tok_path.is_file():
         raise LmforgeError(f"tokenizer {tok_path} of run {run_dir} is missing; was data.dir moved?")
     tokenizer = Tokenizer.load(tok_path)

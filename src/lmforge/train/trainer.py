@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from lmforge.checkpoint.manager import CheckpointManager
+from lmforge.checkpoint.manager import CheckpointManager, list_checkpoints
 from lmforge.config.load import save_config
 from lmforge.config.schema import Config
 from lmforge.data import TokenLoader, prepare
-from lmforge.errors import ConfigError, LmforgeError
+from lmforge.errors import CheckpointError, CheckpointMismatchError, ConfigError, LmforgeError
 from lmforge.eval.perplexity import evaluate_loss
 from lmforge.metrics.console import Console
 from lmforge.metrics.loggers import MetricsLogger, truncate_metrics
@@ -202,12 +202,21 @@ class Trainer:
         return path
 
     def _restore(self) -> None:
-        latest = self.ckpt.latest()
-        if latest is None:
-            self.console(f"[yellow]no checkpoint in {self.ckpt.root}: starting from step 0[/yellow]")
+        """Load the newest checkpoint that reads back whole; an unreadable one is reported and skipped."""
+        state, latest = None, None
+        for info in reversed(list_checkpoints(self.ckpt.root)):
+            try:
+                state, latest = self.ckpt.load(info.path, self.model, self.optimizer), info
+                break
+            except CheckpointMismatchError:
+                raise
+            except CheckpointError as e:
+                self.console(f"[yellow]skipping damaged checkpoint: {e}[/yellow]")
+        if state is None:
+            self.console(f"[yellow]no usable checkpoint in {self.ckpt.root}: starting from step 0[/yellow]")
             truncate_metrics(self.run_dir / "metrics.jsonl", 0)
+            self._reinitialise()
             return
-        state = self.ckpt.load(latest.path, self.model, self.optimizer)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.skipped_steps = state.get("skipped_steps", 0)
@@ -217,6 +226,12 @@ class Trainer:
         if self.world.is_main:
             truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.console(f"resumed from {latest.path} (step {self.step})")
+
+    def _reinitialise(self) -> None:
+        """Undo what a failed partial load may have written: fresh weights and optimizer state."""
+        seed_everything(self.cfg.run.seed)
+        self.model.init_weights()
+        self.optimizer.state.clear()
 
     # -- signals: a preempted job (SIGTERM) or Ctrl-C saves at the next step boundary ----------
     def _install_signal_handlers(self) -> dict[int, Any]:
