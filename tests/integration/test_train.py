@@ -117,3 +117,19 @@ def test_resume_skips_a_damaged_latest_checkpoint(tiny_cfg, tmp_path, shared_dat
         return [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
 
     assert losses(tmp_path / "run") == losses(tmp_path / "clean")
+
+
+def test_compiled_training_tracks_eager(tiny_cfg, tmp_path, shared_data_dir):
+    """train.compile=true: the same model and data, fused kernels; losses agree to float rounding."""
+    train(tiny_cfg("train.max_steps=5", "checkpoint.every=0", "checkpoint.save_final=false"))
+    compiled = load_config(TINY, tiny_overrides(tmp_path / "compiled", shared_data_dir, "train.max_steps=5",
+                                                "checkpoint.every=0", "checkpoint.save_final=false",
+                                                "train.compile=true"))
+    train(compiled)
+
+    def losses(run):
+        return [r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+
+    eager, fused = losses(tmp_path / "run"), losses(tmp_path / "compiled")
+    assert len(eager) == len(fused) == 5
+    assert fused == pytest.approx(eager, abs=1e-4)

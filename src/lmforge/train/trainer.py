@@ -102,6 +102,7 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, seq_len)
         self.peak_flops = measure_peak_flops(self.device, self.precision.dtype)
         self._signal: int | None = None
+        self._first_compiled_step = True
         self._last_saved_step = self.step if resuming else -1
 
     # -- the loop -----------------------------------------------------------------------------
@@ -123,7 +124,7 @@ class Trainer:
                     group["lr"] = lr
                 window.start()
                 batches = [self._next_batch() for _ in range(tc.grad_accum_steps)]
-                result = train_step(self.forward_model, batches, self.optimizer, self.precision, tc.grad_clip)
+                result = self._train_step(batches)
                 window.stop(result.tokens * self.world.world_size)
                 self.step += 1
                 self.tokens_seen += result.tokens * self.world.world_size
@@ -152,6 +153,18 @@ class Trainer:
         return final
 
     # -- pieces of the loop -------------------------------------------------------------------
+    def _train_step(self, batches):
+        tc = self.cfg.train
+        if not (tc.compile and self._first_compiled_step):
+            return train_step(self.forward_model, batches, self.optimizer, self.precision, tc.grad_clip)
+        self._first_compiled_step = False
+        try:  # torch.compile works lazily: a missing C++ compiler or an unsupported op shows up here
+            return train_step(self.forward_model, batches, self.optimizer, self.precision, tc.grad_clip)
+        except Exception as e:
+            raise LmforgeError(f"train.compile=true failed on the first step ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}); set train.compile=false "
+                               "to train without torch.compile") from e
+
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.train_loader.next_batch()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -175,7 +188,8 @@ class Trainer:
 
     def validate(self) -> dict[str, float]:
         batches = self.val_loader.iter_eval_batches(self.cfg.train.eval_batches)
-        out = evaluate_loss(self.forward_model, batches, self.precision, self.token_bytes, self.device)
+        # The eager model: a compiled one would recompile for the shorter last batch of the split.
+        out = evaluate_loss(self.model, batches, self.precision, self.token_bytes, self.device)
         record = {"step": self.step, "val_loss": out["loss"], "val_ppl": out["ppl"]}
         if "bpb" in out:
             record["val_bpb"] = out["bpb"]
