@@ -10,8 +10,8 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "[lmforge] creating virtual environment $VENV"
   "$PY" -m venv "$VENV"
 fi
-stamp="$VENV/.lmforge-install-stamp"
-want="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)-$EXTRAS"
+stamp="$VENV/.lmforge-install-stamp-${EXTRAS:-base}"
+want="$(sha256sum < "$ROOT/pyproject.toml" | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[lmforge] installing lmforge${EXTRAS:+[$EXTRAS]} into $VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true

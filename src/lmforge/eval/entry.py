@@ -73,7 +73,9 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
     data = prepare(cfg, console=lambda *_: None)
     loader = TokenLoader(data.shards(cfg.eval.split), cfg.seq_len, cfg.eval.batch_size,
                          shuffle=False, drop_last=False)
-    precision = Precision(resolve_precision(cfg.train.precision, run.device), run.device)
+    name = resolve_precision(cfg.train.precision, run.device, run.model, cfg.eval.batch_size, cfg.seq_len,
+                             cfg.model.vocab_size, backward=False)
+    precision = Precision(name, run.device)
     token_bytes = torch.as_tensor(run.tokenizer.token_byte_lengths(), dtype=torch.long)
     out = evaluate_loss(run.model, loader.iter_eval_batches(cfg.eval.max_batches), precision, token_bytes,
                         run.device)

@@ -10,14 +10,7 @@ import time
 from typing import Any
 
 from rich.console import Console as RichConsole
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 
 def _fmt(record: dict[str, Any]) -> str:
@@ -28,6 +21,16 @@ def _fmt(record: dict[str, Any]) -> str:
             label = {"tokens_per_s": "tok/s", "peak_mem_mib": "mem MiB", "grad_norm": "gnorm"}.get(key, key)
             parts.append(f"{label} {fmt.format(record[key])}")
     return "  ".join(parts)
+
+
+def _compact(record: dict[str, Any]) -> str:
+    """The bar's stats: short enough that bar, counts, times and stats fit an 80-column terminal."""
+    parts = [f"loss {record['loss']:.3f}", f"lr {record['lr']:.0e}", f"gn {record['grad_norm']:.2f}"]
+    tps = record.get("tokens_per_s", 0.0)
+    parts.append(f"{tps / 1000:.0f}k tok/s" if tps >= 10_000 else f"{tps:,.0f} tok/s")
+    if "mfu" in record:
+        parts.append(f"mfu {record['mfu']:.0%}")
+    return " ".join(parts)
 
 
 class Console:
@@ -56,13 +59,11 @@ class Console:
         if self.mode != "bar":
             return
         self.progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[stats]}"),
-            TimeElapsedColumn(),
+            BarColumn(bar_width=10),
+            TextColumn("{task.completed}/{task.total}"),
             TextColumn("eta"),
-            TimeRemainingColumn(),
+            TimeRemainingColumn(compact=True),
+            TextColumn("{task.fields[stats]}"),
             console=self.rich,
             refresh_per_second=4,
         )
@@ -75,7 +76,7 @@ class Console:
 
     def log(self, record: dict[str, Any], total: int) -> None:
         if self.mode == "bar" and self.progress is not None:
-            self.progress.update(self._task, completed=record["step"], stats=_fmt(record))
+            self.progress.update(self._task, completed=record["step"], stats=_compact(record))
         elif self.mode == "plain":
             done = record["step"] - self._first
             eta = (time.perf_counter() - self._t0) / done * (total - record["step"]) if done > 0 else 0.0

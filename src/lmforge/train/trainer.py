@@ -81,9 +81,10 @@ class Trainer:
         self.forward_model = torch.compile(self.model) if cfg.train.compile else self.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.lr_at = make_schedule(cfg.schedule, cfg.train.max_steps, cfg.optim.lr)
-        self.precision = Precision(resolve_precision(cfg.train.precision, self.device), self.device)
-
         seq_len = cfg.seq_len
+        self.precision = Precision(resolve_precision(cfg.train.precision, self.device, self.model,
+                                                     cfg.train.micro_batch_size, seq_len,
+                                                     cfg.model.vocab_size), self.device)
         self.train_loader = TokenLoader(self.data.shards("train"), seq_len, cfg.train.micro_batch_size,
                                         seed=cfg.run.seed, rank=self.world.rank,
                                         world_size=self.world.world_size)
