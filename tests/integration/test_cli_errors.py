@@ -77,11 +77,14 @@ def test_run_dir_holding_a_run_is_refused_then_resume_shape_checked(tmp_path, sh
                                                             "train.max_steps=3", "checkpoint.every=3"))]
     assert main(args) == 0
     before = (tmp_path / "run" / "metrics.jsonl").read_text()
+    config_before = (tmp_path / "run" / "config.yaml").read_text()
     code, err = run_cli(capsys, *args)
     assert code == 2 and "already holds a run" in err and "--resume" in err
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
     code, err = run_cli(capsys, *args, "--resume", "--set", "model.d_model=128", "--set", "model.n_heads=4")
     assert code == 2 and "different shape" in err and "tok_embeddings.weight" in err
+    assert (tmp_path / "run" / "config.yaml").read_text() == config_before
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == before
 
 
 def test_full_disk_during_save_keeps_previous_checkpoint(tmp_path, shared_data_dir, capsys, monkeypatch):

@@ -72,8 +72,6 @@ class Trainer:
 
         self.data = prepare(cfg, console=self.console.print)
         cfg.model.vocab_size = resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
-        if self.world.is_main:
-            save_config(cfg, self.run_dir / "config.yaml")
 
         seed_everything(cfg.run.seed)
         self.model = build_model(cfg.model, device=self.device)
@@ -99,6 +97,8 @@ class Trainer:
         self.skipped_steps = 0
         if resuming:
             self._restore()
+        if self.world.is_main:  # only now: a refused resume must leave the old run's config intact
+            save_config(cfg, self.run_dir / "config.yaml")
         self.logger = MetricsLogger.for_run(self.run_dir, cfg.logging.tensorboard, self.world.is_main)
         self.flops_per_token = flops_per_token(cfg.model, seq_len)
         self.peak_flops = measure_peak_flops(self.device, self.precision.dtype)
