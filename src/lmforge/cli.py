@@ -55,6 +55,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    from lmforge.checkpoint.hf_io import import_hf
+
+    import_hf(args.src, args.out, overwrite=args.overwrite)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from lmforge.checkpoint.hf_io import export_hf
+
+    if args.format != "hf":
+        raise LmforgeError(f"--format {args.format!r} is not supported; valid formats: hf")
+    export_hf(args.src, args.out, overwrite=args.overwrite, max_shard_size=int(args.max_shard_gb * 2**30))
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from lmforge.config.load import dump_config
 
@@ -75,6 +91,8 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "train": (cmd_train, "pretrain a model (prepares data on first use)"),
     "eval": (cmd_eval, "validation loss, perplexity and bits per byte of a run or checkpoint"),
     "generate": (cmd_generate, "sample text from a run or checkpoint"),
+    "import": (cmd_import, "convert a Hugging Face Llama, Mistral, Qwen2 or GPT-2 dir to an lmforge run"),
+    "export": (cmd_export, "write a run, checkpoint or imported model as a Hugging Face model dir"),
     "config": (cmd_config, "print the resolved config (defaults + file + --set)"),
 }
 
@@ -84,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, (_, help_text) in VERBS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
+        if name in ("import", "export"):
+            p.add_argument("src", help="Hugging Face model dir" if name == "import" else
+                           "run dir, checkpoint dir or imported model dir")
+            p.add_argument("out", help="output dir (must be empty or missing)")
+            p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
+            if name == "export":
+                p.add_argument("--format", default="hf", help="output format (hf)")
+                p.add_argument("--max-shard-gb", type=float, default=5.0,
+                               help="split the weights into safetensors shards of at most this size")
+            continue
         p.add_argument("-c", "--config", help="YAML config file")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.max_steps=100 (repeatable)")

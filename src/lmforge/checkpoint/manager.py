@@ -132,18 +132,22 @@ class CheckpointManager:
         self.world_size = world_size
 
     # -- save ---------------------------------------------------------------------------------
-    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
              train_state: dict[str, Any]) -> Path:
-        """Write checkpoint `step` atomically and apply retention. Returns its path."""
+        """Write checkpoint `step` atomically and apply retention. Returns its path.
+
+        Without an optimizer only the model is saved (an imported model: a run at step 0)."""
         final = self.root / f"step_{step:08d}"
         tmp = self.root / f".tmp-step_{step:08d}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions())
+            model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer else [],
+                                                options=StateDictOptions())
+            state = {"model": model_sd, "optim": optim_sd} if optimizer else {"model": model_sd}
             with _quiet_single_process():
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "state"))
+                dcp.save(state, checkpoint_id=str(tmp / "state"))
             torch.save(train_state, tmp / f"rank_{self.rank:05d}.pt")
             if self.rank == 0:
                 meta = {

@@ -10,6 +10,7 @@ from lmforge.config.schema import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
+    RopeScalingConfig,
     RunConfig,
     ScheduleConfig,
     TokenizerConfig,
@@ -18,6 +19,7 @@ from lmforge.config.schema import (
 
 __all__ = [
     "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "GenerateConfig", "LoggingConfig",
-    "ModelConfig", "OptimConfig", "RunConfig", "ScheduleConfig", "TokenizerConfig", "TrainConfig",
+    "ModelConfig", "OptimConfig", "RopeScalingConfig", "RunConfig", "ScheduleConfig", "TokenizerConfig",
+    "TrainConfig",
     "dump_config", "load_config", "save_config", "validate_config",
 ]

@@ -154,6 +154,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         data = _parse_yaml(p)
         lines = _key_lines(str(p), p.read_text(encoding="utf-8"))
         source = str(p)
+    return config_from_dict(data, overrides, source, lines)
+
+
+def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...] = (),
+                     source: str = "<config>", lines: dict[tuple[str, ...], int] | None = None) -> Config:
+    """Apply `--set` overrides to a raw mapping and validate it."""
+    data = dict(data)
     overridden: set[str] = set()
     for item in overrides:
         key, value = parse_override(item)

@@ -67,6 +67,21 @@ class DataConfig(Section):
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer settings.")
 
 
+class RopeScalingConfig(Section):
+    """RoPE context extension, as in Hugging Face `rope_scaling` (linear, dynamic NTK, llama3)."""
+
+    type: Literal["linear", "dynamic", "llama3"] = Field(
+        "linear", description="linear: positions / factor; dynamic: NTK base growth past the original "
+        "length; llama3: per-frequency interpolation (Llama 3.1)."
+    )
+    factor: float = Field(1.0, ge=1.0, description="Context extension factor.")
+    original_max_position_embeddings: int | None = Field(
+        None, ge=1, description="Context length the model was trained with (dynamic and llama3)."
+    )
+    low_freq_factor: float = Field(1.0, gt=0.0, description="llama3: low-frequency wavelength factor.")
+    high_freq_factor: float = Field(4.0, gt=0.0, description="llama3: high-frequency wavelength factor.")
+
+
 class ModelConfig(Section):
     preset: str | None = Field(
         None, description=f"Named size filling the other keys; explicit keys win. One of {sorted(PRESETS)}."
@@ -101,7 +116,14 @@ class ModelConfig(Section):
     sliding_window: int | None = Field(
         None, ge=1, description="Attend to at most this many previous tokens (Mistral style)."
     )
+    rope_scaling: RopeScalingConfig | None = Field(
+        None, description="RoPE scaling for context extension (None: plain RoPE)."
+    )
     init_std: float = Field(0.02, gt=0.0, description="Std of the normal init of weights.")
+    init_from: str | None = Field(
+        None, description="Start from these weights instead of a random init: a Hugging Face model dir, "
+        "an `lmforge import` dir, a run dir or a checkpoint dir (the shapes must match this section)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -125,6 +147,10 @@ class ModelConfig(Section):
             )
         if self.pos_embedding == "rope" and self.resolved_head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.resolved_head_dim}")
+        rs = self.rope_scaling
+        if rs is not None and rs.type == "llama3" and rs.original_max_position_embeddings is None:
+            raise ValueError("rope_scaling.type=llama3 needs rope_scaling.original_max_position_embeddings "
+                             "(the context length the model was pre-trained with, e.g. 8192)")
         return self
 
     @property

@@ -102,6 +102,20 @@ class Tokenizer:
         """Write tokenizer.json atomically."""
         atomic_write_text(path, self._tok.to_str(pretty=True))
 
+    def save_hf(self, out_dir: str | Path, model_max_length: int) -> None:
+        """Write tokenizer.json + tokenizer_config.json that `transformers.AutoTokenizer` loads."""
+        out_dir = Path(out_dir)
+        self.save(out_dir / "tokenizer.json")
+        eos = self._tok.id_to_token(self.eos_id)
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": eos,
+            "bos_token": eos,  # GPT-2 convention: one end-of-text token separates documents
+            "model_max_length": model_max_length,
+            "clean_up_tokenization_spaces": False,
+        }
+        atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with no special tokens added."""
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lmforge.checkpoint.manager import list_checkpoints, load_states
-from lmforge.config.load import load_config
+from lmforge.checkpoint.hf_io import find_weights, is_hf_dir
+from lmforge.checkpoint.manager import load_states
+from lmforge.config.load import config_from_dict, load_config
 from lmforge.config.schema import Config
 from lmforge.data import Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.errors import LmforgeError
@@ -31,32 +33,22 @@ class LoadedRun:
     device: torch.device
 
 
-def find_checkpoint(path: Path) -> tuple[Path, Path]:
-    """(run dir, checkpoint dir) for a run dir (its latest checkpoint) or a checkpoint dir."""
-    if (path / "meta.json").is_file() and path.parent.name == "checkpoints":
-        return path.parent.parent, path
-    if (path / "config.yaml").is_file():
-        ckpts = list_checkpoints(path / "checkpoints")
-        if not ckpts:
-            raise LmforgeError(f"run dir {path} has no checkpoint yet; train it first (lmforge train)")
-        return path, ckpts[-1].path
-    raise LmforgeError(
-        f"{path} is neither a run dir (with config.yaml) nor a checkpoint dir (runs/X/checkpoints/step_N)"
-    )
-
-
 def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRun:
     """Rebuild the model of a run from its resolved config.yaml and load checkpoint weights."""
     path = Path(path)
     if not path.exists():
         raise LmforgeError(f"no such run or checkpoint: {path}")
-    run_dir, ckpt = find_checkpoint(path)
+    if is_hf_dir(path):
+        return _load_hf_dir(path, overrides)
+    run_dir, ckpt = find_weights(path)
     cfg = load_config(run_dir / "config.yaml", overrides)
     cfg.run.dir = str(run_dir)  # where the run actually is now, whatever the cwd was at training time
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device, World.from_env())
     tok_path = data_dir(cfg) / "tokenizer.json"
+    if not tok_path.is_file() and cfg.data.tokenizer.path:  # an imported model keeps its own tokenizer
+        tok_path = Path(cfg.data.tokenizer.path)
     if not tok_path.is_file():
         raise LmforgeError(f"tokenizer {tok_path} of run {run_dir} is missing; was data.dir moved?")
     tokenizer = Tokenizer.load(tok_path)
@@ -64,6 +56,22 @@ def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> L
     step = load_states(ckpt, model)
     model.eval()
     return LoadedRun(cfg, run_dir, ckpt, step, model, tokenizer, device)
+
+
+def _load_hf_dir(path: Path, overrides) -> LoadedRun:
+    """A Hugging Face model dir used directly (no import step): step 0, its own tokenizer."""
+    from lmforge.models.hf import from_hf, hf_to_model_config
+
+    model_cfg = hf_to_model_config(json.loads((path / "config.json").read_text()))
+    cfg = config_from_dict({"run": {"dir": str(path)}, "model": model_cfg.model_dump(),
+                            "data": {"tokenizer": {"path": str(path / "tokenizer.json")}}},
+                           overrides, source=str(path / "config.json"))
+    device = resolve_device(cfg.train.device, World.from_env())
+    if not (path / "tokenizer.json").is_file():
+        raise LmforgeError(f"{path} has no tokenizer.json; lmforge needs a fast (tokenizers) tokenizer file")
+    model = from_hf(path, device=device)
+    model.eval()
+    return LoadedRun(cfg, path, path, 0, model, Tokenizer.load(path / "tokenizer.json"), device)
 
 
 def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=print) -> dict[str, float]:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # runtime import would be circular: config.schema imports mod
 from lmforge.models.common.attention import Attention, KVCache, LayerKV
 from lmforge.models.common.mlp import MLP
 from lmforge.models.common.norm import RMSNorm, build_norm
-from lmforge.models.common.rope import rope_tables
+from lmforge.models.common.rope import dynamic_inv_frequencies, rope_angles, rope_tables
 
 # Residual-stream output projections get init_std / sqrt(2 * n_layers) (GPT-2 / nanoGPT), so the
 # variance of the residual stream does not grow with depth at init.
@@ -46,8 +46,10 @@ class Block(nn.Module):
 
     Call as `block(x, rope, mask=None, kv=None)`:
       x     (B, T, d_model) hidden states;
-      rope  (cos, sin), each (T, head_dim) for the positions of x, or None with learned positions;
-      mask  boolean (T, S) attention mask (True = attend), or None for plain causal attention;
+      rope  (cos, sin), each (T, head_dim) or (B, T, head_dim) for the positions of x, or None with
+            learned positions;
+      mask  boolean (T, S) or (B, 1, T, S) attention mask (True = attend), or None for plain causal
+            attention;
       kv    this layer's KVCache view `cache.layer(i)`, or None.
     Training only ever passes (x, rope) plus, with a sliding window, a mask: wrappers (activation
     checkpointing, FSDP, pipeline stages) can forward the arguments unchanged.
@@ -73,7 +75,10 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Decoder-only language model: `model(input_ids (B, T), cache=None) -> logits (B, T, vocab)`.
+    """Decoder-only language model: `model(input_ids (B, T)) -> logits (B, T, vocab)`.
+
+    Optional: `cache` (KVCache, for generation), `attention_mask` (B, S) of 1/0 for padded batches,
+    `position_ids` (B, T).
 
     Built on the current default device (the meta device inside `with torch.device("meta")`, where
     it stays uninitialised); elsewhere it is initialised with `init_weights()`. Construction itself
@@ -137,17 +142,50 @@ class Transformer(nn.Module):
         """Recompute the non-persistent RoPE cos/sin tables on the buffers' device."""
         if self.cfg.pos_embedding != "rope" or self.rope_cos.is_meta:
             return
+        cfg = self.cfg
         cos, sin = rope_tables(
-            self.cfg.resolved_head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, self.rope_cos.device
+            cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device,
+            scaling=cfg.rope_scaling, original=self._rope_original(),
         )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def _mask(self, start: int, T: int, device: torch.device) -> torch.Tensor | None:
-        """Boolean (T, start + T) mask, or None where SDPA's is_causal (or no mask) is exact."""
+    def _rope_original(self) -> int:
+        """The context length RoPE scaling is relative to (config value, else max_seq_len)."""
+        scaling = self.cfg.rope_scaling
+        if scaling is None or scaling.original_max_position_embeddings is None:
+            return self.cfg.max_seq_len
+        return scaling.original_max_position_embeddings
+
+    def _rope(
+        self, start: int, end: int, position_ids: torch.Tensor | None, seq_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) for this forward: (T, head_dim) each, or (B, T, head_dim) with position_ids."""
+        scaling = self.cfg.rope_scaling
+        original = self._rope_original()
+        if scaling is not None and scaling.type == "dynamic" and seq_len > original:
+            # Dynamic NTK: the base grows with the longest position of this forward and applies to
+            # all of its positions; keys already in a KV cache keep the frequencies they were rotated
+            # with. This is what transformers does during generation; unlike it, we keep no state
+            # (it reuses the largest base seen until a forward falls back below the original length).
+            device = self.rope_cos.device
+            inv_freq = dynamic_inv_frequencies(
+                self.cfg.resolved_head_dim, self.cfg.rope_theta, scaling.factor, original, seq_len, device
+            )
+            pos = position_ids if position_ids is not None else torch.arange(start, end, device=device)
+            return rope_angles(pos, inv_freq)
+        if position_ids is None:
+            return self.rope_cos[start:end], self.rope_sin[start:end]  # each (T, head_dim)
+        return self.rope_cos[position_ids], self.rope_sin[position_ids]  # each (B, T, head_dim)
+
+    def _mask(
+        self, start: int, T: int, device: torch.device, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Boolean (T, start + T) or, with padding, (B, 1, T, start + T) mask; None where SDPA's
+        is_causal (or no mask) is exact."""
         window = self.cfg.sliding_window
         window_binds = window is not None and start + T > window
-        if not window_binds and (start == 0 or T == 1):
+        if attention_mask is None and not window_binds and (start == 0 or T == 1):
             return None
         q_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
         k_pos = torch.arange(start + T, device=device)[None, :]  # (1, S)
@@ -155,12 +193,31 @@ class Transformer(nn.Module):
         if window_binds:
             # Mistral: query i sees keys j with i - window < j <= i.
             mask &= k_pos > q_pos - window
-        return mask  # (T, S)
+        if attention_mask is None:
+            return mask  # (T, S)
+        # Padding keys are never attended. A query with no real key left (a pad before the first
+        # real token) would get an all-False row, for which some SDPA kernels return NaN (older
+        # PyTorch, some CUDA backends; torch 2.13 on CPU returns 0), and NaN values poison real rows
+        # of later layers (zero weight times NaN is NaN): let every query see its own key. Pad
+        # outputs are garbage either way; real queries already see themselves.
+        mask = (mask[None] & attention_mask[:, None, :].bool()) | (k_pos == q_pos)  # (B, T, S)
+        return mask[:, None]  # (B, 1, T, S)
 
-    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size) in the model's dtype.
 
-        Positions are 0..T-1, or cache.pos..cache.pos+T-1 with a cache (whose pos then advances).
+        Positions are 0..T-1, or cache.pos..cache.pos+T-1 with a cache (whose pos then advances),
+        unless `position_ids` (B, T) gives them (as transformers' generate does for left padding:
+        cumsum(attention_mask) - 1).
+        attention_mask: (B, S) of 1 (real token) / 0 (padding) over every key position, S = T without
+        a cache and cache.pos + T with one, as in transformers. Padding keys are never attended; the
+        logits at padding positions are meaningless (but finite).
         """
         B, T = input_ids.shape
         start = 0 if cache is None else cache.pos
@@ -175,14 +232,32 @@ class Transformer(nn.Module):
                 f"input (batch {B}, positions {start}..{end - 1}) does not fit the KVCache "
                 f"(batch {cache.batch_size}, max_len {cache.max_len})"
             )
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, end):
+            raise ValueError(
+                f"attention_mask has shape {tuple(attention_mask.shape)}; expected (batch, key positions) "
+                f"= {(B, end)}"
+            )
+        seq_len = end
+        if position_ids is not None:
+            if position_ids.shape[-1] != T or position_ids.dim() != 2:
+                raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected {(B, T)}")
+            seq_len = int(position_ids.max()) + 1
+            if seq_len > self.cfg.max_seq_len or int(position_ids.min()) < 0:
+                raise ValueError(
+                    f"position_ids must lie in [0, model.max_seq_len={self.cfg.max_seq_len}), "
+                    f"got up to {seq_len - 1}"
+                )
         x = self.tok_embeddings(input_ids)  # (B, T, d_model)
         if self.cfg.pos_embedding == "learned":
-            x = x + self.pos_embeddings.weight[start:end]  # (T, d_model) broadcast over B
+            if position_ids is None:
+                x = x + self.pos_embeddings.weight[start:end]  # (T, d_model) broadcast over B
+            else:
+                x = x + self.pos_embeddings(position_ids)  # (B, T, d_model)
         x = self.drop(x)
         rope = None
         if self.cfg.pos_embedding == "rope":
-            rope = (self.rope_cos[start:end], self.rope_sin[start:end])  # each (T, head_dim)
-        mask = self._mask(start, T, input_ids.device)
+            rope = self._rope(start, end, position_ids, seq_len)
+        mask = self._mask(start, T, input_ids.device, attention_mask)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, mask, None if cache is None else cache.layer(i))
         x = self.norm(x)

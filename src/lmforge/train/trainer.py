@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from lmforge.checkpoint.hf_io import apply_init_from, load_init_weights
 from lmforge.checkpoint.manager import CheckpointManager, list_checkpoints
 from lmforge.config.load import save_config
 from lmforge.config.schema import Config
@@ -70,11 +71,15 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         resuming = open_run_dir(self.run_dir, resume=resume, overwrite=cfg.run.overwrite, say=self.console)
 
+        if cfg.model.init_from:
+            apply_init_from(cfg, say=self.console)
         self.data = prepare(cfg, console=self.console.print)
         cfg.model.vocab_size = resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
 
         seed_everything(cfg.run.seed)
         self.model = build_model(cfg.model, device=self.device)
+        if not resuming:
+            self._load_init_from()
         apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing, cfg.train.ac_every)
         self.forward_model = torch.compile(self.model) if cfg.train.compile else self.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
@@ -246,7 +251,13 @@ class Trainer:
         """Undo what a failed partial load may have written: fresh weights and optimizer state."""
         seed_everything(self.cfg.run.seed)
         self.model.init_weights()
+        self._load_init_from()
         self.optimizer.state.clear()
+
+    def _load_init_from(self) -> None:
+        if self.cfg.model.init_from:
+            load_init_weights(self.cfg.model.init_from, self.model)
+            self.console(f"initialised the weights from {self.cfg.model.init_from}")
 
     # -- signals: a preempted job (SIGTERM) or Ctrl-C saves at the next step boundary ----------
     def _install_signal_handlers(self) -> dict[int, Any]:

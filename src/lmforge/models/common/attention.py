@@ -83,9 +83,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x (B, T, d_model) -> (B, T, d_model).
 
-        rope: (cos, sin), each (T, head_dim), for the positions of x; None without RoPE.
-        mask: boolean (T, S), True = attend; None = plain causal (top-left aligned, so with a cache
-            it is only right for T == 1 or an empty cache; the Transformer builds a mask otherwise).
+        rope: (cos, sin), each (T, head_dim) or (B, T, head_dim), for the positions of x; None
+            without RoPE.
+        mask: boolean (T, S), or (B, 1, T, S) for padded batches, True = attend; None = plain causal
+            (top-left aligned, so with a cache it is only right for T == 1 or an empty cache; the
+            Transformer builds a mask otherwise).
         kv: this layer's cache view; keys/values of x are written at pos..pos+T-1.
         """
         B, T, _ = x.shape

@@ -1,0 +1,419 @@
+"""Family-independent Hugging Face conversion: config.json <-> ModelConfig, streaming safetensors
+import, and sharded, atomic safetensors export in the layout `transformers` loads.
+
+Only config.json dicts and safetensors files are touched: `transformers` itself is never imported.
+Weights are never unpickled: a directory with only `pytorch_model.bin` is refused.
+
+Per-family knowledge (key maps, fused/transposed tensors, config keys) lives in the family modules
+(`llama.py` for Llama/Mistral/Qwen2, `gpt2.py`); each provides MODEL_TYPES, config_from_hf,
+config_to_hf, model_type_for, import_names, import_tensor, hf_name and export_tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from lmforge.errors import LmforgeError
+from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir
+
+if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
+    from lmforge.config.schema import ModelConfig
+    from lmforge.models.transformer import Transformer
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+class KeyMap:
+    """A two-way rename table between our parameter names and HF's.
+
+    Entries are (ours, HF) templates where `{i}` stands for a layer index and `{p}` for weight|bias.
+    """
+
+    _FIELDS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)"}
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        self._pairs = [(self._compile(a), b, self._compile(b), a) for a, b in pairs]
+
+    @classmethod
+    def _compile(cls, template: str) -> re.Pattern:
+        pattern = re.escape(template).replace(r"\{", "{").replace(r"\}", "}")
+        return re.compile(pattern.format(**cls._FIELDS))
+
+    def to_hf(self, ours: str) -> str | None:
+        for ours_re, hf_tpl, _, _ in self._pairs:
+            if m := ours_re.fullmatch(ours):
+                return hf_tpl.format(**m.groupdict())
+        return None
+
+    def to_ours(self, hf: str) -> str | None:
+        for _, _, hf_re, ours_tpl in self._pairs:
+            if m := hf_re.fullmatch(hf):
+                return ours_tpl.format(**m.groupdict())
+        return None
+
+
+def unsupported(key: str, value: Any, valid: str) -> None:
+    """Raise the error for a config.json value lmforge cannot reproduce exactly."""
+    raise LmforgeError(
+        f"unsupported Hugging Face config: {key}={value!r}; lmforge supports {valid}. "
+        "Loading it anyway would build a different model."
+    )
+
+
+def _families() -> dict[str, ModuleType]:
+    # Imported here: the family modules import KeyMap / unsupported from this module.
+    from lmforge.models.hf import gpt2, llama
+
+    return {t: fam for fam in (llama, gpt2) for t in fam.MODEL_TYPES}
+
+
+def _family(model_type: Any) -> ModuleType:
+    families = _families()
+    if model_type not in families:
+        raise LmforgeError(
+            f"unsupported Hugging Face model_type {model_type!r}; supported: {', '.join(sorted(families))}"
+        )
+    return families[model_type]
+
+
+# ---------------------------------------------------------------------------------------- config
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The config.json of a Hugging Face model directory, as a dict."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise LmforgeError(f"{path} is not a Hugging Face model directory: it has no config.json")
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LmforgeError(f"{file} is not valid JSON: {e}") from None
+
+
+def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None) -> ModelConfig:
+    """Translate a config.json dict into our ModelConfig; unsupported settings raise LmforgeError.
+
+    max_seq_len overrides the length derived from max_position_embeddings (RoPE models have no hard
+    limit in transformers; Llama 3.1's 131072 builds large RoPE tables).
+    """
+    from lmforge.config.schema import ModelConfig
+
+    family = _family(hf_cfg.get("model_type"))
+    if hf_cfg.get("quantization_config"):
+        unsupported("quantization_config", hf_cfg["quantization_config"].get("quant_method"),
+                    "unquantized weights")
+    kwargs = family.config_from_hf(hf_cfg)
+    if max_seq_len is not None:
+        if kwargs["pos_embedding"] == "learned" and max_seq_len != kwargs["max_seq_len"]:
+            raise LmforgeError(
+                f"max_seq_len={max_seq_len} cannot apply to a model with learned positions: its position "
+                f"table has {kwargs['max_seq_len']} rows"
+            )
+        kwargs["max_seq_len"] = max_seq_len
+    try:
+        return ModelConfig(**kwargs)
+    except ValueError as e:  # pydantic's ValidationError is a ValueError
+        raise LmforgeError(f"the Hugging Face config describes a model lmforge cannot build: {e}") from None
+
+
+def model_config_to_hf(
+    cfg: ModelConfig,
+    *,
+    model_type: str | None = None,
+    dtype: torch.dtype | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+) -> dict[str, Any]:
+    """The config.json dict for `cfg`: GPT-2 for learned positions, else Llama / Mistral / Qwen2
+    (inferred from the bias and sliding-window flags unless `model_type` says which)."""
+    family = _export_family(cfg, model_type)
+    model_type = family.model_type_for(cfg, model_type)
+    out = family.config_to_hf(cfg, model_type)
+    dtype_name = str(dtype or torch.float32).removeprefix("torch.")
+    out.update(
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        dtype=dtype_name,  # transformers 5
+        torch_dtype=dtype_name,  # transformers 4
+        use_cache=True,
+    )
+    return out
+
+
+def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
+    if model_type is not None:
+        return _family(model_type)
+    # GPT-2 is the one supported family with learned positions; everything else is RoPE.
+    return _family("gpt2" if cfg.pos_embedding == "learned" else "llama")
+
+
+# -------------------------------------------------------------------------------- reading weights
+
+
+def weight_files(path: str | os.PathLike) -> dict[str, list[str]]:
+    """{safetensors file: [tensor names]} of a model dir (single file or sharded index)."""
+    root = Path(path)
+    index = root / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise LmforgeError(f"{index} is not a valid safetensors index: {e!r}") from None
+        files: dict[str, list[str]] = {}
+        for name, file in weight_map.items():
+            files.setdefault(str(root / file), []).append(name)
+        absent = [f for f in files if not Path(f).is_file()]
+        if absent:
+            raise LmforgeError(f"{index} lists shard files that do not exist: {', '.join(absent)}")
+        return files
+    single = root / SINGLE
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return {str(single): list(f.keys())}
+    if any((root / n).exists() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        raise LmforgeError(
+            f"{path} holds only pickled PyTorch weights (pytorch_model.bin); lmforge loads safetensors "
+            "only, since unpickling can run arbitrary code. Convert it once with transformers: "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir)"
+        )
+    raise LmforgeError(f"{path} has no weights: expected {SINGLE} or {INDEX}")
+
+
+def iter_hf_tensors(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) one at a time, read lazily (memory-mapped) from the safetensors files."""
+    from safetensors import safe_open
+
+    for file, names in files.items():
+        with safe_open(file, framework="pt") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise LmforgeError(f"{file} does not hold tensor {name!r} that its index lists")
+                yield name, f.get_tensor(name)
+
+
+def _stream_into(model: Transformer, path: str | os.PathLike, place: Callable[[str, torch.Tensor], None]):
+    """Check names, then feed every HF tensor of `path`, renamed and reshaped, to place(ours, tensor)."""
+    cfg = model.cfg
+    family = _family(read_hf_config(path).get("model_type"))
+    files = weight_files(path)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    filled: set[str] = set()
+    unexpected = []
+    for names in files.values():
+        for name in names:
+            ours = family.import_names(name, cfg)
+            if ours is None or any(o not in shapes for o in ours):
+                unexpected.append(name)
+            filled.update(ours or [])
+    missing = [f"{family.hf_name(n, cfg)} (our {n})" for n in shapes if n not in filled]
+    if missing or unexpected:
+        parts = [f"missing tensors: {', '.join(missing)}"] if missing else []
+        parts += [f"unexpected tensors: {', '.join(unexpected)}"] if unexpected else []
+        raise LmforgeError(f"the weights in {path} do not match its config.json: " + "; ".join(parts))
+    for name, tensor in iter_hf_tensors(files):
+        for ours, t in family.import_tensor(name, tensor, cfg):
+            if tuple(t.shape) != shapes[ours]:
+                raise LmforgeError(
+                    f"tensor {name} in {path} has shape {tuple(tensor.shape)}, which does not fit our "
+                    f"{ours} of shape {shapes[ours]}"
+                )
+            place(ours, t)
+
+
+def from_hf(
+    path: str | os.PathLike,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    *,
+    max_seq_len: int | None = None,
+) -> Transformer:
+    """Build our model from a Hugging Face dir (config.json + safetensors, single or sharded).
+
+    The model is built on the meta device and each parameter is materialised once, directly from its
+    tensor in the file (memory: the model plus one tensor); then the RoPE tables are computed.
+    """
+    from lmforge.models.transformer import Transformer
+
+    cfg = hf_to_model_config(read_hf_config(path), max_seq_len=max_seq_len)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    device = torch.device(device)
+
+    def place(ours: str, t: torch.Tensor) -> None:
+        module_name, _, attr = ours.rpartition(".")
+        # Exactly one copy: contiguous (GPT-2's split c_attn gives strided views), in the target
+        # dtype and device, and never aliasing the file's memory map.
+        value = torch.empty(t.shape, dtype=dtype, device=device).copy_(t)
+        setattr(model.get_submodule(module_name), attr, nn.Parameter(value))
+
+    _stream_into(model, path, place)
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf.is_meta:  # non-persistent (RoPE tables): keep their float32, fill below
+                setattr(module, name, torch.empty(buf.shape, dtype=buf.dtype, device=device))
+    model.init_buffers()
+    return model
+
+
+def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
+    """Load the weights of a Hugging Face dir into an existing, materialised model (for
+    `model.init_from`), after checking that its config.json describes the same architecture.
+
+    The model keeps its dtype and device; max_seq_len may differ for RoPE models (not for learned
+    positions, whose table is a weight).
+    """
+    hf_cfg = read_hf_config(path)
+    ours = model.cfg
+    theirs = hf_to_model_config(hf_cfg)
+    fields = ["vocab_size", "d_model", "n_layers", "n_heads", "resolved_kv_heads", "resolved_head_dim",
+              "resolved_d_ff", "norm", "norm_eps", "pos_embedding", "mlp", "bias", "qkv_bias",
+              "tie_embeddings", "sliding_window", "rope_theta"]
+    if ours.pos_embedding == "learned":
+        fields.append("max_seq_len")  # the position table is a weight
+    diffs = [
+        f"{f.removeprefix('resolved_')}: model {getattr(ours, f)!r}, {path} {getattr(theirs, f)!r}"
+        for f in fields
+        if getattr(ours, f) != getattr(theirs, f)
+    ]
+    if _rope_signature(ours) != _rope_signature(theirs):
+        diffs.append(f"rope_scaling: model {_rope_signature(ours)}, {path} {_rope_signature(theirs)}")
+    if diffs:
+        raise LmforgeError(
+            f"model.init_from={path} does not match the model section; set these to the checkpoint's "
+            "values: " + "; ".join(diffs)
+        )
+    params = dict(model.named_parameters())
+
+    def place(name: str, t: torch.Tensor) -> None:
+        with torch.no_grad():
+            params[name].copy_(t)
+
+    _stream_into(model, path, place)
+
+
+def _rope_signature(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The RoPE scaling fields that change the maths, with the original length resolved."""
+    sc = cfg.rope_scaling
+    if sc is None:
+        return None
+    out: dict[str, Any] = {"type": sc.type, "factor": sc.factor}
+    if sc.type != "linear":
+        out["original_max_position_embeddings"] = sc.original_max_position_embeddings or cfg.max_seq_len
+    if sc.type == "llama3":
+        out.update(low_freq_factor=sc.low_freq_factor, high_freq_factor=sc.high_freq_factor)
+    return out
+
+
+# -------------------------------------------------------------------------------- writing weights
+
+
+def _write_safetensors(file: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Write a safetensors file under a temporary name, then rename it into place."""
+    from safetensors.torch import save_file
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{file.name}.", suffix=".tmp", dir=file.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})  # transformers requires format=pt
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise disk_error(e, str(file)) from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def to_hf(
+    model: Transformer,
+    path: str | os.PathLike,
+    *,
+    max_shard_size: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+    model_type: str | None = None,
+    bos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+) -> list[Path]:
+    """Write `model` as a Hugging Face dir that `AutoModelForCausalLM.from_pretrained` loads.
+
+    Writes config.json, generation_config.json (when a bos/eos/pad id is given), and model.safetensors,
+    or `model-0000i-of-0000N.safetensors` shards of at most max_shard_size bytes (a larger tensor gets
+    a shard of its own) plus model.safetensors.index.json. Every file is written atomically; weight
+    files of an earlier export in the same dir that this one does not use are removed afterwards.
+    Tensors are written contiguous, in `dtype` (default: as they are), tied weights once.
+    Returns the written files.
+    """
+    cfg = model.cfg
+    family = _export_family(cfg, model_type)
+    model_type = family.model_type_for(cfg, model_type)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    out_dtype = dtype or next(iter(state.values())).dtype
+
+    # Plan the shards from sizes first: the shard count is part of every shard's file name.
+    shards: list[list[str]] = [[]]
+    sizes: dict[str, int] = {}
+    current = 0  # bytes in the last shard
+    for name, t in family.export_tensors(state, cfg):
+        sizes[name] = t.numel() * out_dtype.itemsize
+        if shards[-1] and current + sizes[name] > max_shard_size:
+            shards.append([])
+            current = 0
+        shards[-1].append(name)
+        current += sizes[name]
+    n = len(shards)
+    file_of = {name: SINGLE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+               for k, names in enumerate(shards) for name in names}
+
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    tensors = family.export_tensors(state, cfg)
+    for names in shards:
+        shard = {}
+        for name in names:
+            got, t = next(tensors)
+            assert got == name, (got, name)
+            shard[name] = t.to(device="cpu", dtype=out_dtype).contiguous()
+        file = root / file_of[names[0]]
+        _write_safetensors(file, shard)
+        written.append(file)
+        del shard
+    if n > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": file_of}
+        atomic_write_json(root / INDEX, index)
+        written.append(root / INDEX)
+    hf_cfg = model_config_to_hf(cfg, model_type=model_type, dtype=out_dtype, bos_token_id=bos_token_id,
+                                eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    atomic_write_json(root / "config.json", hf_cfg)
+    written.append(root / "config.json")
+    ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    if any(v is not None for v in ids.values()):
+        gen = {k: v for k, v in ids.items() if v is not None}
+        atomic_write_json(root / "generation_config.json", {**gen, "_from_model_config": True})
+        written.append(root / "generation_config.json")
+    for stale in root.iterdir():
+        is_weights = stale.name in (SINGLE, INDEX) or _SHARD.fullmatch(stale.name)
+        if is_weights and stale not in written:
+            stale.unlink()
+    fsync_dir(root)
+    return written

@@ -1,0 +1,293 @@
+"""Adapter for transformers' Llama, Mistral and Qwen2: one decoder, three sets of config keys.
+
+All three are pre-norm RMSNorm + SwiGLU + RoPE decoders in the same "rotate_half" convention as ours,
+so q/k rows load without permutation. They differ only in config keys:
+  llama    attention_bias (q/k/v/o) and mlp_bias (gate/up/down);
+  mistral  sliding_window on every layer;
+  qwen2    always-on q/k/v bias; sliding window only with use_sliding_window, on layers >= max_window_layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lmforge.errors import LmforgeError
+from lmforge.models.hf.convert import KeyMap, unsupported
+
+if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
+    from lmforge.config.schema import ModelConfig
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+# transformers' class defaults for keys a config.json may leave out (5.x; same in 4.4x).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None, "sliding_window": None},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096},
+}
+
+KEYS = KeyMap(
+    [  # (ours, HF); {i} is the layer index, {p} weight or bias
+        ("tok_embeddings.weight", "model.embed_tokens.weight"),
+        ("norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+        ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+        ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+        ("layers.{i}.attn.wq.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
+        ("layers.{i}.attn.wk.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
+        ("layers.{i}.attn.wv.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
+        ("layers.{i}.attn.wo.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
+        ("layers.{i}.mlp.w_gate.{p}", "model.layers.{i}.mlp.gate_proj.{p}"),
+        ("layers.{i}.mlp.w_up.{p}", "model.layers.{i}.mlp.up_proj.{p}"),
+        ("layers.{i}.mlp.w_down.{p}", "model.layers.{i}.mlp.down_proj.{p}"),
+    ]
+)
+
+
+# ---------------------------------------------------------------------------------------- config
+
+
+def _rope_from_hf(hf: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None, int | None]:
+    """(rope_theta, rope_scaling kwargs or None, max_seq_len override or None) from either form.
+
+    transformers 4.x writes top-level `rope_theta` + `rope_scaling`; 5.x writes `rope_parameters`
+    (with rope_theta inside). 5.x reads `rope_scaling` first, then `rope_parameters`, and takes
+    rope_theta from inside the dict, else from the top level: the same precedence here.
+    """
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if any(isinstance(v, dict) for v in params.values()):
+        unsupported("rope_parameters", "per-layer-type RoPE parameters", "one flat rope_parameters dict")
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        unsupported("partial_rotary_factor", partial, "1.0 (RoPE over the whole head)")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return theta, None, None
+    if kind not in ("linear", "dynamic", "llama3"):
+        unsupported("rope_scaling.rope_type", kind, "default, linear, dynamic or llama3")
+    factor = float(params["factor"])
+    scaling: dict[str, Any] = {"type": kind, "factor": factor}
+    max_seq_len = None
+    if kind == "dynamic":
+        # transformers' dynamic NTK is relative to max_position_embeddings (it ignores any
+        # original_max_position_embeddings in the dict), and stretches the usable context by `factor`.
+        scaling["original_max_position_embeddings"] = max_pos
+        max_seq_len = int(max_pos * factor)
+    elif kind == "llama3":
+        original = params.get("original_max_position_embeddings", max_pos)
+        scaling["original_max_position_embeddings"] = int(original)
+        scaling["low_freq_factor"] = float(params["low_freq_factor"])
+        scaling["high_freq_factor"] = float(params["high_freq_factor"])
+    return theta, scaling, max_seq_len
+
+
+def _window_from_hf(hf: dict[str, Any], model_type: str, n_layers: int) -> int | None:
+    """The one sliding window all layers share, or None; mixed full/sliding layers are rejected."""
+    window = hf.get("sliding_window", _DEFAULTS[model_type]["sliding_window"])
+    if model_type == "llama":
+        return None  # Llama has no sliding window; the key is ignored by transformers too
+    if model_type == "mistral":
+        return window
+    if not hf.get("use_sliding_window", False):
+        return None  # transformers sets Qwen2's sliding_window to None in this case
+    first_sliding = hf.get("max_window_layers", 28)
+    layer_types = hf.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+        for i in range(n_layers)
+    ]
+    kinds = set(layer_types)
+    if kinds == {"full_attention"} or window is None:
+        return None
+    if kinds == {"sliding_attention"}:
+        return window
+    unsupported(
+        "use_sliding_window/max_window_layers (layer_types)",
+        f"sliding window on only some layers ({layer_types.count('sliding_attention')} of {n_layers})",
+        "the window on every layer (max_window_layers=0) or on none (use_sliding_window=false)",
+    )
+    return None  # unreachable: unsupported() raises
+
+
+def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig keyword arguments for a Llama / Mistral / Qwen2 config.json dict."""
+    model_type = hf["model_type"]
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        unsupported("hidden_act", act, "silu (SwiGLU)")
+    if float(hf.get("attention_dropout") or 0.0) > 0:
+        unsupported(
+            "attention_dropout", hf["attention_dropout"],
+            "0.0 (lmforge's one dropout also acts on residuals and embeddings: set model.dropout instead)",
+        )
+    bias = qkv_bias = False
+    if model_type == "llama":
+        attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+        if attn_bias != mlp_bias:
+            unsupported(
+                "attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}",
+                "both false, or both true (biases in every linear layer)",
+            )
+        bias = attn_bias
+    elif model_type == "qwen2":
+        qkv_bias = True
+    d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    n_layers = int(hf["num_hidden_layers"])
+    n_kv = hf.get("num_key_value_heads", _DEFAULTS[model_type]["num_key_value_heads"]) or n_heads
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and d_model % n_heads == 0 and head_dim == d_model // n_heads:
+        head_dim = None  # the default: keep configs minimal so that round trips compare equal
+    max_pos = int(hf.get("max_position_embeddings", _DEFAULTS[model_type]["max_position_embeddings"]))
+    theta, scaling, long_len = _rope_from_hf(hf, max_pos)
+    return dict(
+        vocab_size=int(hf["vocab_size"]),
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv) if n_kv != n_heads else None,
+        head_dim=head_dim,
+        d_ff=int(hf["intermediate_size"]),
+        max_seq_len=long_len or max_pos,
+        norm="rmsnorm",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        pos_embedding="rope",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        mlp="swiglu",
+        bias=bias,
+        qkv_bias=qkv_bias,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        dropout=0.0,
+        sliding_window=_window_from_hf(hf, model_type, n_layers),
+    )
+
+
+def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
+    """The family member that expresses `cfg` (or check `requested`); LmforgeError when none does."""
+    problems = []
+    if cfg.norm != "rmsnorm":
+        problems.append(f"norm={cfg.norm} (needs rmsnorm)")
+    if cfg.mlp != "swiglu":
+        problems.append(f"mlp={cfg.mlp} (needs swiglu)")
+    if cfg.pos_embedding != "rope":
+        problems.append(f"pos_embedding={cfg.pos_embedding} (needs rope)")
+    if requested is None:
+        if cfg.qkv_bias and not cfg.bias:
+            requested = "qwen2"
+        elif cfg.sliding_window is not None:
+            requested = "mistral"
+        else:
+            requested = "llama"
+    if requested == "llama" and cfg.sliding_window is not None:
+        problems.append("sliding_window is set (Llama has none: use mistral or qwen2)")
+    if requested == "llama" and cfg.qkv_bias and not cfg.bias:
+        problems.append("qkv_bias without bias (Llama's attention_bias also covers o_proj: use qwen2)")
+    if requested == "mistral" and (cfg.bias or cfg.qkv_bias):
+        problems.append("bias/qkv_bias is set (Mistral has no biases)")
+    if requested == "qwen2" and (cfg.bias or not cfg.qkv_bias):
+        problems.append("Qwen2 has q/k/v biases only: needs qkv_bias=true and bias=false")
+    if problems:
+        raise LmforgeError(
+            f"this model cannot be exported as Hugging Face {requested!r}: " + "; ".join(problems)
+        )
+    return requested
+
+
+def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
+    """config.json keys of the family member `model_type` (checked by `model_type_for`)."""
+    scaling = cfg.rope_scaling
+    original = cfg.max_seq_len
+    if scaling is not None and scaling.original_max_position_embeddings is not None:
+        original = scaling.original_max_position_embeddings
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if scaling is not None:
+        rope = {"rope_type": scaling.type, "factor": scaling.factor}
+        if scaling.type == "llama3":
+            rope.update(
+                original_max_position_embeddings=original,
+                low_freq_factor=scaling.low_freq_factor,
+                high_freq_factor=scaling.high_freq_factor,
+            )
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.resolved_d_ff,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.resolved_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        # transformers' dynamic NTK takes max_position_embeddings as the original length.
+        "max_position_embeddings": original if scaling is not None and scaling.type == "dynamic"
+        else cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        # Dropout is a training setting; HF's Llama family has attention dropout only, so ours
+        # (attention + residual + embeddings) cannot be expressed: exports are for inference / fine-tuning.
+        "attention_dropout": 0.0,
+        # Both RoPE forms: 4.x reads rope_theta + rope_scaling, 5.x rope_parameters (or rope_scaling).
+        "rope_theta": cfg.rope_theta,
+        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+    }
+    if scaling is not None:
+        out["rope_scaling"] = dict(rope)
+    if model_type == "llama":
+        out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+    elif model_type == "mistral":
+        out["sliding_window"] = cfg.sliding_window
+    else:
+        window = cfg.sliding_window is not None
+        out.update(
+            use_sliding_window=window,
+            sliding_window=cfg.sliding_window,
+            max_window_layers=0 if window else cfg.n_layers,
+            layer_types=[("sliding_attention" if window else "full_attention")] * cfg.n_layers,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------- weights
+
+
+def _canonical(hf_name: str) -> str:
+    # Base-model checkpoints (LlamaModel rather than LlamaForCausalLM) have no "model." prefix.
+    if hf_name.startswith(("model.", "lm_head.")):
+        return hf_name
+    return "model." + hf_name
+
+
+def import_names(hf_name: str, cfg: ModelConfig) -> list[str] | None:
+    """Our parameter names filled by HF tensor `hf_name`: [] for known non-weights, None if unknown."""
+    if hf_name.endswith("rotary_emb.inv_freq"):
+        return []  # a RoPE buffer some old checkpoints saved; ours is derived from the config
+    name = _canonical(hf_name)
+    if name == "lm_head.weight" and cfg.tie_embeddings:
+        return []  # transformers also drops it in favour of the embedding when weights are tied
+    ours = KEYS.to_ours(name)
+    return None if ours is None else [ours]
+
+
+def import_tensor(hf_name: str, tensor: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """(our name, tensor) pairs for one HF tensor: a plain rename, no permutation needed."""
+    return [(ours, tensor) for ours in import_names(hf_name, cfg) or []]
+
+
+def hf_name(our_name: str, cfg: ModelConfig) -> str:
+    """The HF name holding our parameter (for messages)."""
+    return KEYS.to_hf(our_name) or our_name
+
+
+def export_tensors(
+    state: Mapping[str, torch.Tensor], cfg: ModelConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every parameter, in our order; the tied head is not written."""
+    for ours, tensor in state.items():
+        name = KEYS.to_hf(ours)
+        assert name is not None, f"no HF name for {ours}"
+        yield name, tensor
