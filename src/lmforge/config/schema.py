@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from lmforge.config.curate import CurateConfig
 from lmforge.models.presets import PRESETS
 
 
@@ -265,6 +266,8 @@ class Config(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="`lmforge eval` settings.")
     generate: GenerateConfig = Field(default_factory=GenerateConfig,
                                      description="`lmforge generate` settings.")
+    curate: CurateConfig = Field(default_factory=CurateConfig,
+                                 description="`lmforge data` corpus-cleaning pipeline.")
 
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:

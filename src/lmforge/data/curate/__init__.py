@@ -1,0 +1,1 @@
+"""Corpus curation (`lmforge data`): normalise, filter, redact, deduplicate, with a readable report."""
