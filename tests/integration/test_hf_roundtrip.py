@@ -73,6 +73,14 @@ def test_import_then_eval_generate_and_continue_training(hf_llama, tmp_path, sha
     hf_dir, hf_model, tok = hf_llama
     out = tmp_path / "imported"
     assert main(["import", str(hf_dir), str(out)]) == 0
+    import lmforge
+
+    direct = lmforge.from_hf(hf_dir)  # the contract: from_hf(path) -> model(input_ids) -> logits
+    x0 = torch.tensor([tok.encode("hello")])
+    with torch.no_grad():
+        torch.testing.assert_close(direct(x0), hf_model(x0).logits, atol=1e-5, rtol=0)
+    lmforge.to_hf(direct, tmp_path / "again")
+    assert (tmp_path / "again" / "config.json").is_file()
     run = load_run(out)
     assert run.step == 0 and run.cfg.model.n_kv_heads == 3 and run.cfg.model.tie_embeddings is False
     x = torch.tensor([tok.encode("import sys\nprint(sys.argv)")])
