@@ -65,7 +65,15 @@ def source_tokenizer(path: str | Path) -> Path | None:
         return tok if tok.is_file() else None
     run_dir, _ = find_weights(path)
     cfg = load_config(run_dir / "config.yaml")
-    tok = Path(cfg.data.dir or run_dir / "data") / "tokenizer.json"
+    cfg.run.dir = str(run_dir)
+    return run_tokenizer_file(cfg)
+
+
+def run_tokenizer_file(cfg: Config) -> Path | None:
+    """A run's tokenizer: the one its data prep wrote, else (an imported model) the one it names."""
+    from lmforge.data import data_dir
+
+    tok = data_dir(cfg) / "tokenizer.json"
     if not tok.is_file() and cfg.data.tokenizer.path:
         tok = Path(cfg.data.tokenizer.path)
     return tok if tok.is_file() else None

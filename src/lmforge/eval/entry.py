@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from lmforge.checkpoint.hf_io import find_weights, is_hf_dir
+from lmforge.checkpoint.hf_io import find_weights, is_hf_dir, run_tokenizer_file
 from lmforge.checkpoint.manager import load_states
 from lmforge.config.load import config_from_dict, load_config
 from lmforge.config.schema import Config
@@ -46,11 +46,10 @@ def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> L
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     device = resolve_device(cfg.train.device, World.from_env())
-    tok_path = data_dir(cfg) / "tokenizer.json"
-    if not tok_path.is_file() and cfg.data.tokenizer.path:  # an imported model keeps its own tokenizer
-        tok_path = Path(cfg.data.tokenizer.path)
-    if not tok_path.is_file():
-        raise LmforgeError(f"tokenizer {tok_path} of run {run_dir} is missing; was data.dir moved?")
+    tok_path = run_tokenizer_file(cfg)
+    if tok_path is None:
+        raise LmforgeError(f"the tokenizer of run {run_dir} is missing ({data_dir(cfg) / 'tokenizer.json'}); "
+                           "was data.dir moved?")
     tokenizer = Tokenizer.load(tok_path)
     model = build_model(cfg.model, device=device)
     step = load_states(ckpt, model)
