@@ -22,6 +22,29 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmforge.data.curate import curate
+
+    console = Console(highlight=False)
+    say = lambda m: console.print(m, markup=False)
+    summary = curate(_config(args), overwrite=args.overwrite, console=say)
+    table = Table(title="lmforge data", show_header=True)
+    table.add_column("step")
+    table.add_column("removed", justify="right")
+    for name, n in summary["removed"].items():
+        table.add_row(name, f"{n:,}")
+    table.add_row("documents in -> out", f"{summary['docs_in']:,} -> {summary['docs_out']:,}")
+    if summary["bad_input"]:
+        table.add_row("bad input skipped", f"{summary['bad_input']:,}")
+    console.print(table)
+    console.print(f"{len(summary['shards'])} shards in {summary['output_dir']}/data, "
+                  f"{summary['docs_per_s']:,.0f} docs/s; report: {summary['report']}", markup=False)
+    return 0
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from lmforge.train.trainer import train
 
@@ -88,6 +111,7 @@ def _run_path(args: argparse.Namespace) -> str:
 
 VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "prepare": (cmd_prepare, "read sources, train the tokenizer, write token shards"),
+    "data": (cmd_data, "clean, filter, redact and deduplicate a corpus (the curate section)"),
     "train": (cmd_train, "pretrain a model (prepares data on first use)"),
     "eval": (cmd_eval, "validation loss, perplexity and bits per byte of a run or checkpoint"),
     "generate": (cmd_generate, "sample text from a run or checkpoint"),
@@ -118,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "train":
             p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its "
                            "latest checkpoint")
+        if name == "data":
+            p.add_argument("--overwrite", action="store_true", help="replace an output dir that holds a "
+                           "run with different settings")
         if name in ("eval", "generate"):
             p.add_argument("path", nargs="?", help="run dir or checkpoint dir (default: run.dir of -c)")
         if name == "generate":

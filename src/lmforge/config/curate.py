@@ -22,7 +22,8 @@ class NormalizeStep(_Step):
     fix_mojibake: bool = Field(True, description="Repair mojibake with ftfy.")
     strip_control: bool = Field(True, description="Remove control characters other than tab and newline.")
     whitespace: bool = Field(
-        True, description="Collapse runs of spaces, strip line ends, at most 2 blank lines."
+        True, description="Unify line ends, no-break spaces to spaces, strip line ends, at most 2 blank "
+        "lines (indentation inside lines is kept: code stays intact)."
     )
 
 
@@ -105,7 +106,8 @@ class LanguageStep(_Step):
     step: Literal["language"] = "language"
     languages: list[str] = Field(default_factory=lambda: ["en"], description="Languages to keep (ISO 639-1).")
     min_score: float = Field(
-        0.5, ge=0, le=1, description="Min share of the document's words in a kept language."
+        0.5, ge=0, le=1,
+        description="Min share of the document's recognised stop words that belong to a kept language.",
     )
 
 

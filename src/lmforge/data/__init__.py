@@ -1,6 +1,5 @@
 """Text -> documents -> tokenizer -> token shards -> training batches."""
 
-from lmforge.data.loader import TokenLoader
 from lmforge.data.prepare import PreparedData, data_dir, load_prepared, prepare, split_of
 from lmforge.data.shards import (
     ShardWriter,
@@ -12,6 +11,16 @@ from lmforge.data.shards import (
 )
 from lmforge.data.sources import SourceStats, iter_documents
 from lmforge.data.tokenizer import Tokenizer
+
+
+def __getattr__(name: str):
+    # The loader needs torch; importing it lazily keeps curation worker processes light.
+    if name == "TokenLoader":
+        from lmforge.data.loader import TokenLoader
+
+        return TokenLoader
+    raise AttributeError(f"module 'lmforge.data' has no attribute {name!r}")
+
 
 __all__ = [
     "PreparedData",
