@@ -108,10 +108,11 @@ def quality(removed: set[str], truth: dict) -> dict:
             "positives": len(positives), "removed": len(removed)}
 
 
-def run_lmforge(corpus: Path, work: Path, workers: int, full: bool) -> tuple[float, set[str]]:
+def run_lmforge(corpus: Path, work: Path, workers: int, full: bool,
+                bands: int = BANDS) -> tuple[float, set[str]]:
     from lmforge.data.curate import curate
 
-    steps = (f"[{{step: minhash_dedup, ngram: {NGRAM}, num_perm: {BANDS * ROWS}, bands: {BANDS}, "
+    steps = (f"[{{step: minhash_dedup, ngram: {NGRAM}, num_perm: {BANDS * ROWS}, bands: {bands}, "
              "threshold: 0.8}]")
     overrides = [f"curate.inputs=[{corpus}]", f"curate.output_dir={work}", f"curate.workers={workers}",
                  "curate.docs_per_shard=2000"]
@@ -176,6 +177,8 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=50.0)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--lmforge-bands", type=int, default=BANDS,
+                    help="LSH bands on lmforge's side (same 112 hashes; rows = 112 // bands)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "curate_throughput.json"))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="lmforge-curate-bench-"))
@@ -195,7 +198,7 @@ def main() -> None:
                     sec, removed = run_datatrove(tmp / "corpus", work, args.workers)
                 else:
                     sec, removed = run_lmforge(tmp / "corpus" / "corpus.jsonl", work, args.workers,
-                                               full=name == "lmforge_full")
+                                               full=name == "lmforge_full", bands=args.lmforge_bands)
                 times[name].append(sec)
                 if r == 0 and name != "lmforge_full":
                     results[name] = quality(removed, truth)
@@ -217,7 +220,8 @@ def main() -> None:
                            "torch_cpu": torch.backends.cpu.get_cpu_capability(),
                            "python": platform.python_version(), "date": time.strftime("%Y-%m-%dT%H:%M:%S")},
                "corpus": {"docs": truth["docs"], "mb": mb, "injected": len(truth["pairs"])},
-               "settings": {"ngram": NGRAM, "bands": BANDS, "rows": ROWS, "workers": args.workers},
+               "settings": {"ngram": NGRAM, "bands": BANDS, "rows": ROWS, "workers": args.workers,
+                            "lmforge_bands": args.lmforge_bands},
                "rows": rows, "ratio_dedup": ratio}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=1))
