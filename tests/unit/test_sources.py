@@ -113,3 +113,20 @@ def test_builtin_python_yields_topics_then_stdlib_source():
     files = python_stdlib_files()
     assert len(files) > 100 and files == python_stdlib_files()
     assert not any(part in ("test", "tests", "site-packages", "idlelib") for f in files for part in f.parts)
+
+
+def test_parquet_files_are_read_by_text_column(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    from lmforge.config.schema import DataConfig
+    from lmforge.data.sources import SourceStats, iter_documents
+    from lmforge.errors import DataError
+
+    table = pa.table({"id": ["a", "b", "c"], "text": ["first doc", None, "third doc"]})
+    pq.write_table(table, tmp_path / "part-00000.parquet", row_group_size=2)
+    stats = SourceStats()
+    docs = list(iter_documents(DataConfig(sources=[str(tmp_path)]), stats))
+    assert docs == ["first doc", "third doc"] and stats.skipped_bad_json == 1
+    with pytest.raises(DataError, match="no 'body' column"):
+        list(iter_documents(DataConfig(sources=[str(tmp_path)], text_key="body"), SourceStats()))

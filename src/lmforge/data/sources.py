@@ -20,6 +20,7 @@ from lmforge.errors import DataError
 BUILTIN_PYTHON = "builtin:python"
 TEXT_EXTENSIONS = (".txt", ".md")
 JSONL_EXTENSIONS = (".jsonl",)
+PARQUET_EXTENSIONS = (".parquet",)
 MAX_EXAMPLES = 5  # example paths kept per kind of skip: enough to find the culprits, never unbounded
 
 # Stdlib folders that are not text-like prose/code: test suites (huge, full of deliberately odd files),
@@ -107,7 +108,7 @@ def _iter_source(src: str, cfg: DataConfig, stats: SourceStats) -> Iterator[str]
     path = Path(src)
     if path.is_dir():
         for f in walk_files(path):
-            if f.suffix.lower() in TEXT_EXTENSIONS + JSONL_EXTENSIONS:
+            if f.suffix.lower() in TEXT_EXTENSIONS + JSONL_EXTENSIONS + PARQUET_EXTENSIONS:
                 yield from _iter_file(f, cfg, stats)
             else:
                 stats.skipped_other_ext += 1
@@ -132,6 +133,9 @@ def walk_files(root: Path, skip_dirs: Collection[str] = ()) -> Iterator[Path]:
 def _iter_file(path: Path, cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
     if path.suffix.lower() in JSONL_EXTENSIONS:
         yield from _iter_jsonl(path, cfg, stats)
+        return
+    if path.suffix.lower() in PARQUET_EXTENSIONS:
+        yield from _iter_parquet(path, cfg, stats)
         return
     text = _decode(path.read_bytes(), str(path), 0, cfg, stats)
     stats.files += 1
@@ -179,6 +183,28 @@ def _iter_jsonl(path: Path, cfg: DataConfig, stats: SourceStats) -> Iterator[str
                 stats._note(stats.bad_json_examples, f"{path}:{lineno}")
                 continue
             yield record[cfg.text_key]
+
+
+def _iter_parquet(path: Path, cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
+    """One document per row of the text column, streamed a row group at a time (`lmforge data`
+    writes Parquet shards this reads)."""
+    import pyarrow.parquet as pq
+
+    stats.files += 1
+    try:
+        pf = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own ArrowInvalid / OSError family
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    if cfg.text_key not in pf.schema_arrow.names:
+        raise DataError(f"{path}: no {cfg.text_key!r} column (columns: {', '.join(pf.schema_arrow.names)}); "
+                        "set data.text_key to the text column")
+    for i in range(pf.num_row_groups):
+        for text in pf.read_row_group(i, columns=[cfg.text_key]).column(0).to_pylist():
+            if isinstance(text, str):
+                yield text
+            else:
+                stats.skipped_bad_json += 1  # a null or non-string cell: counted with malformed records
+                stats._note(stats.bad_json_examples, f"{path}: row group {i}")
 
 
 def _iter_builtin_python(cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
