@@ -173,20 +173,51 @@ class ModelConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw"] = Field("adamw", description="Optimizer.")
-    lr: float = Field(3e-4, gt=0.0, description="Peak learning rate.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="Adam beta1, beta2.")
+    name: Literal["adamw", "adam", "sgd", "lion", "adafactor"] = Field(
+        "adamw", description="Optimizer: adamw, adam (L2 decay), sgd, lion, adafactor."
+    )
+    lr: float = Field(3e-4, gt=0.0, description="Peak learning rate (adafactor relative_step: ignored).")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.95), description="Adam/AdamW/Lion beta1, beta2 (Lion paper: 0.9, 0.99)."
+    )
     eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
     weight_decay: float = Field(
-        0.1, ge=0.0, description="Decoupled weight decay (never applied to norms, biases, embeddings)."
+        0.1, ge=0.0, description="Weight decay (never applied to norms, biases, embeddings); L2 for adam/sgd."
     )
-    fused: bool | None = Field(None, description="Fused AdamW kernel (None: use it where supported).")
+    fused: bool | None = Field(
+        None, description="Fused Adam/AdamW kernel (None: use it where supported); adam/adamw only."
+    )
+    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum (0: plain SGD, no state).")
+    nesterov: bool = Field(False, description="SGD Nesterov momentum (needs momentum > 0).")
+    adafactor_beta1: float | None = Field(
+        None, ge=0.0, lt=1.0, description="Adafactor first-moment decay (None: no first moment)."
+    )
+    adafactor_eps: tuple[float, float] = Field(
+        (1e-30, 1e-3), description="Adafactor eps: added to g^2, and floor of the parameter scale."
+    )
+    relative_step: bool = Field(
+        False, description="Adafactor step size min(1e-2, 1/sqrt(t)) instead of lr (the schedule is ignored)."
+    )
+    scale_parameter: bool = Field(False, description="Adafactor: scale the step by the parameter RMS.")
+    warmup_init: bool = Field(
+        False, description="Adafactor relative step warm-up 1e-6*t (needs relative_step)."
+    )
+    clip_threshold: float = Field(1.0, gt=0.0, description="Adafactor: clip the update to this RMS.")
+    decay_rate: float = Field(
+        -0.8, lt=0.0, description="Adafactor second-moment rate: beta2_t = 1 - t^decay_rate."
+    )
 
     @model_validator(mode="after")
     def _check_betas(self) -> OptimConfig:
         for b in self.betas:
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"betas must lie in [0, 1), got {list(self.betas)}")
+        if self.nesterov and self.momentum <= 0.0:
+            raise ValueError("optim.nesterov needs optim.momentum > 0")
+        if self.warmup_init and not self.relative_step:
+            raise ValueError("optim.warmup_init needs optim.relative_step")
+        if self.fused and self.name not in ("adamw", "adam"):
+            raise ValueError(f"optim.fused applies to adamw/adam only, not {self.name}")
         return self
 
 
