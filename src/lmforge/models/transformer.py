@@ -119,20 +119,36 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Fresh initialisation, deterministic given torch's global seed.
+        """Fresh initialisation by `cfg.init`, deterministic given torch's global seed.
 
-        Linear weights and embeddings ~ N(0, init_std); attn.wo and mlp.w_down ~ N(0, init_std /
-        sqrt(2 * n_layers)); biases 0; norm weights 1 (LayerNorm bias 0). Also refills RoPE tables.
+        normal: linear weights and embeddings ~ N(0, init_std); attn.wo and mlp.w_down ~ N(0,
+        init_std / sqrt(2 * n_layers)) (GPT-2: keeps the residual stream's variance from growing
+        with depth). xavier: Glorot-uniform linear weights. kaiming: He-normal (fan_in, ReLU gain).
+        small_init (Nguyen & Salazar 2019; GPT-NeoX): hidden weights N(0, sqrt(2 / (5 d))),
+        residual outputs N(0, 2 / (n_layers sqrt(d))), embeddings and output head N(0, 1e-4).
+        Biases 0; norm weights 1 (LayerNorm bias 0). Also refills RoPE tables.
         """
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        cfg = self.cfg
+        std = cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.n_layers)
+        if cfg.init == "small_init":
+            std = math.sqrt(2.0 / (5.0 * cfg.d_model))
+            out_std = 2.0 / (cfg.n_layers * math.sqrt(cfg.d_model))
+        edge_std = 1e-4 if cfg.init == "small_init" else cfg.init_std  # embeddings, output head
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                nn.init.normal_(m.weight, mean=0.0, std=out_std if name.endswith(_RESIDUAL_OUT) else std)
+                if name == "output":
+                    nn.init.normal_(m.weight, mean=0.0, std=edge_std)
+                elif cfg.init == "xavier":
+                    nn.init.xavier_uniform_(m.weight)
+                elif cfg.init == "kaiming":
+                    nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
+                else:
+                    nn.init.normal_(m.weight, mean=0.0, std=out_std if name.endswith(_RESIDUAL_OUT) else std)
                 if m.bias is not None:
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
-                nn.init.normal_(m.weight, mean=0.0, std=std)
+                nn.init.normal_(m.weight, mean=0.0, std=edge_std)
             elif isinstance(m, (RMSNorm, nn.LayerNorm)):
                 m.reset_parameters()
         self.init_buffers()
