@@ -55,7 +55,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from lmforge.eval.entry import evaluate
 
-    evaluate(_run_path(args), args.set)
+    evaluate(_run_path(args), args.set, weights=args.weights)
     return 0
 
 
@@ -71,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         overrides.append(f"generate.prompt={json.dumps(args.prompt)}")
     console = Console(highlight=False)
-    for i, text in enumerate(generate_text(_run_path(args), overrides)):
+    for i, text in enumerate(generate_text(_run_path(args), overrides, weights=args.weights)):
         if i:
             console.rule()
         console.print(text, markup=False)
@@ -90,7 +90,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if args.format != "hf":
         raise LmforgeError(f"--format {args.format!r} is not supported; valid formats: hf")
-    export_hf(args.src, args.out, overwrite=args.overwrite, max_shard_size=int(args.max_shard_gb * 2**30))
+    export_hf(args.src, args.out, overwrite=args.overwrite, max_shard_size=int(args.max_shard_gb * 2**30),
+              weights=args.weights)
     return 0
 
 
@@ -98,6 +99,49 @@ def cmd_config(args: argparse.Namespace) -> int:
     from lmforge.config.load import dump_config
 
     sys.stdout.write(dump_config(_config(args)))
+    return 0
+
+
+def cmd_plot_schedule(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from lmforge.tools.plots import plot_schedule, schedule_curve
+
+    cfg = _config(args)
+    curve = schedule_curve(cfg, world_size=args.world_size)
+    out = plot_schedule(curve, args.out, title=f"{cfg.run.name}: {cfg.schedule.name} schedule")
+    console = Console(highlight=False)
+    last = len(curve.lrs) - 1
+    end = curve.warmup_end
+    console.print(f"schedule {cfg.schedule.name} in {cfg.schedule.unit}: {len(curve.lrs):,} steps, "
+                  f"{curve.max_tokens:,} tokens", markup=False)
+    console.print(f"peak lr      {max(curve.lrs):.4e} at step {curve.peak_step}", markup=False)
+    console.print("warm-up end  " + (f"step {end} ({curve.tokens[end]:,} tokens seen)" if end is not None
+                                     else "not reached within the run"), markup=False)
+    console.print(f"final lr     {curve.lrs[last]:.4e} at step {last}", markup=False)
+    console.print(f"wrote {out}", markup=False)
+    return 0
+
+
+def cmd_lr_find(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmforge.optim.lr_finder import lr_find
+
+    console = Console(highlight=False)
+    result = lr_find(_config(args), args.min_lr, args.max_lr, args.steps, args.out,
+                     say=lambda m: console.print(m, markup=False))
+    table = Table(title="lmforge lr-find", show_header=True)
+    table.add_column("suggestion")
+    table.add_column("lr", justify="right")
+    table.add_row("steepest descent", f"{result.steepest_lr:.2e}")
+    table.add_row("minimum / 10", f"{result.min_lr_div10:.2e}")
+    table.add_row("(loss minimum at)", f"{result.min_loss_lr:.2e}")
+    console.print(table)
+    stop = "diverged" if result.diverged else "ran to the end"
+    console.print(f"{len(result.lrs)} of {args.steps} steps ({stop}); smoothed loss "
+                  f"{result.smoothed[0]:.4f} -> {min(result.smoothed):.4f}; plot: {result.png}", markup=False)
     return 0
 
 
@@ -118,7 +162,14 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "import": (cmd_import, "convert a Hugging Face Llama, Mistral, Qwen2 or GPT-2 dir to an lmforge run"),
     "export": (cmd_export, "write a run, checkpoint or imported model as a Hugging Face model dir"),
     "config": (cmd_config, "print the resolved config (defaults + file + --set)"),
+    "plot-schedule": (cmd_plot_schedule, "draw the learning rate a run will use, step by step, to a PNG"),
+    "lr-find": (cmd_lr_find, "learning-rate range test on a fresh model: loss against an exponential lr "
+                "sweep, with suggested peak lrs"),
 }
+
+
+WEIGHTS = ("model", "ema", "swa")
+WEIGHTS_HELP = "the trained weights (model) or their average kept during training (averaging.ema / .swa)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
             if name == "export":
                 p.add_argument("--format", default="hf", help="output format (hf)")
+                p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
                 p.add_argument("--max-shard-gb", type=float, default=5.0,
                                help="split the weights into safetensors shards of at most this size")
             continue
@@ -146,9 +198,23 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--overwrite", action="store_true", help="replace an output dir that holds a "
                            "run with different settings")
         if name in ("eval", "generate"):
+            p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
             p.add_argument("path", nargs="?", help="run dir or checkpoint dir (default: run.dir of -c)")
         if name == "generate":
             p.add_argument("--prompt", help="text to continue (same as --set generate.prompt=...)")
+        if name == "plot-schedule":
+            p.add_argument("-o", "--out", default="schedule.png",
+                           help="PNG to write (default: schedule.png in the current dir; the run dir is "
+                           "never created)")
+            p.add_argument("--world-size", type=int, default=1,
+                           help="data-parallel ranks the run will use: they set the tokens per step")
+        if name == "lr-find":
+            p.add_argument("--min-lr", type=float, default=1e-7, help="first lr of the sweep")
+            p.add_argument("--max-lr", type=float, default=1.0, help="last lr of the sweep")
+            p.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep")
+            p.add_argument("-o", "--out", default="lr_find.png",
+                           help="PNG to write (default: lr_find.png in the current dir; the run dir is "
+                           "never created)")
     return parser
 
 

@@ -152,8 +152,9 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False, 
 
 
 def export_hf(src: str | Path, out_dir: str | Path, overwrite: bool = False,
-              max_shard_size: int = 5 * 2**30, say=print) -> Path:
-    """Write the model at `src` (run dir, checkpoint dir or imported dir) as a Hugging Face model dir."""
+              max_shard_size: int = 5 * 2**30, say=print, weights: str = "model") -> Path:
+    """Write the model at `src` (run dir, checkpoint dir or imported dir) as a Hugging Face model dir
+    (`weights` 'ema' / 'swa': the weight average kept during training instead of the trained weights)."""
     from lmforge.eval.entry import load_run
     from lmforge.models.hf import to_hf
 
@@ -162,7 +163,7 @@ def export_hf(src: str | Path, out_dir: str | Path, overwrite: bool = False,
         if not overwrite:
             raise LmforgeError(f"{out} is not empty; choose another output dir or pass --overwrite")
         shutil.rmtree(out)
-    run = load_run(src)
+    run = load_run(src, weights=weights)
     tokenizer_dir = Path(run.cfg.data.tokenizer.path).parent if run.cfg.data.tokenizer.path else None
     eos = run.tokenizer.eos_id
     # lmforge's own tokenizers use one end-of-text token for both ends (GPT-2's convention).
@@ -173,6 +174,7 @@ def export_hf(src: str | Path, out_dir: str | Path, overwrite: bool = False,
                 shutil.copy2(tokenizer_dir / name, out / name)
     else:
         run.tokenizer.save_hf(out, model_max_length=run.cfg.model.max_seq_len)
-    say(f"exported {run.checkpoint} (step {run.step}) to {out}")
+    say(f"exported {run.checkpoint} (step {run.step}{'' if weights == 'model' else ', ' + weights + ' weights'}) "
+        f"to {out}")
     return out
 

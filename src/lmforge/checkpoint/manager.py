@@ -133,12 +133,15 @@ class CheckpointManager:
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             train_state: dict[str, Any]) -> Path:
+             train_state: dict[str, Any], averages: dict[str, dict[str, torch.Tensor]] | None = None,
+             name: str | None = None) -> Path:
         """Write checkpoint `step` atomically and apply retention. Returns its path.
 
-        Without an optimizer only the model is saved (an imported model: a run at step 0)."""
-        final = self.root / f"step_{step:08d}"
-        tmp = self.root / f".tmp-step_{step:08d}"
+        Without an optimizer only the model is saved (an imported model: a run at step 0).
+        `averages` (kind -> FQN -> tensor: the EMA/SWA weights) are saved beside the model.
+        `name` (e.g. "best") saves outside the step sequence and its retention."""
+        final = self.root / (name or f"step_{step:08d}")
+        tmp = self.root / f".tmp-{final.name}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
@@ -146,6 +149,8 @@ class CheckpointManager:
             model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer else [],
                                                 options=StateDictOptions())
             state = {"model": model_sd, "optim": optim_sd} if optimizer else {"model": model_sd}
+            if averages:
+                state["averaging"] = averages
             with _quiet_single_process():
                 dcp.save(state, checkpoint_id=str(tmp / "state"))
             torch.save(train_state, tmp / f"rank_{self.rank:05d}.pt")
@@ -158,7 +163,7 @@ class CheckpointManager:
                 }
                 atomic_write_json(tmp / "meta.json", meta)
                 fsync_dir(tmp)
-                if final.exists():  # a re-save of the same step (e.g. after a rollback)
+                if final.exists():  # a re-save of the same step (e.g. after a rollback), or "best"
                     shutil.rmtree(final)
                 os.replace(tmp, final)
                 fsync_dir(self.root)
@@ -175,7 +180,7 @@ class CheckpointManager:
         ckpts = list_checkpoints(self.root)
         for old in ckpts[: max(0, len(ckpts) - self.keep_last)]:
             shutil.rmtree(old.path, ignore_errors=True)
-        for stale in self.root.glob(".tmp-step_*"):  # left by a crash during an earlier save
+        for stale in self.root.glob(".tmp-*"):  # left by a crash during an earlier save
             shutil.rmtree(stale, ignore_errors=True)
 
     # -- load ---------------------------------------------------------------------------------
@@ -183,28 +188,64 @@ class CheckpointManager:
         ckpts = list_checkpoints(self.root)
         return ckpts[-1] if ckpts else None
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Restore model and optimizer in place from checkpoint `path`; return this rank's train state."""
+    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+             averages: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
+        """Restore model and optimizer in place from checkpoint `path`; return this rank's train state.
+
+        The `averages` the checkpoint holds are loaded in place too; the train state's
+        "averages_loaded" lists which (a run that turned EMA on later has none yet)."""
         load_states(path, model, optimizer)
+        loaded = [k for k in (averages or {}) if k in saved_averages(path)]
+        if loaded:
+            _dcp_load({"averaging": {k: averages[k] for k in loaded}}, path)
         rank_file = path / f"rank_{self.rank:05d}.pt"
         try:
-            return torch.load(rank_file, weights_only=True)
+            state = torch.load(rank_file, weights_only=True)
         except Exception as e:
             raise CheckpointError(f"cannot read train state {rank_file}: {e}") from None
+        state["averages_loaded"] = loaded
+        return state
 
 
-def load_states(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
-    """Load model (and optimizer) state of checkpoint `path` in place. Returns its step."""
-    meta = read_meta(path)
-    check_shapes(path, meta, model)
-    optimizers = [optimizer] if optimizer is not None else []
-    model_sd, optim_sd = get_state_dict(model, optimizers)
-    state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+def saved_averages(path: Path) -> set[str]:
+    """Kinds of weight averages ('ema', 'swa') checkpoint `path` holds."""
+    try:
+        keys = dcp.FileSystemReader(str(path / "state")).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+    return {k.split(".")[1] for k in keys if k.startswith("averaging.")}
+
+
+def _dcp_load(state: dict, path: Path) -> None:
     try:
         with _quiet_single_process():
             dcp.load(state, checkpoint_id=str(path / "state"))
     except Exception as e:  # DCP wraps reader errors in its own exception types
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+
+
+def load_states(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                weights: str = "model") -> int:
+    """Load model (and optimizer) state of checkpoint `path` in place. Returns its step.
+
+    `weights` 'ema' or 'swa' loads that weight average into the model instead of the trained weights."""
+    meta = read_meta(path)
+    check_shapes(path, meta, model)
+    if weights != "model":
+        if weights not in saved_averages(path):
+            have = sorted(saved_averages(path))
+            raise CheckpointError(
+                f"checkpoint {path} holds no {weights} weights (it has: model"
+                + "".join(f", {k}" for k in have) + f"); train with averaging.{weights}=true to keep them"
+            )
+        # The average is FQN-keyed like the model, so DCP loads it straight into the parameters.
+        params = dict(model.named_parameters())
+        _dcp_load({"averaging": {weights: params}}, path)
+        return int(meta["step"])
+    optimizers = [optimizer] if optimizer is not None else []
+    model_sd, optim_sd = get_state_dict(model, optimizers)
+    state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
+    _dcp_load(state, path)
     set_state_dict(model, optimizers, model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))
     return int(meta["step"])

@@ -2,6 +2,7 @@
 
 from lmforge.config.load import dump_config, load_config, save_config, validate_config
 from lmforge.config.schema import (
+    AveragingConfig,
     CheckpointConfig,
     Config,
     DataConfig,
@@ -10,16 +11,19 @@ from lmforge.config.schema import (
     LoggingConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     RopeScalingConfig,
     RunConfig,
     ScheduleConfig,
+    StabilityConfig,
     TokenizerConfig,
     TrainConfig,
 )
 
 __all__ = [
-    "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "GenerateConfig", "LoggingConfig",
-    "ModelConfig", "OptimConfig", "RopeScalingConfig", "RunConfig", "ScheduleConfig", "TokenizerConfig",
+    "AveragingConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "GenerateConfig", "LoggingConfig",
+    "ModelConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig", "RunConfig", "ScheduleConfig",
+    "StabilityConfig", "TokenizerConfig",
     "TrainConfig",
     "dump_config", "load_config", "save_config", "validate_config",
 ]

@@ -121,6 +121,11 @@ class ModelConfig(Section):
         None, description="RoPE scaling for context extension (None: plain RoPE)."
     )
     init_std: float = Field(0.02, gt=0.0, description="Std of the normal init of weights.")
+    init: Literal["normal", "xavier", "kaiming", "small_init"] = Field(
+        "normal", description="Weight init: normal(init_std) with residual projections scaled by "
+        "1/sqrt(2*n_layers); xavier (Glorot uniform); kaiming (He normal, fan_in); small_init "
+        "(normal with embeddings/output at 1e-4 scale and hidden std sqrt(2/(5*d_model)))."
+    )
     init_from: str | None = Field(
         None, description="Start from these weights instead of a random init: a Hugging Face model dir, "
         "an `lmforge import` dir, a run dir or a checkpoint dir (the shapes must match this section)."
@@ -173,8 +178,10 @@ class ModelConfig(Section):
 
 
 class OptimConfig(Section):
-    name: Literal["adamw", "adam", "sgd", "lion", "adafactor"] = Field(
-        "adamw", description="Optimizer: adamw, adam (L2 decay), sgd, lion, adafactor."
+    name: Literal["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "sophia", "muon"] = Field(
+        "adamw", description="Optimizer: adamw, adam (L2 decay), sgd, lion, adafactor, adamw8bit "
+        "(block-wise 8-bit moments), sophia (clipped, Hessian-diagonal preconditioned), muon "
+        "(orthogonalised momentum on 2-D hidden weights, adamw on the rest)."
     )
     lr: float = Field(3e-4, gt=0.0, description="Peak learning rate (adafactor relative_step: ignored).")
     betas: tuple[float, float] = Field(
@@ -206,6 +213,24 @@ class OptimConfig(Section):
     decay_rate: float = Field(
         -0.8, lt=0.0, description="Adafactor second-moment rate: beta2_t = 1 - t^decay_rate."
     )
+    quant_block_size: int = Field(
+        256, ge=16, description="adamw8bit: elements per quantisation block (one absmax scale each)."
+    )
+    quant_min_size: int = Field(
+        4096, ge=0, description="adamw8bit: tensors with fewer elements keep fp32 moments."
+    )
+    quant_backend: Literal["auto", "torch", "bitsandbytes"] = Field(
+        "auto", description="adamw8bit kernel: bitsandbytes on CUDA when installed (auto), else pure PyTorch."
+    )
+    sophia_rho: float = Field(0.04, gt=0.0, description="Sophia: clipping scale rho of the preconditioned step.")
+    hessian_every: int = Field(10, ge=1, description="Sophia: estimate the Hessian diagonal every k steps.")
+    hessian_estimator: Literal["gnb", "hutchinson"] = Field(
+        "gnb", description="Sophia Hessian-diagonal estimate: Gauss-Newton-Bartlett or Hutchinson."
+    )
+    muon_lr: float = Field(0.02, gt=0.0, description="Muon: peak lr of the 2-D hidden weights (schedule applies).")
+    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="Muon: momentum.")
+    muon_nesterov: bool = Field(True, description="Muon: Nesterov momentum.")
+    muon_ns_steps: int = Field(5, ge=1, description="Muon: Newton-Schulz iterations.")
 
     @model_validator(mode="after")
     def _check_betas(self) -> OptimConfig:
@@ -222,14 +247,107 @@ class OptimConfig(Section):
 
 
 class ScheduleConfig(Section):
-    name: Literal["cosine", "linear", "constant"] = Field(
-        "cosine", description="Shape after warm-up: cosine or linear decay to min_lr_ratio, or constant."
+    """The learning-rate schedule. Lengths count optimizer steps (`*_steps` keys) or tokens seen
+    (`*_tokens` keys), as `unit` says; keys of the other unit are errors, never silently ignored."""
+
+    name: Literal[
+        "cosine", "linear", "constant", "inverse_sqrt", "polynomial", "one_cycle", "wsd", "constant_cooldown"
+    ] = Field(
+        "cosine", description="Shape after warm-up: cosine, linear or polynomial decay to min_lr_ratio; "
+        "constant; inverse_sqrt; one_cycle (torch OneCycleLR); wsd (warmup-stable-decay, as transformers); "
+        "constant_cooldown (constant, then a cooldown at the end, Hägele et al. 2024)."
     )
-    warmup_steps: int = Field(100, ge=0, description="Linear warm-up steps from 0 to the peak lr.")
-    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak.")
+    unit: Literal["steps", "tokens"] = Field(
+        "steps", description="What the schedule counts: optimizer steps, or tokens seen (stays right when "
+        "the batch size ramps up)."
+    )
+    warmup_steps: int | None = Field(
+        None, ge=0, description="Linear warm-up steps from 0 to the peak lr (None: 100; one_cycle: none)."
+    )
+    warmup_tokens: int | None = Field(
+        None, ge=0, description="unit=tokens: linear warm-up tokens (0: none; one_cycle: leave unset)."
+    )
+    min_lr_ratio: float = Field(
+        0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak (cosine, linear, polynomial, "
+        "wsd, constant_cooldown)."
+    )
     decay_steps: int | None = Field(
-        None, ge=1, description="Step at which the decay ends (None: train.max_steps)."
+        None, ge=1, description="Step at which the decay (one_cycle: the cycle) ends (None: train.max_steps)."
     )
+    decay_tokens: int | None = Field(
+        None, ge=1, description="unit=tokens: tokens seen when the decay ends (None: all the run's tokens)."
+    )
+    power: float = Field(1.0, gt=0.0, description="polynomial: exponent of the decay (1: linear).")
+    timescale_steps: int | None = Field(
+        None, ge=1, description="inverse_sqrt: lr = peak / sqrt((step - warmup + t) / t) after warm-up "
+        "(None: the warm-up length, or 10000 without warm-up)."
+    )
+    timescale_tokens: int | None = Field(
+        None, ge=1, description="unit=tokens: inverse_sqrt timescale in tokens (None: warmup_tokens)."
+    )
+    cooldown_fraction: float | None = Field(
+        None, gt=0.0, le=1.0, description="wsd/constant_cooldown: the final decay spans this fraction of "
+        "the schedule up to its decay end (None: 0.2, unless cooldown_steps/cooldown_tokens is set)."
+    )
+    cooldown_steps: int | None = Field(
+        None, ge=1, description="wsd/constant_cooldown: the final decay spans this many steps."
+    )
+    cooldown_tokens: int | None = Field(
+        None, ge=1, description="unit=tokens: wsd/constant_cooldown final decay length in tokens."
+    )
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = Field(
+        "1-sqrt", description="wsd/constant_cooldown: shape of the final decay (constant_cooldown: linear "
+        "or 1-sqrt)."
+    )
+    pct_start: float = Field(
+        0.3, gt=0.0, lt=1.0, description="one_cycle: fraction of the cycle spent rising to the peak lr."
+    )
+    div_factor: float = Field(25.0, ge=1.0, description="one_cycle: the cycle starts at peak / div_factor.")
+    final_div_factor: float = Field(
+        1e4, ge=1.0, description="one_cycle: the cycle ends at peak / (div_factor * final_div_factor)."
+    )
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> ScheduleConfig:
+        own, other = ("steps", "tokens") if self.unit == "steps" else ("tokens", "steps")
+        for key in ("warmup", "decay", "cooldown", "timescale"):
+            if getattr(self, f"{key}_{other}") is not None:
+                raise ValueError(f"schedule.{key}_{other} counts {other} but schedule.unit={self.unit}; "
+                                 f"use schedule.{key}_{own} or set schedule.unit={other}")
+        warmup, decay = getattr(self, f"warmup_{own}"), getattr(self, f"decay_{own}")
+        cooldown = getattr(self, f"cooldown_{own}")
+        if self.name == "one_cycle" and warmup:
+            raise ValueError(f"schedule.name=one_cycle rises from peak/div_factor over pct_start of the "
+                             f"cycle; remove schedule.warmup_{own} (or set it to 0) and tune "
+                             "schedule.pct_start")
+        if self.unit == "tokens" and warmup is None and self.name != "one_cycle":
+            raise ValueError("schedule.unit=tokens needs schedule.warmup_tokens (tokens of linear warm-up; "
+                             "0 for none)")
+        if decay is not None and self.name in ("constant", "inverse_sqrt"):
+            raise ValueError(f"schedule.name={self.name} never ends a decay; remove schedule.decay_{own}")
+        if decay is not None and warmup is not None and decay <= warmup:
+            raise ValueError(f"schedule.decay_{own}={decay} must exceed schedule.warmup_{own}={warmup}: "
+                             "the decay ends after the warm-up")
+        set_cooldown = [k for k in (f"cooldown_{own}", "cooldown_fraction") if getattr(self, k) is not None]
+        if set_cooldown and self.name not in ("wsd", "constant_cooldown"):
+            raise ValueError(f"schedule.{set_cooldown[0]} applies to name=wsd or constant_cooldown, "
+                             f"not {self.name}")
+        if len(set_cooldown) == 2:
+            raise ValueError(f"set one of schedule.cooldown_{own} and schedule.cooldown_fraction, not both")
+        if cooldown is not None and decay is not None and cooldown + (warmup or 0) > decay:
+            raise ValueError(f"schedule.cooldown_{own}={cooldown} does not fit between the warm-up "
+                             f"({warmup or 0}) and schedule.decay_{own}={decay}; shorten it or raise "
+                             f"schedule.decay_{own}")
+        if getattr(self, f"timescale_{own}") is not None and self.name != "inverse_sqrt":
+            raise ValueError(f"schedule.timescale_{own} applies to name=inverse_sqrt, not {self.name}")
+        if (self.name == "inverse_sqrt" and self.unit == "tokens" and not warmup
+                and self.timescale_tokens is None):
+            raise ValueError("schedule.name=inverse_sqrt with unit=tokens and no warm-up needs "
+                             "schedule.timescale_tokens (the tokens over which the lr falls to 1/sqrt(2))")
+        if self.name == "constant_cooldown" and self.decay_shape == "cosine":
+            raise ValueError("schedule.name=constant_cooldown cools down as linear or 1-sqrt; set "
+                             "schedule.decay_shape to one of those, or use name=wsd for a cosine decay")
+        return self
 
 
 class TrainConfig(Section):
@@ -238,6 +356,18 @@ class TrainConfig(Section):
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
     seq_len: int | None = Field(None, ge=1, description="Training sequence length (None: model.max_seq_len).")
     grad_clip: float = Field(1.0, ge=0.0, description="Clip gradients to this global norm (0: off).")
+    grad_clip_value: float = Field(
+        0.0, ge=0.0, description="Clamp every gradient element to [-v, v] before the norm clip (0: off)."
+    )
+    log_group_stats: bool = Field(
+        True, description="Log per-group gradient norms and update/parameter norm ratios at log steps."
+    )
+    batch_warmup_tokens: int = Field(
+        0, ge=0, description="Ramp tokens per optimizer step linearly over this many tokens (0: off)."
+    )
+    batch_warmup_start_tokens: int | None = Field(
+        None, ge=1, description="Tokens per step at the start of the ramp (None: one micro-batch per rank)."
+    )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="fp32, bf16/fp16 autocast; auto measures what is fast on this device."
     )
@@ -257,6 +387,69 @@ class CheckpointConfig(Section):
     every: int = Field(500, ge=0, description="Save a checkpoint every this many steps (0: only at the end).")
     keep_last: int = Field(3, ge=1, description="Keep this many most recent checkpoints.")
     save_final: bool = Field(True, description="Save a checkpoint when training ends.")
+    keep_best: bool = Field(
+        False, description="Also keep the checkpoint with the lowest validation loss (checkpoints/best)."
+    )
+
+
+class ParallelConfig(Section):
+    dp_replicate: int = Field(1, ge=1, description="Data-parallel replicas (DDP, or HSDP's replicate dim).")
+    dp_shard: int = Field(
+        -1, ge=-1, description="Data-parallel shard degree for FSDP (-1: whatever the other degrees leave)."
+    )
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (heads and MLP width split).")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel stages (layers split).")
+    zero: Literal[1, 2, 3] = Field(
+        3, description="With dp_shard > 1: 3 shards params+grads+optimizer (FSDP2), 2 keeps params "
+        "unsharded after forward, 1 shards optimizer state only."
+    )
+    sequence_parallel: bool = Field(True, description="With tp > 1: shard norms and residuals on the sequence.")
+    cpu_offload: bool = Field(False, description="FSDP: keep sharded params, grads and optimizer state on CPU.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="Pipeline schedule."
+    )
+    pp_microbatches: int | None = Field(
+        None, ge=1, description="Pipeline micro-batches per step (None: train.grad_accum_steps)."
+    )
+    pp_stages_per_rank: int = Field(1, ge=1, description="Virtual stages per rank (interleaved schedule).")
+    param_dtype: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="FSDP compute dtype of params (auto: bf16 with bf16 precision, else fp32)."
+    )
+    reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="FSDP gradient reduce dtype.")
+    timeout_s: int = Field(600, ge=10, description="Collective timeout: a dead rank stops the job after this.")
+
+
+class StabilityConfig(Section):
+    max_nonfinite: int = Field(
+        5, ge=1, description="Stop (with a checkpoint) after this many consecutive steps with NaN/Inf "
+        "loss or gradients; each one is skipped, never applied."
+    )
+    spike_detection: bool = Field(False, description="Detect loss spikes (robust z-score) and recover.")
+    spike_window: int = Field(50, ge=5, description="Trailing steps the median/MAD of the loss is taken over.")
+    spike_min_history: int = Field(20, ge=3, description="Steps of history before spikes are judged.")
+    spike_z: float = Field(6.0, gt=0.0, description="Robust z-score (0.6745*(x-median)/MAD) that counts as a spike.")
+    spike_action: Literal["rollback", "skip", "log"] = Field(
+        "rollback", description="rollback: reload the last good checkpoint and skip the data since; "
+        "skip: drop this update only; log: record the event and go on."
+    )
+    spike_lr_factor: float = Field(
+        1.0, gt=0.0, le=1.0, description="Multiply the lr by this after each recovery (1: unchanged)."
+    )
+    spike_max_recoveries: int = Field(5, ge=0, description="Give up (stop with an error) after this many recoveries.")
+    early_stopping_patience: int = Field(
+        0, ge=0, description="Stop when val_loss has not improved for this many evaluations (0: off)."
+    )
+    early_stopping_min_delta: float = Field(0.0, ge=0.0, description="Improvement that counts for early stopping.")
+
+
+class AveragingConfig(Section):
+    ema: bool = Field(False, description="Keep an exponential moving average of the weights.")
+    ema_decay: float = Field(0.999, gt=0.0, lt=1.0, description="EMA decay per update.")
+    ema_every: int = Field(1, ge=1, description="Update the EMA every this many steps.")
+    swa: bool = Field(False, description="Keep a stochastic weight average (equal-weight mean of snapshots).")
+    swa_start: int = Field(0, ge=0, description="First step that enters the SWA mean.")
+    swa_every: int = Field(10, ge=1, description="Add a snapshot to the SWA mean every this many steps.")
+    eval_averaged: bool = Field(True, description="Also report val loss of the EMA/SWA weights at each evaluation.")
 
 
 class LoggingConfig(Section):
@@ -293,6 +486,10 @@ class Config(Section):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
+    stability: StabilityConfig = Field(default_factory=StabilityConfig,
+                                       description="Non-finite guard, loss-spike recovery, early stopping.")
+    averaging: AveragingConfig = Field(default_factory=AveragingConfig, description="Weight EMA and SWA.")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="Distributed layout.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Logging.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="`lmforge eval` settings.")
     generate: GenerateConfig = Field(default_factory=GenerateConfig,

@@ -33,12 +33,15 @@ class LoadedRun:
     device: torch.device
 
 
-def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRun:
-    """Rebuild the model of a run from its resolved config.yaml and load checkpoint weights."""
+def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = (), weights: str = "model") -> LoadedRun:
+    """Rebuild the model of a run from its resolved config.yaml and load checkpoint weights
+    (`weights`: the trained ones, or their 'ema' / 'swa' average kept during training)."""
     path = Path(path)
     if not path.exists():
         raise LmforgeError(f"no such run or checkpoint: {path}")
     if is_hf_dir(path):
+        if weights != "model":
+            raise LmforgeError(f"{path} is a Hugging Face model dir: it has no {weights} weights")
         return _load_hf_dir(path, overrides)
     run_dir, ckpt = find_weights(path)
     cfg = load_config(run_dir / "config.yaml", overrides)
@@ -52,7 +55,7 @@ def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> L
                            "was data.dir moved?")
     tokenizer = Tokenizer.load(tok_path)
     model = build_model(cfg.model, device=device)
-    step = load_states(ckpt, model)
+    step = load_states(ckpt, model, weights=weights)
     model.eval()
     return LoadedRun(cfg, run_dir, ckpt, step, model, tokenizer, device)
 
@@ -73,9 +76,10 @@ def _load_hf_dir(path: Path, overrides) -> LoadedRun:
     return LoadedRun(cfg, path, path, 0, model, Tokenizer.load(path / "tokenizer.json"), device)
 
 
-def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=print) -> dict[str, float]:
+def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=print,
+             weights: str = "model") -> dict[str, float]:
     """Loss, perplexity and bits per byte of a run's checkpoint on its validation (or train) split."""
-    run = load_run(path, overrides)
+    run = load_run(path, overrides, weights)
     cfg = run.cfg
     data = prepare(cfg, console=lambda *_: None)
     loader = TokenLoader(data.shards(cfg.eval.split), cfg.seq_len, cfg.eval.batch_size,
@@ -86,16 +90,18 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
     token_bytes = torch.as_tensor(run.tokenizer.token_byte_lengths(), dtype=torch.long)
     out = evaluate_loss(run.model, loader.iter_eval_batches(cfg.eval.max_batches), precision, token_bytes,
                         run.device)
-    result = {"step": run.step, "split": cfg.eval.split, **out}
-    atomic_write_json(run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}.json", result)
-    say(f"{run.checkpoint} ({cfg.eval.split}, {out['tokens']:,} tokens): loss {out['loss']:.4f}  "
+    result = {"step": run.step, "split": cfg.eval.split, "weights": weights, **out}
+    suffix = "" if weights == "model" else f"_{weights}"
+    atomic_write_json(run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}{suffix}.json", result)
+    say(f"{run.checkpoint}{suffix} ({cfg.eval.split}, {out['tokens']:,} tokens): loss {out['loss']:.4f}  "
         f"ppl {out['ppl']:.2f}" + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else ""))
     return result
 
 
-def generate_text(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+def generate_text(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
+                  weights: str = "model") -> list[str]:
     """Continue `generate.prompt` with a run's checkpoint; returns prompt + continuation per sample."""
-    run = load_run(path, overrides)
+    run = load_run(path, overrides, weights)
     g = run.cfg.generate
     prompt_ids = run.tokenizer.encode(g.prompt) if g.prompt else [run.tokenizer.eos_id]
     outs = generate(run.model, prompt_ids, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,

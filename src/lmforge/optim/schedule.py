@@ -1,7 +1,9 @@
-"""Learning-rate schedules as pure functions of the step: step -> lr multiplier in [0, 1].
+"""Learning-rate schedules as pure functions: position -> lr multiplier (1 at the peak lr).
 
-Pure functions make resume trivial (the step counter is the whole state) and let
-`LambdaLR`-free code ask "what lr will step k use?" without building an optimizer.
+Pure functions make resume trivial (the step counter and the tokens seen are the whole state) and let
+`LambdaLR`-free code ask "what lr will step k use?" without building an optimizer. A schedule counts
+optimizer steps or tokens seen (`schedule.unit`); counting tokens keeps the warm-up and decay where
+they belong when the batch size ramps up and steps stop being proportional to tokens.
 """
 
 from __future__ import annotations
@@ -10,29 +12,126 @@ import math
 from collections.abc import Callable
 
 from lmforge.config.schema import ScheduleConfig
+from lmforge.errors import ConfigError
+
+DEFAULT_WARMUP_STEPS = 100
+DEFAULT_COOLDOWN_FRACTION = 0.2  # Hägele et al. 2024: a 20% cooldown matches a full cosine run
+DEFAULT_TIMESCALE_STEPS = 10_000  # transformers' get_inverse_sqrt_schedule without warm-up
 
 
-def lr_multiplier(step: int, cfg: ScheduleConfig, max_steps: int) -> float:
-    """The factor applied to the peak lr at optimizer step `step` (0-based).
+def warmup_length(cfg: ScheduleConfig) -> int:
+    """The linear warm-up in `cfg.unit`: the key that was set, else 100 steps (one_cycle: none)."""
+    n = cfg.warmup_steps if cfg.unit == "steps" else cfg.warmup_tokens
+    if n is not None:
+        return n
+    return DEFAULT_WARMUP_STEPS if cfg.unit == "steps" and cfg.name != "one_cycle" else 0
 
-    Linear warm-up from 0 to the peak over `warmup_steps`, then a cosine or linear decay to
-    `min_lr_ratio` at `decay_steps` (default: max_steps), then flat. The same values as
-    transformers' `get_*_schedule_with_warmup` (step 0 of a warm-up has lr 0).
+
+def decay_end(cfg: ScheduleConfig, total: int) -> int:
+    """Where the decay (one_cycle: the cycle) ends, in `cfg.unit`: the key that was set, else `total`."""
+    n = cfg.decay_steps if cfg.unit == "steps" else cfg.decay_tokens
+    return total if n is None else n
+
+
+def lr_multiplier(x: int, cfg: ScheduleConfig, total: int) -> float:
+    """The factor applied to the peak lr at position `x` (0-based): the optimizer step about to be
+    taken, or the tokens seen before it when `cfg.unit` is "tokens". `total` is the run's length in
+    the same unit (train.max_steps, or the tokens the whole run sees).
+
+    Every schedule but one_cycle starts with a linear warm-up from 0 (wsd: from min_lr_ratio, as
+    transformers' `get_wsd_schedule`) to the peak. The values equal transformers'
+    `get_*_schedule_with_warmup` / `get_inverse_sqrt_schedule` / `get_wsd_schedule` and torch's
+    `OneCycleLR` (step 0 of a warm-up has lr 0); past the decay end the lr stays at its floor.
     """
-    warmup = cfg.warmup_steps
-    if step < warmup:
-        return step / warmup
+    if cfg.name == "one_cycle":
+        return _one_cycle(x, cfg, decay_end(cfg, total))
+    warmup = warmup_length(cfg)
+    floor = cfg.min_lr_ratio
+    if x < warmup:
+        if cfg.name == "wsd":
+            return x / warmup * (1.0 - floor) + floor
+        return x / warmup
     if cfg.name == "constant":
         return 1.0
-    end = cfg.decay_steps or max_steps
+    if cfg.name == "inverse_sqrt":
+        timescale = _timescale(cfg, warmup)
+        return 1.0 / math.sqrt((x + (timescale - warmup)) / timescale)
+    end = decay_end(cfg, total)
+    if cfg.name in ("wsd", "constant_cooldown"):
+        return _cooldown(x, cfg, end, floor)
     span = max(1, end - warmup)
-    progress = min(1.0, (step - warmup) / span)
-    floor = cfg.min_lr_ratio
+    progress = min(1.0, (x - warmup) / span)
     if cfg.name == "cosine":
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if cfg.name == "polynomial":
+        return floor + (1.0 - floor) * (1.0 - progress) ** cfg.power
     return floor + (1.0 - floor) * (1.0 - progress)
 
 
-def make_schedule(cfg: ScheduleConfig, max_steps: int, peak_lr: float) -> Callable[[int], float]:
-    """step -> absolute lr."""
-    return lambda step: peak_lr * lr_multiplier(step, cfg, max_steps)
+def make_schedule(cfg: ScheduleConfig, peak_lr: float, max_steps: int,
+                  max_tokens: int) -> Callable[[int, int], float]:
+    """(step, tokens_seen) -> absolute lr for the optimizer step about to be taken (0-based step;
+    tokens_seen before it). `max_tokens` is what the whole run will see."""
+    total = max_steps if cfg.unit == "steps" else max_tokens
+    if total < 1:
+        raise ConfigError(f"a schedule in {cfg.unit} needs a run of at least one {cfg.unit[:-1]}, "
+                          f"got {total}")
+    if cfg.name == "one_cycle" and _one_cycle_peak(cfg, decay_end(cfg, total)) <= 0:
+        raise ConfigError(f"schedule.pct_start={cfg.pct_start} puts one_cycle's peak before the first "
+                          f"step of a {decay_end(cfg, total)}-step cycle; raise pct_start or train longer")
+    if cfg.unit == "tokens":
+        return lambda step, tokens_seen: peak_lr * lr_multiplier(tokens_seen, cfg, max_tokens)
+    return lambda step, tokens_seen: peak_lr * lr_multiplier(step, cfg, max_steps)
+
+
+def _timescale(cfg: ScheduleConfig, warmup: int) -> int:
+    t = cfg.timescale_steps if cfg.unit == "steps" else cfg.timescale_tokens
+    if t is not None:
+        return t
+    return warmup or DEFAULT_TIMESCALE_STEPS  # tokens without warm-up: the config demands timescale_tokens
+
+
+def _cooldown(x: int, cfg: ScheduleConfig, end: int, floor: float) -> float:
+    """Flat at the peak, then the final decay over [end - length, end) to `floor`, then the floor.
+
+    The decay window is anchored at the end, so a warm-up that overlaps it wins where they meet,
+    exactly as transformers' wsd does when its stable phase comes out negative.
+    """
+    length = cfg.cooldown_steps if cfg.unit == "steps" else cfg.cooldown_tokens
+    if length is None:
+        length = (cfg.cooldown_fraction or DEFAULT_COOLDOWN_FRACTION) * end
+    start = end - length
+    if x < start:
+        return 1.0
+    if x >= end:
+        return floor
+    progress = (x - start) / length
+    if cfg.decay_shape == "linear":
+        factor = 1.0 - progress
+    elif cfg.decay_shape == "cosine":
+        factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        factor = 1.0 - math.sqrt(progress)
+    return factor * (1.0 - floor) + floor
+
+
+def _one_cycle_peak(cfg: ScheduleConfig, end: int) -> float:
+    # OneCycleLR numbers steps 0..total-1, so its rise ends at pct_start*total - 1 and its floor is reached
+    # at step total-1. Counted in tokens the cycle is continuous: from 0 to the run's last token.
+    return cfg.pct_start * end - (1 if cfg.unit == "steps" else 0)
+
+
+def _one_cycle(x: int, cfg: ScheduleConfig, end: int) -> float:
+    """torch's OneCycleLR (anneal_strategy="cos", three_phase=False) as a multiplier of its max_lr:
+    a cosine rise from 1/div_factor to 1, then a cosine fall to 1/(div_factor*final_div_factor)."""
+    start_lr = 1.0 / cfg.div_factor
+    min_lr = start_lr / cfg.final_div_factor
+    peak_at = _one_cycle_peak(cfg, end)
+    if x <= peak_at:
+        return _cos_anneal(start_lr, 1.0, x / peak_at)
+    last = end - 1 if cfg.unit == "steps" else end
+    return _cos_anneal(1.0, min_lr, min(1.0, (x - peak_at) / (last - peak_at)))
+
+
+def _cos_anneal(start: float, end: float, pct: float) -> float:
+    return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)

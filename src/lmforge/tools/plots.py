@@ -1,26 +1,30 @@
-"""Loss / lr curves of a run as a PNG, from its metrics.jsonl."""
+"""Curves as PNGs: a run's loss / lr (from its metrics.jsonl), the lr schedule a config will use,
+and the loss of a learning-rate range test."""
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from lmforge.metrics.loggers import read_metrics
+
+if TYPE_CHECKING:
+    from lmforge.config.schema import Config
 
 
 def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike, title: str = "") -> Path | None:
     """Draw train/val loss (top) and learning rate (bottom) against step. None if nothing to draw."""
     records = read_metrics(metrics_path)
-    train = [r for r in records if "loss" in r]
+    train = [r for r in records if "loss" in r and "event" not in r]
     val = [r for r in records if "val_loss" in r]
     if not train and not val:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
                                          gridspec_kw={"height_ratios": [3, 1]})
     if train:
@@ -29,6 +33,14 @@ def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike, ti
     if val:
         ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val loss",
                      color="tab:orange", ms=4)
+    for kind, color in (("ema", "tab:purple"), ("swa", "tab:brown")):
+        avg = [r for r in val if f"val_loss_{kind}" in r]
+        if avg:
+            ax_loss.plot([r["step"] for r in avg], [r[f"val_loss_{kind}"] for r in avg], "s--",
+                         label=f"val loss ({kind})", color=color, ms=3)
+    for i, r in enumerate(r for r in records if r.get("event") in ("loss_spike", "nonfinite")):
+        ax_loss.axvline(r["step"], color="tab:red", alpha=0.4, lw=1,
+                        label="loss spike / non-finite" if i == 0 else None)
     ax_loss.set_ylabel("loss (nats/token)")
     ax_loss.set_title(title)
     ax_loss.grid(alpha=0.3)
@@ -37,8 +49,25 @@ def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike, ti
     ax_lr.set_xlabel("step")
     ax_lr.grid(alpha=0.3)
     ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    return _save(fig, out_path)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, out_path: str | os.PathLike) -> Path:
+    """Write `fig` atomically (a reader never sees half a PNG) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".png", dir=out.parent)
     os.close(fd)
     try:
@@ -49,3 +78,93 @@ def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike, ti
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+@dataclass
+class ScheduleCurve:
+    """The lr of every optimizer step of a run, and the tokens seen before each step."""
+
+    lrs: list[float]
+    tokens: list[int]
+    max_tokens: int
+    unit: str
+    warmup_end: int | None  # first step past the warm-up (one_cycle: at its peak); None: not in this run
+
+    @property
+    def peak_step(self) -> int:
+        return self.lrs.index(max(self.lrs))
+
+
+def schedule_curve(cfg: Config, world_size: int = 1) -> ScheduleCurve:
+    """The lrs `lmforge train` will use with `cfg` on `world_size` data-parallel ranks: the trainer's own
+    schedule, fed the tokens its batch-size ramp (train.batch_warmup_tokens) gives each step."""
+    from lmforge.optim.schedule import make_schedule, warmup_length
+    from lmforge.train.batch_ramp import BatchRamp
+
+    if world_size < 1:
+        from lmforge.errors import ConfigError
+
+        raise ConfigError(f"world size {world_size}: a run has at least one data-parallel rank")
+    steps = cfg.train.max_steps
+    ramp = BatchRamp(cfg, world_size)
+    max_tokens = ramp.total_tokens(steps)
+    lr_at = make_schedule(cfg.schedule, cfg.optim.lr, steps, max_tokens)
+    lrs, tokens, seen = [], [], 0
+    for step in range(steps):
+        lrs.append(lr_at(step, seen))
+        tokens.append(seen)
+        seen += ramp.tokens_per_step(seen)
+    curve = ScheduleCurve(lrs, tokens, max_tokens, cfg.schedule.unit, None)
+    if cfg.schedule.name == "one_cycle":
+        curve.warmup_end = curve.peak_step
+    else:
+        warmup = warmup_length(cfg.schedule)
+        position = tokens if cfg.schedule.unit == "tokens" else range(steps)
+        curve.warmup_end = next((s for s, x in enumerate(position) if x >= warmup), None)
+    return curve
+
+
+def plot_schedule(curve: ScheduleCurve, out_path: str | os.PathLike, title: str = "") -> Path:
+    """Draw the lr against the step, and against tokens seen when the schedule counts tokens."""
+    plt = _pyplot()
+    panels = 2 if curve.unit == "tokens" else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels), squeeze=False)
+    xs = [("step", list(range(len(curve.lrs))))]
+    if panels == 2:
+        xs.append(("tokens seen", curve.tokens))
+    for ax, (label, x) in zip(axes[:, 0], xs):
+        ax.plot(x, curve.lrs, color="tab:green", lw=1.4)
+        if curve.warmup_end is not None:
+            ax.axvline(x[curve.warmup_end], color="grey", ls="--", lw=0.8, label="warm-up end")
+            ax.legend()
+        ax.set_xlabel(label)
+        ax.set_ylabel("lr")
+        ax.grid(alpha=0.3)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    axes[0, 0].set_title(title)
+    return _save(fig, out_path)
+
+
+def plot_lr_find(lrs: Sequence[float], losses: Sequence[float], smoothed: Sequence[float],
+                 marks: dict[str, float], out_path: str | os.PathLike, title: str = "") -> Path:
+    """Loss against a log-scale lr (raw faint, smoothed bold), each suggested lr marked on the curve."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(lrs, losses, color="tab:blue", alpha=0.3, lw=1, label="loss")
+    ax.plot(lrs, smoothed, color="tab:blue", lw=1.8, label="smoothed loss")
+    for (label, lr), color in zip(marks.items(), ("tab:red", "tab:orange", "tab:purple")):
+        # the smoothed loss at the grid point nearest the mark (lr/10 falls between grid points)
+        i = min(range(len(lrs)), key=lambda k: abs(math.log(lrs[k] / lr)))
+        ax.plot([lr], [smoothed[i]], "o", color=color, ms=8, label=f"{label}: {lr:.2e}")
+    ax.set_xscale("log")
+    # Scaled to the descent: the diverging tail (up to 4x the best loss) would squash the valley flat.
+    best = list(smoothed).index(min(smoothed))
+    low, high = min(losses[: best + 1]), max(smoothed[: best + 1])
+    pad = 0.1 * (high - low) or 0.1
+    ax.set_ylim(low - pad, high + 3 * pad)
+    ax.set_xlabel("learning rate")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    return _save(fig, out_path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,13 +79,15 @@ def train_step(
     grad_clip_value: float = 0.0,
     group_stats: bool = False,
     comm: Comm = LOCAL,
+    accept: Callable[[float], bool] | None = None,
 ) -> StepResult:
     """Accumulate gradients over `micro_batches`, then clip and apply one update.
 
     Each micro-batch's summed loss is divided by the target-token count of the WHOLE step (all
     micro-batches of all data-parallel ranks), so the gradient equals that of one big batch even
     when micro-batches hold different numbers of real targets. Gradients synchronise only on the
-    last micro-batch.
+    last micro-batch. `accept(loss)` is asked before the update is applied (loss-spike guard):
+    False leaves the weights untouched and marks the step skipped.
     """
     n_local = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
     n_targets = comm.sum_count(n_local)
@@ -100,6 +103,10 @@ def train_step(
         loss_total += loss.detach()
     loss_value = float(comm.mean_loss(loss_total))
     result = StepResult(loss_value, sum(x.numel() for x, _ in micro_batches), n_targets, 0.0)
+    if accept is not None and not accept(result.loss):
+        result.skipped = True
+        optimizer.zero_grad(set_to_none=True)
+        return result
     apply_update(optimizer, precision, result, grad_clip, grad_clip_value, group_stats, comm)
     if not result.skipped and getattr(optimizer, "hessian_due", None) and optimizer.hessian_due():
         from lmforge.optim.sophia import estimate_hessian

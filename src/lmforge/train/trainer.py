@@ -33,8 +33,18 @@ from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.world import World, resolve_device
 from lmforge.train.precision import Precision, resolve_precision
 from lmforge.train.run_dir import open_run_dir
+from lmforge.train.averaging import build_averages
+from lmforge.train.batch_ramp import BatchRamp
+from lmforge.train.stability import EarlyStopping, NonFiniteGuard, SpikeDetector
 from lmforge.train.state import capture_rng, restore_rng, seed_everything
-from lmforge.train.step import train_step
+from lmforge.train.step import StepResult, train_step
+
+
+class TrainingDiverged(LmforgeError):
+    """The stability machinery gave up (too many non-finite steps or loss spikes); a checkpoint
+    of the last good weights was saved."""
+
+    exit_code = 3
 
 
 class TrainingInterrupted(LmforgeError):
@@ -83,7 +93,10 @@ class Trainer:
         apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing, cfg.train.ac_every)
         self.forward_model = torch.compile(self.model) if cfg.train.compile else self.model
         self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.lr_at = make_schedule(cfg.schedule, cfg.train.max_steps, cfg.optim.lr)
+        self.averages = build_averages(self.model, cfg.averaging)
+        self.ramp = BatchRamp(cfg, self.world.world_size)
+        self.lr_at = make_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps,
+                                   self.ramp.total_tokens(cfg.train.max_steps))
         seq_len = cfg.seq_len
         self.precision = Precision(resolve_precision(cfg.train.precision, self.device, self.model,
                                                      cfg.train.micro_batch_size, seq_len,
@@ -100,6 +113,12 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.skipped_steps = 0
+        self.lr_scale = 1.0  # lowered by spike recoveries (stability.spike_lr_factor)
+        self.guard = NonFiniteGuard(cfg.stability.max_nonfinite)
+        self.spikes = SpikeDetector(cfg.stability) if cfg.stability.spike_detection else None
+        self.early = EarlyStopping(cfg.stability.early_stopping_patience, cfg.stability.early_stopping_min_delta)
+        self._last_val: tuple[int, dict[str, float]] | None = None
+        self._spike = None
         if resuming:
             self._restore()
         if self.world.is_main:  # only now: a refused resume must leave the old run's config intact
@@ -113,32 +132,32 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train to `train.max_steps`; returns the final validation metrics."""
+        """Train to `train.max_steps` (or an early stop); returns the final validation metrics."""
         tc = self.cfg.train
         n_params = sum(p.numel() for p in self.model.parameters())
-        tokens_per_step = tc.micro_batch_size * tc.grad_accum_steps * self.world.world_size * self.cfg.seq_len
+        full = self.ramp.full * self.ramp.micro_tokens
+        ramp = (f" (ramping from {self.ramp.start * self.ramp.micro_tokens:,} over "
+                f"{self.ramp.ramp_tokens:,} tokens)" if self.ramp.ramp_tokens else "")
         self.console(f"model {n_params / 1e6:.2f}M params, {self.flops_per_token / 1e6:.1f} MFLOP/token, "
-                     f"precision {self.precision.name}, device {self.device}, "
-                     f"{tokens_per_step:,} tokens/step")
+                     f"precision {self.precision.name}, device {self.device}, {full:,} tokens/step{ramp}")
         window, losses, norms = Throughput(), [], []
         old_handlers = self._install_signal_handlers()
         self.console.start(total=tc.max_steps, completed=self.step)
         try:
             while self.step < tc.max_steps:
-                lr = self.lr_at(self.step)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
+                lr = self._set_lr()
                 window.start()
-                batches = [self._next_batch() for _ in range(tc.grad_accum_steps)]
-                result = self._train_step(batches)
+                batches = [self._next_batch() for _ in range(self.ramp.micro_batches(self.tokens_seen))]
+                log_now = (self.step + 1) % tc.log_every == 0 or self.step + 1 == tc.max_steps
+                result = self._train_step(batches, group_stats=log_now and tc.log_group_stats)
                 window.stop(result.tokens * self.world.world_size)
-                self.step += 1
-                self.tokens_seen += result.tokens * self.world.world_size
-                self.skipped_steps += result.skipped
+                if self._spike is not None and self._recover():
+                    continue  # rolled back: the steps since the checkpoint are redone on new data
+                self._account(result)
                 losses.append(result.loss)
                 norms.append(result.grad_norm)
-                if self.step % tc.log_every == 0 or self.step == tc.max_steps:
-                    self._log_train(lr, losses, norms, window)
+                if log_now:
+                    self._log_train(lr, losses, norms, window, result)
                     window, losses, norms = Throughput(), [], []
                 else:
                     self.console.step(self.step)
@@ -148,7 +167,10 @@ class Trainer:
                     self.save()
                 if self._signal is not None:
                     self._stop_on_signal()
-            final = self.validate()
+                if self.early.should_stop:
+                    self._event("early_stop", best_val_loss=self.early.best, best_step=self.early.best_step)
+                    break
+            final = self._last_val[1] if self._last_val and self._last_val[0] == self.step else self.validate()
             if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
                 self.save()
         finally:
@@ -159,23 +181,105 @@ class Trainer:
         return final
 
     # -- pieces of the loop -------------------------------------------------------------------
-    def _train_step(self, batches):
+    def _set_lr(self) -> float:
+        """The schedule's lr for the coming step (times the spike-recovery scale); groups with their
+        own peak (Muon's matrices) follow the same shape from their peak."""
+        lr = self.lr_at(self.step, self.tokens_seen) * self.lr_scale
+        for group in self.optimizer.param_groups:
+            peak = group.get("peak_lr")
+            group["lr"] = lr if peak is None else lr * peak / self.cfg.optim.lr
+        return lr
+
+    def _train_step(self, batches, group_stats: bool = False) -> StepResult:
         tc = self.cfg.train
+        self._spike = None
+
+        def run():
+            return train_step(self.forward_model, batches, self.optimizer, self.precision, tc.grad_clip,
+                              tc.grad_clip_value, group_stats, accept=self._accept_loss)
+
         if not (tc.compile and self._first_compiled_step):
-            return train_step(self.forward_model, batches, self.optimizer, self.precision, tc.grad_clip)
+            return run()
         self._first_compiled_step = False
         try:  # torch.compile works lazily: a missing C++ compiler or an unsupported op shows up here
-            return train_step(self.forward_model, batches, self.optimizer, self.precision, tc.grad_clip)
+            return run()
         except Exception as e:
             raise LmforgeError(f"train.compile=true failed on the first step ({type(e).__name__}: "
                                f"{str(e).splitlines()[0] if str(e) else ''}); set train.compile=false "
                                "to train without torch.compile") from e
 
+    def _accept_loss(self, loss: float) -> bool:
+        """Judge the step's loss before its update is applied: False keeps a spike out of the weights."""
+        if self.spikes is None:
+            return True
+        self._spike = self.spikes.check(loss)
+        return self._spike is None or self.cfg.stability.spike_action == "log"
+
+    def _account(self, result: StepResult) -> None:
+        """Counters, the non-finite guard and the weight averages after one step."""
+        self.step += 1
+        self.tokens_seen += result.tokens * self.world.world_size
+        nonfinite = result.skipped and not math.isfinite(result.loss * result.grad_norm)
+        self.skipped_steps += result.skipped
+        if nonfinite:
+            self._event("nonfinite", loss=result.loss, grad_norm=result.grad_norm,
+                        consecutive=self.guard.consecutive + 1)
+        if self.guard.observe(not nonfinite):
+            path = self.save() if self._last_saved_step != self.step else self.ckpt.latest().path
+            raise TrainingDiverged(
+                f"{self.guard.consecutive} consecutive steps with NaN/Inf loss or gradients at step {self.step} "
+                f"(none was applied); checkpoint of the last good weights: {path}. Lower optim.lr, raise "
+                "schedule warm-up, check the data, or use train.precision=bf16/fp32 instead of fp16; "
+                "then continue with --resume"
+            )
+        if not result.skipped:
+            for avg in self.averages.values():
+                if avg.due(self.step):
+                    avg.update(self.model)
+
+    def _recover(self) -> bool:
+        """Act on the loss spike the step just showed. True when the run rolled back."""
+        sc, spike = self.cfg.stability, self._spike
+        self._spike = None
+        action = sc.spike_action
+        latest = self.ckpt.latest() if action == "rollback" else None
+        if action == "rollback" and latest is None:
+            action = "skip"  # nothing to roll back to yet: at least keep this update out
+        fields = {"loss": spike.loss, "median": spike.median, "z": spike.z, "action": action}
+        if action == "log":
+            self._event("loss_spike", step=self.step + 1, **fields)
+            return False
+        self.spikes.recoveries += 1
+        if self.spikes.recoveries > sc.spike_max_recoveries:
+            path = self.save() if self._last_saved_step != self.step else latest.path
+            raise TrainingDiverged(
+                f"loss spike at step {self.step + 1} (loss {spike.loss:.4f}, trailing median "
+                f"{spike.median:.4f}, robust z {spike.z:.1f}) after {sc.spike_max_recoveries} recoveries; "
+                f"stopping. Checkpoint: {path}. Lower optim.lr or raise stability.spike_max_recoveries"
+            )
+        self.lr_scale *= sc.spike_lr_factor
+        if action == "skip":
+            self._event("loss_spike", step=self.step + 1, lr_scale=self.lr_scale, **fields)
+            return False  # the step counts (its data is consumed) but its update was never applied
+        from_step = self.step + 1
+        self._load_checkpoint(latest.path, full=False)
+        self._event("loss_spike", step=from_step, rolled_back_to=self.step, lr_scale=self.lr_scale,
+                    redone_steps=from_step - 1 - self.step, **fields)
+        return True
+
+    def _event(self, name: str, **fields) -> None:
+        record = {"step": self.step, "event": name, **fields}
+        self.logger.log(record)
+        detail = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                           for k, v in record.items() if k not in ("event", "step"))
+        self.console(f"[yellow]step {record['step']}: {name}: {detail}[/yellow]")
+
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = self.train_loader.next_batch()
         return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
-    def _log_train(self, lr: float, losses: list[float], norms: list[float], window: Throughput) -> None:
+    def _log_train(self, lr: float, losses: list[float], norms: list[float], window: Throughput,
+                   last: StepResult) -> None:
         tps = window.tokens_per_s
         record = {
             "step": self.step,
@@ -187,22 +291,43 @@ class Trainer:
             "peak_mem_mib": peak_memory_mib(self.device),
             "tokens_seen": self.tokens_seen,
         }
+        if self.ramp.ramp_tokens:
+            record["tokens_per_step"] = last.tokens * self.world.world_size
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
+        # Per-group detail of the window's last step (the console shows only the headline numbers).
+        record.update({f"grad_norm/{k}": v for k, v in last.group_grad_norms.items()})
+        record.update({f"update_ratio/{k}": v for k, v in last.update_ratios.items()})
         self.logger.log(record)
         self.console.log(record, self.cfg.train.max_steps)
 
     def validate(self) -> dict[str, float]:
-        batches = self.val_loader.iter_eval_batches(self.cfg.train.eval_batches)
-        # The eager model: a compiled one would recompile for the shorter last batch of the split.
-        out = evaluate_loss(self.model, batches, self.precision, self.token_bytes, self.device)
+        """Validation loss of the weights (and of their EMA/SWA averages); early stopping and the
+        keep-best checkpoint follow the trained weights' loss."""
+        out = self._val_loss()
         record = {"step": self.step, "val_loss": out["loss"], "val_ppl": out["ppl"]}
         if "bpb" in out:
             record["val_bpb"] = out["bpb"]
+        if self.cfg.averaging.eval_averaged:
+            for kind, avg in self.averages.items():
+                if avg.n_averaged:
+                    with avg.swapped_into(self.model):
+                        record[f"val_loss_{kind}"] = self._val_loss()["loss"]
         self.logger.log(record)
         self.console(f"step {self.step}: val_loss {out['loss']:.4f}  val_ppl {out['ppl']:.2f}"
-                     + (f"  val_bpb {out['bpb']:.4f}" if "bpb" in out else ""))
+                     + (f"  val_bpb {out['bpb']:.4f}" if "bpb" in out else "")
+                     + "".join(f"  {k} {record[k]:.4f}" for k in record if k.startswith("val_loss_")))
+        self._last_val = (self.step, out)
+        if self.early.observe(out["loss"], self.step) and self.cfg.checkpoint.keep_best:
+            path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state(),
+                                  self._average_tensors(), name="best")
+            self.console(f"step {self.step}: best val_loss so far; saved {path}")
         return out
+
+    def _val_loss(self) -> dict[str, float]:
+        batches = self.val_loader.iter_eval_batches(self.cfg.train.eval_batches)
+        # The eager model: a compiled one would recompile for the shorter last batch of the split.
+        return evaluate_loss(self.model, batches, self.precision, self.token_bytes, self.device)
 
     def train_state(self) -> dict[str, Any]:
         return {
@@ -212,10 +337,18 @@ class Trainer:
             "loader": self.train_loader.state_dict(),
             "rng": capture_rng(),
             "precision": self.precision.state_dict(),
+            "lr_scale": self.lr_scale,
+            "guard": self.guard.state_dict(),
+            "spikes": self.spikes.state_dict() if self.spikes else None,
+            "early": self.early.state_dict(),
+            "averages": {k: a.state_dict() for k, a in self.averages.items()},
         }
 
+    def _average_tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {k: a.tensors() for k, a in self.averages.items()}
+
     def save(self) -> Path:
-        path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state())
+        path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state(), self._average_tensors())
         self._last_saved_step = self.step
         self.console(f"step {self.step}: saved checkpoint {path}")
         self._plot()
@@ -223,29 +356,48 @@ class Trainer:
 
     def _restore(self) -> None:
         """Load the newest checkpoint that reads back whole; an unreadable one is reported and skipped."""
-        state, latest = None, None
         for info in reversed(list_checkpoints(self.ckpt.root)):
             try:
-                state, latest = self.ckpt.load(info.path, self.model, self.optimizer), info
+                self._load_checkpoint(info.path, full=True)
                 break
             except CheckpointMismatchError:
                 raise
             except CheckpointError as e:
                 self.console(f"[yellow]skipping damaged checkpoint: {e}[/yellow]")
-        if state is None:
+        else:
             self.console(f"[yellow]no usable checkpoint in {self.ckpt.root}: starting from step 0[/yellow]")
             truncate_metrics(self.run_dir / "metrics.jsonl", 0)
             self._reinitialise()
             return
+        if self.world.is_main:
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+        self.console(f"resumed from {info.path} (step {self.step})")
+
+    def _load_checkpoint(self, path: Path, full: bool) -> None:
+        """Weights, optimizer, averages and counters from `path`. `full` (resume) also restores the
+        data position, RNG and stability state; a spike rollback (`full=False`) keeps them, so the
+        data between the checkpoint and the spike is skipped and the recovery count survives."""
+        state = self.ckpt.load(path, self.model, self.optimizer, self._average_tensors())
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.skipped_steps = state.get("skipped_steps", 0)
-        self.train_loader.load_state_dict(state["loader"])
         self.precision.load_state_dict(state["precision"])
+        for kind, avg in self.averages.items():
+            if kind in state["averages_loaded"]:
+                avg.load_state_dict(state["averages"][kind])
+            else:  # averaging turned on after this checkpoint was written: start the average here
+                avg.reset(self.model)
+        self._last_saved_step = self.step
+        if not full:
+            return
+        self.train_loader.load_state_dict(state["loader"])
         restore_rng(state["rng"])
-        if self.world.is_main:
-            truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
-        self.console(f"resumed from {latest.path} (step {self.step})")
+        self.lr_scale = state.get("lr_scale", 1.0)
+        if "guard" in state:
+            self.guard.load_state_dict(state["guard"])
+            self.early.load_state_dict(state["early"])
+        if self.spikes is not None and state.get("spikes"):
+            self.spikes.load_state_dict(state["spikes"])
 
     def _reinitialise(self) -> None:
         """Undo what a failed partial load may have written: fresh weights and optimizer state."""
