@@ -7,7 +7,10 @@ from torch import nn
 
 from lmforge.config.schema import OptimConfig
 from lmforge.optim.adafactor import Adafactor
+from lmforge.optim.adamw8bit import AdamW8bit, bitsandbytes_adamw8bit, use_bitsandbytes
 from lmforge.optim.lion import Lion
+from lmforge.optim.muon import MuonAdamW, hidden_matrices, split_muon_groups
+from lmforge.optim.sophia import Sophia
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -70,6 +73,20 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
             relative_step=cfg.relative_step,
             warmup_init=cfg.warmup_init,
         )
+    if cfg.name == "adamw8bit":
+        device = next(model.parameters()).device
+        if use_bitsandbytes(cfg.quant_backend, device, cfg.quant_block_size):
+            return bitsandbytes_adamw8bit(groups, cfg.lr, tuple(cfg.betas), cfg.eps, cfg.quant_block_size,
+                                          cfg.quant_min_size)
+        return AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                         block_size=cfg.quant_block_size, min_quant_size=cfg.quant_min_size)
+    if cfg.name == "sophia":
+        return Sophia(groups, lr=cfg.lr, betas=tuple(cfg.betas), rho=cfg.sophia_rho, eps=cfg.eps,
+                      hessian_every=cfg.hessian_every, estimator=cfg.hessian_estimator)
+    if cfg.name == "muon":
+        return MuonAdamW(split_muon_groups(groups, hidden_matrices(model)), lr=cfg.lr, betas=tuple(cfg.betas),
+                         eps=cfg.eps, muon_lr=cfg.muon_lr, momentum=cfg.muon_momentum,
+                         nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps, fused=_fused(model, cfg))
     raise ValueError(f"unknown optimizer {cfg.name!r}")
 
 

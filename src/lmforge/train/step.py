@@ -111,7 +111,8 @@ def train_step(
     if not result.skipped and getattr(optimizer, "hessian_due", None) and optimizer.hessian_due():
         from lmforge.optim.sophia import estimate_hessian
 
-        estimate_hessian(model, optimizer, micro_batches, precision)
+        # The eager module: Hutchinson's double backward does not run through torch.compile.
+        estimate_hessian(getattr(model, "_orig_mod", model), optimizer, micro_batches, precision)
     return result
 
 
