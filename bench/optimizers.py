@@ -18,9 +18,11 @@ sweeps muon_lr (its matrices) and runs its AdamW groups (embeddings, norms) at A
 Reported per optimizer: best lr, final val loss at it (and every lr tried), state bytes per parameter
 (`state_bytes_per_param` on the run's optimizer: every tensor in its state, step counters included)
 next to the textbook figure for this model, and the median step time (from the trainer's per-step
-tokens/s, log_every=1; group stats off so they do not cost time). Step times come from separate runs
-one after another, not interleaved: compare them only when the load average stayed low (both are in
-the JSON). Writes bench/results/optimizers.json.
+tokens/s, log_every=1; group stats off so they do not cost time). Those come from separate runs one
+after another; the step times in the table come from a second, interleaved phase instead: one model
+and optimizer per method, the same fixed batches, one `train_step` each per round, round-robin for
+--timing-rounds rounds; reported are the mean (Sophia's Hessian refresh every k steps is part of its
+cost) and the ratio to AdamW's mean. Writes bench/results/optimizers.json.
 """
 
 from __future__ import annotations
@@ -152,6 +154,41 @@ def sweep(name: str, steps: int, data_dir: Path, adamw_lr: float | None) -> dict
     return dict(best_lr=best, best=runs[best], runs={f"{lr:g}": r for lr, r in sorted(runs.items())})
 
 
+def interleaved_step_ms(names: list[str], rounds: int, data_dir: Path) -> dict[str, dict]:
+    """Per-step time of every optimizer on one model shape, interleaved round-robin."""
+    from lmforge.data import TokenLoader, prepare
+    from lmforge.models import build_model
+    from lmforge.optim.builder import build_optimizer
+    from lmforge.train.precision import Precision
+    from lmforge.train.step import train_step
+    from lmforge.train.trainer import resolve_vocab_size
+
+    cfg = load_config(RECIPE, [f"data.dir={data_dir}", "logging.progress=none"])
+    torch.set_num_threads(cfg.train.threads or 1)
+    data = prepare(cfg, console=lambda *_: None)
+    cfg.model.vocab_size = resolve_vocab_size(cfg, data.tokenizer.vocab_size)
+    loader = TokenLoader(data.shards("train"), cfg.seq_len, cfg.train.micro_batch_size, seed=0)
+    batches = [[loader.next_batch() for _ in range(cfg.train.grad_accum_steps)] for _ in range(8)]
+    precision = Precision("fp32", torch.device("cpu"))
+    sides = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        optim_cfg = cfg.optim.model_copy(update={"name": name, "lr": 1e-3})
+        sides[name] = (model, build_optimizer(model, optim_cfg))
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds + 3):  # the first 3 rounds warm up allocators and caches
+        for name in names:
+            model, opt = sides[name]
+            t0 = time.perf_counter()
+            train_step(model, batches[r % len(batches)], opt, precision, cfg.train.grad_clip)
+            if r >= 3:
+                times[name].append(1e3 * (time.perf_counter() - t0))
+    base = statistics.mean(times["adamw"]) if "adamw" in times else None
+    return {n: dict(mean_ms=statistics.mean(t), median_ms=statistics.median(t),
+                    ratio_to_adamw=statistics.mean(t) / base if base else None) for n, t in times.items()}
+
+
 def machine_info() -> dict:
     cpu = "unknown"
     try:
@@ -175,14 +212,16 @@ def machine_info() -> dict:
 
 def print_table(results: dict) -> None:
     headers = ["optimizer", "best lr", "val loss", "val loss at each lr", "state B/param", "textbook B/param",
-               "median ms/step"]
+               "ms/step (interleaved)", "vs adamw"]
     rows = []
     for name, r in results.items():
         b = r["best"]
         lr = f"{r['best_lr']:g}" + (f" (adamw {b['adamw_lr']:g})" if b["adamw_lr"] is not None else "")
         tried = ", ".join(f"{k}: {v['val_loss']:.3f}" for k, v in r["runs"].items())
+        t = r.get("timing", {})
         rows.append([name, lr, f"{b['val_loss']:.4f}", tried, f"{b['state_bytes_per_param']:.3f}",
-                     f"{b['textbook_bytes_per_param']:.3f}", f"{b['median_step_ms']:.1f}"])
+                     f"{b['textbook_bytes_per_param']:.3f}", f"{t['mean_ms']:.1f}" if t else "-",
+                     f"{t['ratio_to_adamw']:.2f}x" if t.get("ratio_to_adamw") else "-"])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
     print(line)
@@ -197,6 +236,7 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=list(GRIDS), help="run these optimizers only")
     ap.add_argument("--steps", type=int, default=300, help="optimizer steps per run (x 1024 tokens)")
     ap.add_argument("--data-dir", default=str(ROOT / "data" / "cache" / "debug-tiny"))
+    ap.add_argument("--timing-rounds", type=int, default=40, help="interleaved timing rounds per optimizer")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     names = args.only or list(GRIDS)
@@ -213,6 +253,9 @@ def main() -> None:
         results[name] = sweep(name, args.steps, Path(args.data_dir), adamw_lr if name == "muon" else None)
         if name == "adamw":
             adamw_lr = results[name]["best_lr"]
+    print("interleaved step timing:", flush=True)
+    for name, t in interleaved_step_ms(names, args.timing_rounds, Path(args.data_dir)).items():
+        results[name]["timing"] = t
     info["loadavg_at_end"] = list(os.getloadavg())
     info["wall_s"] = time.perf_counter() - t0
     print()
