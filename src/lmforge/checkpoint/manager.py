@@ -12,6 +12,12 @@ crash or a full disk mid-save never damages the previous one, and any `step_*` d
 exists is whole. Model and optimizer go through `torch.distributed.checkpoint` with FQN-keyed
 state dicts, which is what lets the distributed issue save shards and load them into another
 world size without changing this layout.
+
+Distributed saves: every rank writes its shards and its rank file into the same tmp directory;
+barriers make rank 0 clear a stale tmp before anyone writes and rename only after everyone has.
+Optimizer state is saved flattened (one key per parameter FQN, param-group settings included), so
+ranks holding different parameters (pipeline stages, ZeRO-1 partitions) save and load it in any
+layout; format 1 checkpoints (nested optimizer state) still load.
 """
 
 from __future__ import annotations
@@ -21,12 +27,14 @@ import json
 import os
 import re
 import shutil
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -39,7 +47,31 @@ from lmforge.errors import CheckpointError, CheckpointMismatchError
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _barrier() -> None:
+    if _distributed():
+        dist.barrier()
+
+
+def _options(fmt: int = FORMAT_VERSION) -> StateDictOptions:
+    return StateDictOptions(flatten_optimizer_state_dict=fmt >= 2)
+
+
+def _optimizers(optimizer: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
+    """What DCP sees of `optimizer`: a ZeRO-1 wrapper's state lives in its local optimizer (the
+    parameters this rank owns); the wrapper's own state_dict needs a gather to one rank."""
+    if optimizer is None:
+        return []
+    # Looked up, not imported: importing torch.distributed.optim costs a second and dozens of
+    # TorchScript deprecation warnings, and a ZeRO optimizer exists only if it was imported.
+    zero = sys.modules.get("torch.distributed.optim")
+    return [optimizer.optim if zero and isinstance(optimizer, zero.ZeroRedundancyOptimizer) else optimizer]
 
 
 @dataclass(frozen=True)
@@ -61,7 +93,14 @@ def list_checkpoints(ckpt_root: Path) -> list[CheckpointInfo]:
 
 
 def param_shapes(model: nn.Module) -> dict[str, list[int]]:
-    return {k: list(v.shape) for k, v in model.state_dict().items()}
+    """FQN -> shape of the whole model; in a distributed job the union over ranks (a pipeline
+    rank holds only its stages), so every rank must call it."""
+    shapes = {k: list(v.shape) for k, v in model.state_dict().items()}
+    if _distributed():
+        parts: list[dict[str, list[int]]] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(parts, shapes)
+        shapes = {k: v for part in parts for k, v in part.items()}
+    return shapes
 
 
 def read_meta(path: Path) -> dict[str, Any]:
@@ -144,22 +183,24 @@ class CheckpointManager:
         tmp = self.root / f".tmp-{final.name}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
+            if tmp.exists() and self.rank == 0:
                 shutil.rmtree(tmp)
-            model_sd, optim_sd = get_state_dict(model, [optimizer] if optimizer else [],
-                                                options=StateDictOptions())
+            _barrier()
+            model_sd, optim_sd = get_state_dict(model, _optimizers(optimizer), options=_options())
             state = {"model": model_sd, "optim": optim_sd} if optimizer else {"model": model_sd}
             if averages:
                 state["averaging"] = averages
             with _quiet_single_process():
                 dcp.save(state, checkpoint_id=str(tmp / "state"))
             torch.save(train_state, tmp / f"rank_{self.rank:05d}.pt")
+            shapes = param_shapes(model)
+            _barrier()
             if self.rank == 0:
                 meta = {
                     "format": FORMAT_VERSION,
                     "step": step,
                     "world_size": self.world_size,
-                    "param_shapes": param_shapes(model),
+                    "param_shapes": shapes,
                 }
                 atomic_write_json(tmp / "meta.json", meta)
                 fsync_dir(tmp)
@@ -168,6 +209,7 @@ class CheckpointManager:
                 os.replace(tmp, final)
                 fsync_dir(self.root)
                 self._retain()
+            _barrier()  # nobody lists or loads checkpoints before the rename
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             os_error = _find_os_error(e)
@@ -242,10 +284,11 @@ def load_states(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer |
         params = dict(model.named_parameters())
         _dcp_load({"averaging": {weights: params}}, path)
         return int(meta["step"])
-    optimizers = [optimizer] if optimizer is not None else []
-    model_sd, optim_sd = get_state_dict(model, optimizers)
+    optimizers = _optimizers(optimizer)
+    options = _options(int(meta.get("format", 1)))
+    model_sd, optim_sd = get_state_dict(model, optimizers, options=options)
     state = {"model": model_sd, "optim": optim_sd} if optimizer is not None else {"model": model_sd}
     _dcp_load(state, path)
     set_state_dict(model, optimizers, model_state_dict=state["model"],
-                   optim_state_dict=state.get("optim", {}))
+                   optim_state_dict=state.get("optim", {}), options=options)
     return int(meta["step"])

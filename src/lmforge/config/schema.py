@@ -187,7 +187,10 @@ class OptimConfig(Section):
     betas: tuple[float, float] = Field(
         (0.9, 0.95), description="Adam/AdamW/Lion beta1, beta2 (Lion paper: 0.9, 0.99)."
     )
-    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    eps: float = Field(
+        1e-8, gt=0.0, description="Adam/AdamW epsilon (also adamw8bit, muon's AdamW groups); sophia: "
+        "floor of rho*h in its denominator."
+    )
     weight_decay: float = Field(
         0.1, ge=0.0, description="Weight decay (never applied to norms, biases, embeddings); L2 for adam/sgd."
     )
@@ -220,14 +223,21 @@ class OptimConfig(Section):
         4096, ge=0, description="adamw8bit: tensors with fewer elements keep fp32 moments."
     )
     quant_backend: Literal["auto", "torch", "bitsandbytes"] = Field(
-        "auto", description="adamw8bit kernel: bitsandbytes on CUDA when installed (auto), else pure PyTorch."
+        "auto", description="adamw8bit kernel: bitsandbytes on CUDA when installed and quant_block_size=256 "
+        "(auto), else pure PyTorch."
     )
-    sophia_rho: float = Field(0.04, gt=0.0, description="Sophia: clipping scale rho of the preconditioned step.")
-    hessian_every: int = Field(10, ge=1, description="Sophia: estimate the Hessian diagonal every k steps.")
+    sophia_rho: float = Field(
+        0.04, gt=0.0, description="Sophia: clipping scale rho of the preconditioned step."
+    )
+    hessian_every: int = Field(
+        10, ge=1, description="Sophia: estimate the Hessian diagonal every k steps (after steps 1, 1+k, ...)."
+    )
     hessian_estimator: Literal["gnb", "hutchinson"] = Field(
         "gnb", description="Sophia Hessian-diagonal estimate: Gauss-Newton-Bartlett or Hutchinson."
     )
-    muon_lr: float = Field(0.02, gt=0.0, description="Muon: peak lr of the 2-D hidden weights (schedule applies).")
+    muon_lr: float = Field(
+        0.02, gt=0.0, description="Muon: peak lr of the 2-D hidden weights (schedule applies)."
+    )
     muon_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="Muon: momentum.")
     muon_nesterov: bool = Field(True, description="Muon: Nesterov momentum.")
     muon_ns_steps: int = Field(5, ge=1, description="Muon: Newton-Schulz iterations.")
@@ -393,25 +403,36 @@ class CheckpointConfig(Section):
 
 
 class ParallelConfig(Section):
-    dp_replicate: int = Field(1, ge=1, description="Data-parallel replicas (DDP, or HSDP's replicate dim).")
+    """Layout of a distributed run: dp_replicate x dp_shard x tp x pp must equal the process count."""
+
+    dp_replicate: int = Field(
+        1, ge=1, description="Data-parallel replicas: DDP, or HSDP's replicate dim (with tp/pp/dp_shard > 1)."
+    )
     dp_shard: int = Field(
         -1, ge=-1, description="Data-parallel shard degree for FSDP (-1: whatever the other degrees leave)."
     )
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (heads and MLP width split).")
     pp: int = Field(1, ge=1, description="Pipeline-parallel stages (layers split).")
     zero: Literal[1, 2, 3] = Field(
-        3, description="With dp_shard > 1: 3 shards params+grads+optimizer (FSDP2), 2 keeps params "
-        "unsharded after forward, 1 shards optimizer state only."
+        3, description="With dp_shard > 1: 3 shards params+grads+optimizer (FSDP2), 2 also but keeps params "
+        "gathered from forward to backward, 1 shards optimizer state only (DDP + ZeroRedundancyOptimizer; "
+        "tp = pp = 1)."
     )
-    sequence_parallel: bool = Field(True, description="With tp > 1: shard norms and residuals on the sequence.")
-    cpu_offload: bool = Field(False, description="FSDP: keep sharded params, grads and optimizer state on CPU.")
+    sequence_parallel: bool = Field(
+        True, description="With tp > 1: shard norms and residuals on the sequence."
+    )
+    cpu_offload: bool = Field(
+        False, description="FSDP: keep sharded params, grads and optimizer state on CPU."
+    )
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
         "1f1b", description="Pipeline schedule."
     )
     pp_microbatches: int | None = Field(
         None, ge=1, description="Pipeline micro-batches per step (None: train.grad_accum_steps)."
     )
-    pp_stages_per_rank: int = Field(1, ge=1, description="Virtual stages per rank (interleaved schedule).")
+    pp_stages_per_rank: int = Field(
+        1, ge=1, description="Model chunks per rank: 1 for gpipe/1f1b, >= 2 for interleaved_1f1b."
+    )
     param_dtype: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="FSDP compute dtype of params (auto: bf16 with bf16 precision, else fp32)."
     )

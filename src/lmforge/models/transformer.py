@@ -234,8 +234,12 @@ class Transformer(nn.Module):
         attention_mask: (B, S) of 1 (real token) / 0 (padding) over every key position, S = T without
         a cache and cache.pos + T with one, as in transformers. Padding keys are never attended; the
         logits at padding positions are meaningless (but finite).
+
+        A pipeline stage is this module with parts removed (`lmforge.parallel` builds them, keeping
+        parameter names): given hidden states (B, T, d_model), a float tensor, instead of token ids
+        it skips the embeddings; without `norm` it returns the hidden states after its blocks.
         """
-        B, T = input_ids.shape
+        B, T = input_ids.shape[:2]
         start = 0 if cache is None else cache.pos
         end = start + T
         if end > self.cfg.max_seq_len:
@@ -263,22 +267,28 @@ class Transformer(nn.Module):
                     f"position_ids must lie in [0, model.max_seq_len={self.cfg.max_seq_len}), "
                     f"got up to {seq_len - 1}"
                 )
-        x = self.tok_embeddings(input_ids)  # (B, T, d_model)
-        if self.cfg.pos_embedding == "learned":
-            if position_ids is None:
-                x = x + self.pos_embeddings.weight[start:end]  # (T, d_model) broadcast over B
-            else:
-                x = x + self.pos_embeddings(position_ids)  # (B, T, d_model)
-        x = self.drop(x)
+        if input_ids.is_floating_point():
+            x = input_ids  # (B, T, d_model): the previous pipeline stage's output
+        else:
+            x = self.tok_embeddings(input_ids)  # (B, T, d_model)
+            if self.cfg.pos_embedding == "learned":
+                if position_ids is None:
+                    x = x + self.pos_embeddings.weight[start:end]  # (T, d_model) broadcast over B
+                else:
+                    x = x + self.pos_embeddings(position_ids)  # (B, T, d_model)
+            x = self.drop(x)
         rope = None
         if self.cfg.pos_embedding == "rope":
             rope = self._rope(start, end, position_ids, seq_len)
         mask = self._mask(start, T, input_ids.device, attention_mask)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, rope, mask, None if cache is None else cache.layer(i))
+        # named_children: a pipeline stage holds its blocks in a ModuleDict keyed by layer index.
+        for name, layer in self.layers.named_children():
+            x = layer(x, rope, mask, None if cache is None else cache.layer(int(name)))
+        if self.norm is None:
+            return x  # (B, T, d_model): a pipeline stage before the last
         x = self.norm(x)
-        weight = self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight
-        logits = F.linear(x, weight)  # (B, T, vocab_size)
+        # Calling `output` (not F.linear on its weight) lets tensor parallelism hook the head.
+        logits = F.linear(x, self.tok_embeddings.weight) if self.cfg.tie_embeddings else self.output(x)
         if cache is not None:
             cache.pos = end
         return logits

@@ -1,0 +1,159 @@
+"""One entry point: `parallelize(model, cfg, dims)` applies the layout's strategies to a built
+model and returns a `ParallelModel` whose `step` replaces `train_step` in the training loop.
+
+Order (torchtitan's): pipeline split -> tensor parallel -> activation checkpointing -> compile
+-> FSDP / DDP. TP rewrites parameters into DTensors that FSDP then shards on the data-parallel
+dims; checkpointing and compile wrap the already-parallel blocks; FSDP goes last so its units
+(one per block) contain everything a block runs.
+
+    world = init_distributed(cfg.parallel.timeout_s, device, cfg.train.threads)
+    dims = ParallelDims.resolve(cfg.parallel, world.world_size, cfg.model, cfg.train.grad_accum_steps)
+    dims.build_mesh(device.type)                                         # (world size > 1)
+    pm = parallelize(build_model(cfg.model, device), cfg, dims, precision="fp32")
+    optimizer = pm.wrap_optimizer(build_optimizer(pm.model, cfg.optim))
+    loader rank / world size: dims.dp_rank / dims.dp_size
+    result = pm.step(micro_batches, optimizer, precision, grad_clip)       # each step
+    CheckpointManager(...).save(step, pm.model, optimizer, state)        # every rank calls it
+    shutdown()                                                           # at exit
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from lmforge.config.schema import Config
+from lmforge.errors import ConfigError
+from lmforge.parallel.checkpointing import apply_activation_checkpointing
+from lmforge.parallel.dims import ParallelDims
+from lmforge.train.precision import Precision
+from lmforge.train.step import IGNORE_INDEX, LOCAL, Comm, StepResult, token_loss_sum, train_step
+
+if TYPE_CHECKING:
+    from lmforge.parallel.pipeline import Pipeline
+
+
+@dataclass
+class ParallelModel:
+    """A model with its parallel strategies applied, on this rank.
+
+    model: the module the optimizer and checkpoints take; parameter names are the unsplit
+        model's (a pipeline rank holds only its stages' parameters).
+    parts: the modules that run forward on this rank (pipeline: its stages; else [model]).
+    """
+
+    model: nn.Module
+    parts: list[nn.Module]
+    dims: ParallelDims
+    comm: Comm
+    pipeline: Pipeline | None = None
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """The optimizer to train with: ZeRO-1 shards its state over the data-parallel group."""
+        if not self.dims.zero1:
+            return optimizer
+        from lmforge.parallel.data_parallel import zero1_optimizer
+
+        return zero1_optimizer(optimizer, self.dims.dp_mesh.get_group())
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], optimizer: torch.optim.Optimizer,
+             precision: Precision, grad_clip: float, grad_clip_value: float = 0.0, group_stats: bool = False,
+             accept: Callable[[float], bool] | None = None) -> StepResult:
+        """One optimizer step over this rank's micro-batches (its data-parallel share of the step).
+
+        Same contract as `train_step`; the loss and gradient norm in the result are the whole job's.
+        """
+        if self.pipeline is not None:
+            return self.pipeline.step(micro_batches, optimizer, precision, grad_clip, self.comm,
+                                      grad_clip_value, group_stats, accept)
+        return train_step(self.model, micro_batches, optimizer, precision, grad_clip, grad_clip_value,
+                          group_stats, self.comm, accept)
+
+    @torch.no_grad()
+    def loss_sum(self, x: torch.Tensor, y: torch.Tensor, precision: Precision) -> tuple[float, int]:
+        """Summed token loss and target count of one evaluation batch over all data-parallel ranks
+        (every rank must call it with its own batch of the same shape)."""
+        if self.pipeline is not None:
+            return self.pipeline.loss_sum(x, y, self.comm, precision)
+        was = self.model.training
+        self.model.eval()
+        with precision.autocast():
+            loss = token_loss_sum(self.model(x), y)
+        self.model.train(was)
+        return float(self.comm.mean_loss(loss)), self.comm.sum_count(int((y != IGNORE_INDEX).sum()))
+
+
+def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: str = "fp32") -> ParallelModel:
+    """Apply `dims`' layout and `cfg.train`'s activation checkpointing / compile to `model`.
+
+    `model` is a freshly built Transformer (same seed on every rank, so replicas start equal);
+    use the returned `.model` / `.parts` from here on. `precision` is the resolved train
+    precision (fp32 / bf16 / fp16); FSDP's param_dtype 'auto' follows it.
+    """
+    tc = cfg.train
+    if dims.world_size == 1:
+        apply_activation_checkpointing(model, tc.activation_checkpointing, tc.ac_every)
+        _maybe_compile(model, tc.compile)
+        return ParallelModel(model, [model], dims, LOCAL)
+    if precision == "fp16":
+        raise ConfigError(
+            "train.precision=fp16 needs a loss scaler whose overflow check agrees across ranks, "
+            "which distributed runs here do not have; use train.precision=bf16 (no scaler) or fp32"
+        )
+    if tc.compile and dims.tp > 1:
+        raise ConfigError(
+            "train.compile=true with parallel.tp > 1: torch 2.13's compiler fails on the tensor-parallel "
+            "blocks (AOT autograd guesses the DTensor -> local tensor hand-offs wrongly in backward); "
+            "compile works with DDP, FSDP and pipeline layouts - set train.compile=false or parallel.tp=1"
+        )
+    if dims.mesh is None:
+        raise ValueError("ParallelDims.build_mesh(device_type) must run before parallelize()")
+    from lmforge.parallel.comm import DistComm
+    from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp, mixed_precision
+    from lmforge.parallel.tensor_parallel import apply_tp
+
+    mesh, pc = dims.mesh, dims.cfg
+    device = next(model.parameters()).device
+    dp_group = dims.dp_mesh.get_group() if dims.dp_size > 1 else None
+    pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
+    if dims.pp > 1:
+        from lmforge.parallel.pipeline import split_model
+
+        ids, parts, holder = split_model(model, dims.pp, pc.pp_stages_per_rank, dims.pp_rank)
+    else:
+        parts, holder = [model], model
+    for part in parts:
+        if dims.tp > 1:
+            apply_tp(part, mesh["tp"], pc.sequence_parallel)
+        apply_activation_checkpointing(part, tc.activation_checkpointing, tc.ac_every)
+        _maybe_compile(part, tc.compile)
+        if dims.fsdp:
+            dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+            apply_fsdp(part, dp_mesh, pc.zero, mixed_precision(pc.param_dtype, pc.reduce_dtype, precision),
+                       pc.cpu_offload)
+        elif dims.ddp:
+            apply_ddp(part, dims.dp_mesh, device)
+    comm = DistComm(dp_group, pp_group, device)
+    pipeline = None
+    if dims.pp > 1:
+        from lmforge.parallel.pipeline import Pipeline, gather_parts
+
+        if holder is not parts[0]:
+            gather_parts(holder, parts)
+        pipeline = Pipeline(parts, ids, dims.pp * pc.pp_stages_per_rank, pc.pp_schedule,
+                            dims.microbatches(tc.grad_accum_steps), device, pp_group, dp_group)
+    return ParallelModel(holder, parts, dims, comm, pipeline)
+
+
+def _maybe_compile(model: nn.Module, enabled: bool) -> None:
+    """Compile each block in place: module.compile keeps parameter names (torch.compile's wrapper
+    would put `_orig_mod.` into every checkpoint key), and per-block graphs are what FSDP's
+    per-block units and the checkpoint wrapper expect."""
+    if not enabled:
+        return
+    for block in model.layers.children():
+        block.compile()

@@ -1,0 +1,106 @@
+"""The distributed `Comm` of the shared train step: target counts, loss and gradient norms summed
+over the right process groups, and deferred gradient synchronisation for accumulation."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import DTensor, Replicate
+
+from lmforge.train.step import Comm
+
+
+def _size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class DistComm(Comm):
+    """Collectives over the data-parallel group (`dp_group`) and the pipeline group (`pp_group`).
+
+    Tensor-parallel ranks of one data-parallel replica see the same batch and compute the same
+    loss, so counts and losses are summed over dp only; a pipeline's loss lives on its last
+    stage and its parameters are split over stages, so losses and squared norms also sum over pp.
+    """
+
+    def __init__(self, dp_group: ProcessGroup | None, pp_group: ProcessGroup | None,
+                 device: torch.device) -> None:
+        self.dp_group = dp_group if _size(dp_group) > 1 else None
+        self.pp_group = pp_group if _size(pp_group) > 1 else None
+        self.device = device
+
+    def sum_count(self, n: int) -> int:
+        if self.dp_group is None:
+            return n
+        t = torch.tensor([n], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return int(t.item())
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        # DDP (composable replicate) and FSDP2 share this switch; TP and single-stage models
+        # have no deferred reduction to skip.
+        if enabled or not hasattr(model, "set_requires_gradient_sync"):
+            return contextlib.nullcontext()
+        return _no_sync(model)
+
+    def norms(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Norms of whole gradients: a sharded DTensor's local squared norm summed over the mesh
+        dims it is sharded on, in one all-reduce per (mesh, dims) for all tensors alike."""
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        tensors = list(grads)
+        plain: list[int] = []
+        pending: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+        for i, g in enumerate(grads):
+            if isinstance(g, DTensor):
+                if any(p.is_partial() for p in g.placements):
+                    g = g.redistribute(placements=[Replicate() if p.is_partial() else p
+                                                   for p in g.placements])
+                # Any placement left but Replicate splits the tensor (Shard, and FSDP-over-TP's
+                # _StridedShard, which is not a Shard subclass).
+                dims = tuple(d for d, p in enumerate(g.placements) if not p.is_replicate())
+                local = g.to_local()
+                if dims:
+                    sq = torch.linalg.vector_norm(local, 2.0, dtype=torch.float32).square()
+                    pending.setdefault((g.device_mesh, dims), []).append((i, sq))
+                    continue
+                tensors[i] = local
+            plain.append(i)
+        if plain:
+            for i, n in zip(plain, torch._foreach_norm([tensors[i] for i in plain], 2.0)):
+                out[i] = n
+        # Ranks that share a mesh hold the same parameters in the same order (one stage of the
+        # same model), so the stacked tensors line up element for element.
+        for (mesh, dims), items in pending.items():
+            stacked = torch.stack([sq for _, sq in items])
+            for d in dims:
+                dist.all_reduce(stacked, group=mesh.get_group(d))
+            for (i, _), n in zip(items, stacked.sqrt().unbind()):
+                out[i] = n
+        return out  # type: ignore[return-value]
+
+    def reduce_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        if self.pp_group is None:
+            return sq
+        sq = sq.detach().clone()
+        dist.all_reduce(sq, group=self.pp_group)
+        return sq
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        loss = loss.detach().clone()
+        for group in (self.dp_group, self.pp_group):
+            if group is not None:
+                dist.all_reduce(loss, group=group)
+        return loss
+
+
+@contextlib.contextmanager
+def _no_sync(model: nn.Module) -> Iterator[None]:
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)

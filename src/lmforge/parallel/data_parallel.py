@@ -1,0 +1,95 @@
+"""Data parallelism applied from outside: DDP, FSDP2 (ZeRO-2 / ZeRO-3, HSDP) and ZeRO-1.
+
+What each rank holds between steps (P params, G grads, O optimizer state, N ranks):
+
+    DDP      P + G + O             gradients all-reduced
+    ZeRO-1   P + G + O/N           DDP gradients; each rank updates the parameters it owns and
+                                   broadcasts them (torch's ZeroRedundancyOptimizer)
+    ZeRO-2   P/N + G/N + O/N       FSDP2, parameters stay gathered from forward to backward
+    ZeRO-3   P/N + G/N + O/N       FSDP2, parameters re-gathered for backward (least memory)
+
+ZeRO-1 is DDP + ZeroRedundancyOptimizer rather than an FSDP2 setting: FSDP2 always shards
+gradients (reduce-scatter), so nothing in it keeps whole gradients with sharded optimizer state.
+
+Gradients are SUMMED over data-parallel ranks, not averaged as DDP and FSDP do by default: the
+shared train step already divides every rank's loss by the whole step's target count, so the
+sum is exactly the one-process gradient of the global batch (also with uneven target counts).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def mixed_precision(param_dtype: str, reduce_dtype: str, precision: str) -> MixedPrecisionPolicy:
+    """FSDP's compute / reduce dtypes; param_dtype 'auto' follows the run's precision."""
+    if param_dtype == "auto":
+        param_dtype = "bf16" if precision == "bf16" else "fp32"
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
+
+
+def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, mp: MixedPrecisionPolicy,
+               cpu_offload: bool) -> None:
+    """fully_shard each transformer block, then the rest (embeddings, final norm, head) at the root.
+
+    One FSDP unit per block lets the all-gather of block i+1 overlap block i's compute, and bounds
+    the unsharded parameters alive at once to about one block. A 2-D `mesh` (dp_replicate,
+    dp_shard) gives HSDP: sharded within a row, all-reduced across rows.
+    """
+    # Pinned memory needs an accelerator; on a CPU-only machine it fails (shared cpu-facts).
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    reshard = zero == 3
+    units = []
+    for block in model.layers.children():
+        units.append(fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
+                                 offload_policy=offload))
+    units.append(fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
+                             offload_policy=offload))
+    for unit in units:  # per unit: these setters do not recurse
+        unit.set_gradient_divide_factor(1.0)
+        # Plain SUM collectives (no AVG / PREMUL_SUM): gloo has neither, NCCL loses nothing.
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> None:
+    """Composable DDP: parameter names and the module class stay as they are (no `module.`).
+
+    No buffer sync before each forward: the only buffers (RoPE tables) are computed identically
+    on every rank, and DDP would otherwise send them before every forward."""
+    kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
+    replicate(model, device_mesh=mesh, forward_sync_buffers=False, **kwargs)
+    model.register_comm_hook(mesh.get_group(), _allreduce_sum_hook)
+
+
+def _allreduce_sum_hook(group, bucket):
+    """DDP's default hook without its division by the world size. (No annotations: DDP checks
+    them against the classes, and postponed evaluation turns them into strings.)"""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def zero1_optimizer(optimizer: torch.optim.Optimizer, group: ProcessGroup) -> ZeroRedundancyOptimizer:
+    """Shard `optimizer`'s state over `group`: the same class, param groups and hyperparameters.
+
+    Each rank keeps a local optimizer over the parameters it owns (whole tensors, balanced by
+    size); `step()` updates those and broadcasts them. The lr schedule writes the wrapper's
+    param_groups, which ZeroRedundancyOptimizer copies into the local one before every step.
+    """
+    if len(optimizer.state):
+        raise ValueError("zero1_optimizer needs a fresh optimizer (it has state already)")
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}
+    groups = [dict(g) for g in optimizer.param_groups]
+    return ZeroRedundancyOptimizer(groups, optimizer_class=cls, process_group=group, **defaults)

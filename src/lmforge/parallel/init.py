@@ -1,0 +1,76 @@
+"""Process-group lifetime: start it from torchrun's environment, end it cleanly.
+
+    init_distributed(timeout_s, device) -> World     (no-op for a single process)
+    shutdown()                                       barrier + destroy_process_group
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from lmforge.parallel.world import World
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _store(world: World, timeout: timedelta) -> dist.Store:
+    """A TCPStore namespaced by the torchrun restart attempt.
+
+    Under `torchrun --max-restarts`, restarted workers meet in the same store as the failed
+    attempt; keys left by the dead attempt made init_process_group hang in most restarts
+    (shared cpu-facts: 7 of 9). A fresh prefix per TORCHELASTIC_RESTART_COUNT fixed it (9 of 9).
+    """
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = int(os.environ["MASTER_PORT"])
+    # Under torchrun the agent hosts the store and every worker is a client.
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    base = dist.TCPStore(host, port, world.world_size, is_master=world.rank == 0 and not agent_hosts,
+                         timeout=timeout, wait_for_workers=False, multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"lmforge/attempt_{attempt}/", base)
+
+
+def _set_threads(world: World, device: torch.device, threads: int | None) -> None:
+    """One CPU's cores split between the processes that share it, unless the user chose.
+
+    Oversubscribed OpenMP makes gloo ranks on one machine ~10x slower (shared cpu-facts).
+    """
+    if threads or device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world.world_size))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(local, 1)))
+
+
+def init_distributed(timeout_s: int = 600, device: torch.device | None = None,
+                     threads: int | None = None) -> World:
+    """Join the job described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT).
+
+    Collectives time out after `timeout_s`, so a dead rank makes the others fail with an error
+    instead of hanging. Returns the World; a single process gets no process group.
+    """
+    world = World.from_env()
+    device = device or torch.device("cpu")
+    if world.world_size == 1 or dist.is_initialized():
+        return world
+    _set_threads(world, device, threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(world.local_rank)
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend_for(device), store=_store(world, timeout), rank=world.rank,
+                            world_size=world.world_size, timeout=timeout)
+    return world
+
+
+def shutdown() -> None:
+    """Leave the job. The barrier first: a rank that destroys its group while a peer still runs a
+    collective (FSDP's last reshard, a checkpoint's final gather) made runs abort at exit."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
