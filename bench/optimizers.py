@@ -28,11 +28,9 @@ cost) and the ratio to AdamW's mean. Writes bench/results/optimizers.json.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -49,6 +47,7 @@ from lmforge.metrics.loggers import read_metrics  # noqa: E402
 from lmforge.optim.builder import state_bytes_per_param  # noqa: E402
 from lmforge.optim.muon import hidden_matrices  # noqa: E402
 from lmforge.train.trainer import Trainer  # noqa: E402
+from machine import machine_info  # noqa: E402  (bench/machine.py)
 
 RECIPE = ROOT / "configs" / "debug" / "tiny.yaml"
 RESULTS = ROOT / "bench" / "results" / "optimizers.json"
@@ -189,27 +188,6 @@ def interleaved_step_ms(names: list[str], rounds: int, data_dir: Path) -> dict[s
                     ratio_to_adamw=statistics.mean(t) / base if base else None) for n, t in times.items()}
 
 
-def machine_info() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return dict(
-        cpu_model=cpu,
-        cpu_count=os.cpu_count(),
-        cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        torch=torch.__version__,
-        python=platform.python_version(),
-        threads="1 (the recipe's train.threads)",
-        date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        loadavg_at_start=list(os.getloadavg()),
-    )
-
-
 def print_table(results: dict) -> None:
     headers = ["optimizer", "best lr", "val loss", "val loss at each lr", "state B/param", "textbook B/param",
                "ms/step (interleaved)", "vs adamw"]
@@ -240,7 +218,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
     names = args.only or list(GRIDS)
-    info = machine_info()
+    info = machine_info(threads="1 (the recipe's train.threads)")
     print(f"machine: {info['cpu_model']} ({info['cpu_count']} cores, {info['cpu_capability']}), "
           f"torch {info['torch']}, load average {info['loadavg_at_start']}", flush=True)
     t0 = time.perf_counter()

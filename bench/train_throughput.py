@@ -20,10 +20,8 @@ B*T logit rows (HF pads the shifted labels with -100, so it has B*(T-1) targets;
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +37,7 @@ from lmforge.models.flops import count_params, flops_per_token
 from lmforge.optim.builder import build_optimizer
 from lmforge.train.precision import Precision
 from lmforge.train.step import token_loss_sum, train_step
+from machine import machine_info  # bench/machine.py (the script's directory is on sys.path)
 
 # rounds: at most this many timed rounds by default, stopping early once budget_s seconds of
 # timed rounds have passed (but never before MIN_ROUNDS); --rounds N runs exactly N.
@@ -336,28 +335,6 @@ def profile_shape(name: str, s: dict, steps: int, row_limit: int = 25) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=row_limit))
 
 
-def machine_info(threads: int) -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return dict(
-        cpu_model=cpu,
-        cpu_count=os.cpu_count(),
-        cpu_capability=torch.backends.cpu.get_cpu_capability(),
-        torch=torch.__version__,
-        transformers=transformers.__version__,
-        python=platform.python_version(),
-        threads=threads,
-        date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        loadavg_at_start=list(os.getloadavg()),
-    )
-
-
 def print_table(results: dict) -> None:
     headers = [
         "shape",
@@ -449,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             profile_shape(n, SHAPES[n], args.profile)
         return 0
 
-    machine = machine_info(args.threads)
+    machine = machine_info(transformers=transformers.__version__, threads=args.threads)
     print(f"machine: {machine}", flush=True)
     results = {}
     for n in names:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
-from lmforge.errors import LmforgeError
+from lmforge.errors import ConfigError, LmforgeError
 
 
 def _config(args: argparse.Namespace):
@@ -225,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except LmforgeError as e:
         code = getattr(e, "exit_code", 2)
-        print(f"lmforge {args.verb}: error: {e}", file=sys.stderr)
+        rank = int(os.environ.get("RANK", "0"))
+        # Under torchrun a config error is raised identically on every rank: rank 0 says it once.
+        if rank == 0 or not isinstance(e, ConfigError):
+            where = f"[rank {rank}] " if rank else ""
+            print(f"{where}lmforge {args.verb}: error: {e}", file=sys.stderr)
         return code
     except KeyboardInterrupt:
         print(f"lmforge {args.verb}: interrupted", file=sys.stderr)

@@ -38,8 +38,8 @@ def corrupt_draws(trainer: Trainer, bad_steps: range) -> None:
 
 
 def events(run_dir, name=None):
-    return [r for r in read_metrics(run_dir / "metrics.jsonl") if "event" in r and r["event"] in (name, r["event"])
-            and (name is None or r["event"] == name)]
+    return [r for r in read_metrics(run_dir / "metrics.jsonl")
+            if "event" in r and (name is None or r["event"] == name)]
 
 
 SPIKE_RUN = ("train.max_steps=100", "train.log_every=5", "train.eval_every=0", "checkpoint.every=10",
@@ -51,7 +51,8 @@ def test_corrupted_window_is_detected_rolled_back_and_ends_lower(tiny_cfg, tmp_p
     corrupt_draws(unguarded, range(60, 64))
     loss_unguarded = unguarded.fit()["loss"]
 
-    guarded = Trainer(tiny_cfg(*SPIKE_RUN, f"run.dir={tmp_path / 'guarded'}", "stability.spike_detection=true"))
+    guarded = Trainer(tiny_cfg(*SPIKE_RUN, f"run.dir={tmp_path / 'guarded'}",
+                               "stability.spike_detection=true"))
     corrupt_draws(guarded, range(60, 64))
     loss_guarded = guarded.fit()["loss"]
 
@@ -69,7 +70,8 @@ def test_corrupted_window_is_detected_rolled_back_and_ends_lower(tiny_cfg, tmp_p
 
 def test_spike_skip_action_lowers_lr_and_gives_up_after_max(tiny_cfg, tmp_path):
     cfg = tiny_cfg(*SPIKE_RUN, "train.max_steps=70", "stability.spike_detection=true",
-                   "stability.spike_action=skip", "stability.spike_lr_factor=0.5", "stability.spike_max_recoveries=3")
+                   "stability.spike_action=skip", "stability.spike_lr_factor=0.5",
+                   "stability.spike_max_recoveries=3")
     t = Trainer(cfg)
     corrupt_draws(t, range(60, 64))
     with pytest.raises(TrainingDiverged, match="after 3 recoveries"):
@@ -152,7 +154,8 @@ def test_resume_mid_batch_ramp_and_mid_schedule_is_exact(tiny_cfg, tmp_path, uni
 
 def test_early_stopping_and_keep_best(tiny_cfg, tmp_path):
     # min_delta so large that only the first evaluation counts as an improvement.
-    cfg = tiny_cfg("train.max_steps=40", "train.eval_every=5", "checkpoint.every=0", "checkpoint.keep_best=true",
+    cfg = tiny_cfg("train.max_steps=40", "train.eval_every=5", "checkpoint.every=0",
+                   "checkpoint.keep_best=true",
                    "stability.early_stopping_patience=2", "stability.early_stopping_min_delta=100")
     t = Trainer(cfg)
     t.fit()
@@ -207,7 +210,8 @@ def test_ema_and_swa_are_logged_saved_evaluated_and_exported(tiny_cfg, tmp_path)
     from safetensors.torch import load_file
 
     tensors = load_file(exported / "model.safetensors")
-    assert torch.equal(tensors["model.embed_tokens.weight"], t.averages["ema"].params["tok_embeddings.weight"])
+    ema_embed = t.averages["ema"].params["tok_embeddings.weight"]
+    assert torch.equal(tensors["model.embed_tokens.weight"], ema_embed)
 
 
 def test_eval_of_missing_average_is_a_clear_error(tiny_cfg, tmp_path):

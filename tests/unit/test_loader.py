@@ -104,8 +104,20 @@ def test_resume_on_other_world_size(stream):
     four = loader(stream, seed=4, rank=0, world_size=4)
     ld = loader(stream, seed=4, rank=0, world_size=2)
     ld.next_batch()  # 8 windows in: not a whole global batch of 16
-    with pytest.raises(DataError, match="world_size=2.*world_size=4"):
+    with pytest.raises(DataError, match="world_size=2 x batch_size=4.*world_size=4 x batch_size=4"):
         four.load_state_dict(ld.state_dict())
+
+
+def test_resume_with_the_same_global_batch_split_differently(stream):
+    """2 ranks x 2 windows -> 1 rank x 4: the global position carries over exactly."""
+    two = [loader(stream, seed=5, rank=r, world_size=2, batch_size=2) for r in range(2)]
+    for ld in two:
+        ld.next_batch()
+    state = two[0].state_dict()  # one global batch of 4 windows in
+    nxt = sorted(w for ld in two for w in windows_of(ld.next_batch()[0]))
+    one = loader(stream, seed=5, batch_size=4)
+    one.load_state_dict(state)
+    assert sorted(windows_of(one.next_batch()[0])) == nxt
 
 
 def test_resume_with_other_settings_is_an_error(stream):

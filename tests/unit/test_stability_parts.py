@@ -33,7 +33,8 @@ def test_average_equals_torch_averaged_model(kind):
     torch.manual_seed(0)
     model = build_model(ModelConfig(preset="debug", vocab_size=97, max_seq_len=16))
     ours = WeightAverage(model, kind, decay=0.9)
-    ref = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9) if kind == "ema" else get_swa_multi_avg_fn())
+    avg_fn = get_ema_multi_avg_fn(0.9) if kind == "ema" else get_swa_multi_avg_fn()
+    ref = AveragedModel(model, multi_avg_fn=avg_fn)
     for _ in trained_steps(model, 12):
         ours.update(model)
         ref.update_parameters(model)
@@ -48,7 +49,8 @@ def test_average_swaps_in_and_back_and_ignores_wrappers():
     apply_activation_checkpointing(model, "full", 1)
     avg = WeightAverage(model, "swa")
     assert all("_checkpoint_wrapped_module" not in n for n in avg.params)
-    assert clean_name("module.layers.0._checkpoint_wrapped_module.attn.wq.weight") == "layers.0.attn.wq.weight"
+    wrapped = "module.layers.0._checkpoint_wrapped_module.attn.wq.weight"
+    assert clean_name(wrapped) == "layers.0.attn.wq.weight"
     steps = trained_steps(model, 3)
     next(steps)
     avg.update(model)
@@ -66,7 +68,8 @@ def test_robust_z_is_iglewicz_hoaglin():
 
 
 def test_spike_detector_judges_only_after_history_and_never_learns_spikes():
-    det = SpikeDetector(StabilityConfig(spike_detection=True, spike_window=10, spike_min_history=5, spike_z=6))
+    cfg = StabilityConfig(spike_detection=True, spike_window=10, spike_min_history=5, spike_z=6)
+    det = SpikeDetector(cfg)
     noise = [5.0, 5.02, 4.98, 5.01, 4.99]
     assert all(det.check(x) is None for x in [50.0] + noise[1:])  # too little history to judge the 50
     spike = det.check(6.0)

@@ -140,3 +140,53 @@ def test_non_finite_gradients_are_never_applied():
     for k, v in before.items():
         assert torch.equal(v, after[k]) or torch.isnan(v).any(), k
     assert not opt.state or all(s.get("step", 0) == 0 for s in opt.state.values())
+
+
+def test_clip_by_value_then_norm_equals_torch():
+    x, y = batch(4)
+    ours, opt = make(sgd=True)
+    ref, _ = make(sgd=True)
+    train_step(ours, [(x, y)], opt, Precision("fp32", CPU), grad_clip=0.05, grad_clip_value=1e-3)
+    loss = torch.nn.functional.cross_entropy(ref(x).view(-1, 97), y.view(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_value_(ref.parameters(), 1e-3)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p -= p.grad
+    assert max_param_diff(ours, ref) < 1e-7
+
+
+def test_group_grad_norms_and_update_ratios():
+    x, y = batch(4)
+    model, opt = make()
+    before = {id(p): p.detach().clone() for p in model.parameters()}
+    grads = {}
+
+    def keep(p):
+        grads[id(p)] = p.grad.detach().clone()
+
+    hooks = [p.register_post_accumulate_grad_hook(keep) for p in model.parameters()]
+    r = train_step(model, [(x, y)], opt, Precision("fp32", CPU), grad_clip=0.0, group_stats=True)
+    for h in hooks:
+        h.remove()
+    assert set(r.group_grad_norms) == set(r.update_ratios) == {"decay", "no_decay"}
+    total_sq = 0.0
+    for g in opt.param_groups:
+        norm = torch.sqrt(sum(grads[id(p)].double().square().sum() for p in g["params"]))
+        total_sq += float(norm) ** 2
+        assert r.group_grad_norms[g["name"]] == pytest.approx(float(norm), rel=1e-6)
+        delta = torch.sqrt(sum((p.detach() - before[id(p)]).double().square().sum() for p in g["params"]))
+        size = torch.sqrt(sum(before[id(p)].double().square().sum() for p in g["params"]))
+        assert r.update_ratios[g["name"]] == pytest.approx(float(delta / size), rel=1e-5)
+    assert r.grad_norm == pytest.approx(total_sq ** 0.5, rel=1e-6)
+
+
+def test_rejected_step_leaves_weights_and_moments_alone():
+    x, y = batch(4)
+    model, opt = make()
+    before = [p.detach().clone() for p in model.parameters()]
+    r = train_step(model, [(x, y)], opt, Precision("fp32", CPU), grad_clip=1.0, accept=lambda loss: False)
+    assert r.skipped and not opt.state
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(p.grad is None for p in model.parameters())

@@ -174,7 +174,8 @@ def export_hf(src: str | Path, out_dir: str | Path, overwrite: bool = False,
                 shutil.copy2(tokenizer_dir / name, out / name)
     else:
         run.tokenizer.save_hf(out, model_max_length=run.cfg.model.max_seq_len)
-    say(f"exported {run.checkpoint} (step {run.step}{'' if weights == 'model' else ', ' + weights + ' weights'}) "
+    which = "" if weights == "model" else f", {weights} weights"
+    say(f"exported {run.checkpoint} (step {run.step}{which}) "
         f"to {out}")
     return out
 

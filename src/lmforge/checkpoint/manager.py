@@ -241,6 +241,10 @@ class CheckpointManager:
         if loaded:
             _dcp_load({"averaging": {k: averages[k] for k in loaded}}, path)
         rank_file = path / f"rank_{self.rank:05d}.pt"
+        if not rank_file.exists() and (path / "rank_00000.pt").exists():
+            # Resumed on more ranks than saved: the data position is the same on every rank (it is
+            # global); RNG streams of the new ranks start from rank 0's.
+            rank_file = path / "rank_00000.pt"
         try:
             state = torch.load(rank_file, weights_only=True)
         except Exception as e:

@@ -21,7 +21,8 @@ from lmforge.config.schema import (
 )
 
 __all__ = [
-    "AveragingConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "GenerateConfig", "LoggingConfig",
+    "AveragingConfig", "CheckpointConfig", "Config", "DataConfig", "EvalConfig", "GenerateConfig",
+    "LoggingConfig",
     "ModelConfig", "OptimConfig", "ParallelConfig", "RopeScalingConfig", "RunConfig", "ScheduleConfig",
     "StabilityConfig", "TokenizerConfig",
     "TrainConfig",

@@ -437,7 +437,9 @@ class ParallelConfig(Section):
         "auto", description="FSDP compute dtype of params (auto: bf16 with bf16 precision, else fp32)."
     )
     reduce_dtype: Literal["fp32", "bf16"] = Field("fp32", description="FSDP gradient reduce dtype.")
-    timeout_s: int = Field(600, ge=10, description="Collective timeout: a dead rank stops the job after this.")
+    timeout_s: int = Field(
+        600, ge=10, description="Collective timeout: a dead rank stops the job after this."
+    )
 
 
 class StabilityConfig(Section):
@@ -446,9 +448,13 @@ class StabilityConfig(Section):
         "loss or gradients; each one is skipped, never applied."
     )
     spike_detection: bool = Field(False, description="Detect loss spikes (robust z-score) and recover.")
-    spike_window: int = Field(50, ge=5, description="Trailing steps the median/MAD of the loss is taken over.")
+    spike_window: int = Field(
+        50, ge=5, description="Trailing steps the median/MAD of the loss is taken over."
+    )
     spike_min_history: int = Field(20, ge=3, description="Steps of history before spikes are judged.")
-    spike_z: float = Field(6.0, gt=0.0, description="Robust z-score (0.6745*(x-median)/MAD) that counts as a spike.")
+    spike_z: float = Field(
+        6.0, gt=0.0, description="Robust z-score (0.6745*(x-median)/MAD) that counts as a spike."
+    )
     spike_action: Literal["rollback", "skip", "log"] = Field(
         "rollback", description="rollback: reload the last good checkpoint and skip the data since; "
         "skip: drop this update only; log: record the event and go on."
@@ -456,11 +462,15 @@ class StabilityConfig(Section):
     spike_lr_factor: float = Field(
         1.0, gt=0.0, le=1.0, description="Multiply the lr by this after each recovery (1: unchanged)."
     )
-    spike_max_recoveries: int = Field(5, ge=0, description="Give up (stop with an error) after this many recoveries.")
+    spike_max_recoveries: int = Field(
+        5, ge=0, description="Give up (stop with an error) after this many recoveries."
+    )
     early_stopping_patience: int = Field(
         0, ge=0, description="Stop when val_loss has not improved for this many evaluations (0: off)."
     )
-    early_stopping_min_delta: float = Field(0.0, ge=0.0, description="Improvement that counts for early stopping.")
+    early_stopping_min_delta: float = Field(
+        0.0, ge=0.0, description="Improvement that counts for early stopping."
+    )
 
 
 class AveragingConfig(Section):
@@ -470,7 +480,9 @@ class AveragingConfig(Section):
     swa: bool = Field(False, description="Keep a stochastic weight average (equal-weight mean of snapshots).")
     swa_start: int = Field(0, ge=0, description="First step that enters the SWA mean.")
     swa_every: int = Field(10, ge=1, description="Add a snapshot to the SWA mean every this many steps.")
-    eval_averaged: bool = Field(True, description="Also report val loss of the EMA/SWA weights at each evaluation.")
+    eval_averaged: bool = Field(
+        True, description="Also report val loss of the EMA/SWA weights at each evaluation."
+    )
 
 
 class LoggingConfig(Section):

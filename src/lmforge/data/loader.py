@@ -22,7 +22,7 @@ from lmforge.data.shards import open_shard
 from lmforge.errors import DataError
 
 _SEED_STRIDE = 1000003  # a prime: epochs of nearby seeds never share a permutation seed
-_CHECKED = ("seq_len", "batch_size", "seed", "num_windows", "shuffle", "drop_last")
+_CHECKED = ("seq_len", "seed", "num_windows", "shuffle", "drop_last")
 
 
 class TokenLoader:
@@ -112,26 +112,28 @@ class TokenLoader:
     def load_state_dict(self, sd: dict) -> None:
         """Resume at the position in `sd`; DataError if it was taken with other data or settings.
 
-        A different world size is accepted when the global position (cursor * batch_size * world_size
-        windows into the epoch) is a whole number of new global batches; otherwise resume on the old
-        world size.
+        A different world size or per-rank batch size (e.g. 2 ranks x 4 -> 1 rank x 8, the same global
+        batch) is accepted when the global position (cursor * batch_size * world_size windows into
+        the epoch) is a whole number of new global batches; otherwise resume on the old layout.
         """
-        missing = [k for k in ("epoch", "cursor", "world_size", *_CHECKED) if k not in sd]
+        missing = [k for k in ("epoch", "cursor", "world_size", "batch_size", *_CHECKED) if k not in sd]
         if missing:
             raise DataError(f"data loader state lacks {', '.join(missing)}; it is not a TokenLoader state")
         mine = self.state_dict()
         differ = [f"{k} {int(sd[k])} -> {mine[k]}" for k in _CHECKED if int(sd[k]) != mine[k]]
         if differ:
             raise DataError(f"cannot resume the data loader: {'; '.join(differ)} (checkpoint -> now); "
-                            "resume with the same data, seq_len, batch size and seed")
-        epoch, cursor, old_ws = int(sd["epoch"]), int(sd["cursor"]), int(sd["world_size"])
-        global_windows = cursor * self.batch_size * old_ws
+                            "resume with the same data, seq_len and seed")
+        epoch, cursor = int(sd["epoch"]), int(sd["cursor"])
+        old_ws, old_bs = int(sd["world_size"]), int(sd["batch_size"])
+        global_windows = cursor * old_bs * old_ws
         cursor, rem = divmod(global_windows, self.batch_size * self.world_size)
         if rem or cursor > self.batches_per_epoch or epoch < 0:
             raise DataError(
-                f"cannot resume the data loader saved on world_size={old_ws} at epoch {epoch}, batch "
-                f"{int(sd['cursor'])} on world_size={self.world_size}: that position is not a whole "
-                "number of global batches here; resume on the old world size"
+                f"cannot resume the data loader saved on world_size={old_ws} x batch_size={old_bs} at epoch "
+                f"{epoch}, batch {int(sd['cursor'])} on world_size={self.world_size} x batch_size="
+                f"{self.batch_size}: that position is not a whole number of global batches here; resume "
+                "on the old layout"
             )
         if cursor == self.batches_per_epoch:
             epoch, cursor = epoch + 1, 0

@@ -33,7 +33,8 @@ class LoadedRun:
     device: torch.device
 
 
-def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = (), weights: str = "model") -> LoadedRun:
+def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
+             weights: str = "model") -> LoadedRun:
     """Rebuild the model of a run from its resolved config.yaml and load checkpoint weights
     (`weights`: the trained ones, or their 'ema' / 'swa' average kept during training)."""
     path = Path(path)

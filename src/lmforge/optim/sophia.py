@@ -132,13 +132,16 @@ def _unscale(grads: list[torch.Tensor], precision: Precision) -> None:
             g.div_(scale)
 
 
-def _gnb(model: nn.Module, params: list[torch.Tensor], micro_batches, precision: Precision) -> None:
+def _gnb(model: nn.Module, params: list[torch.Tensor], micro_batches, precision: Precision,
+         comm=None) -> None:
     """Gauss-Newton-Bartlett: labels drawn from the model's own softmax, hhat = B * g * g with g the
     gradient of the mean loss over the B tokens that carry a loss. E[hhat] is the diagonal of the
     Gauss-Newton matrix of the mean loss (the cross terms of independent samples vanish)."""
     from lmforge.train.step import IGNORE_INDEX, token_loss_sum
 
-    n_tokens = max(sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches), 1)
+    n_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+    # Data-parallel: the mean is over every rank's tokens (gradients are summed across ranks).
+    n_tokens = max(comm.sum_count(n_tokens) if comm is not None else n_tokens, 1)
     for x, y in micro_batches:
         with precision.autocast():
             logits = model(x)
@@ -180,19 +183,22 @@ def _hutchinson(model: nn.Module, params: list[torch.Tensor], micro_batches, pre
 
 
 def estimate_hessian(model: nn.Module, optimizer: Sophia,
-                     micro_batches: list[tuple[torch.Tensor, torch.Tensor]], precision: Precision) -> None:
+                     micro_batches: list[tuple[torch.Tensor, torch.Tensor]], precision: Precision,
+                     comm=None) -> None:
     """Refresh Sophia's Hessian EMA from the optimizer's estimator on `micro_batches` (input ids,
     targets; GNB uses the targets only for which positions carry a loss).
 
     Zeroes the gradients before and after. An estimate with a non-finite entry is dropped (h keeps
     its value), as the trainer drops such gradients. Hutchinson differentiates twice, which needs
-    an eager (not torch.compile'd) model.
+    an eager (not torch.compile'd) model. `comm` (lmforge.train.step.Comm) makes the GNB mean
+    global in a data-parallel job; Hutchinson is single-replica only (its second backward
+    bypasses the data-parallel gradient reduction).
     """
     params = _params(optimizer)
     optimizer.zero_grad(set_to_none=True)
     try:
         if optimizer.estimator == "gnb":
-            _gnb(model, params, micro_batches, precision)
+            _gnb(model, params, micro_batches, precision, comm)
         else:
             _hutchinson(model, params, micro_batches, precision)
         grads = [p.grad for p in params if p.grad is not None]

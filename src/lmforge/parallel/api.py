@@ -51,6 +51,7 @@ class ParallelModel:
     dims: ParallelDims
     comm: Comm
     pipeline: Pipeline | None = None
+    forward: nn.Module | None = None  # what runs forward when it is not `model` (a whole-model compile)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to train with: ZeRO-1 shards its state over the data-parallel group."""
@@ -70,8 +71,9 @@ class ParallelModel:
         if self.pipeline is not None:
             return self.pipeline.step(micro_batches, optimizer, precision, grad_clip, self.comm,
                                       grad_clip_value, group_stats, accept)
-        return train_step(self.model, micro_batches, optimizer, precision, grad_clip, grad_clip_value,
-                          group_stats, self.comm, accept)
+        model = self.forward if self.forward is not None else self.model  # bool() of a compiled module fails
+        return train_step(model, micro_batches, optimizer, precision, grad_clip, grad_clip_value, group_stats,
+                          self.comm, accept)
 
     @torch.no_grad()
     def loss_sum(self, x: torch.Tensor, y: torch.Tensor, precision: Precision) -> tuple[float, int]:
@@ -97,8 +99,9 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: st
     tc = cfg.train
     if dims.world_size == 1:
         apply_activation_checkpointing(model, tc.activation_checkpointing, tc.ac_every)
-        _maybe_compile(model, tc.compile)
-        return ParallelModel(model, [model], dims, LOCAL)
+        # One process compiles the whole model (one graph; faster than per-block graphs).
+        forward = torch.compile(model) if tc.compile else None
+        return ParallelModel(model, [model], dims, LOCAL, forward=forward)
     if precision == "fp16":
         raise ConfigError(
             "train.precision=fp16 needs a loss scaler whose overflow check agrees across ranks, "

@@ -74,3 +74,9 @@ def shutdown() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def abandon() -> None:
+    """Leave the job after an error, without the barrier: the other ranks may never reach it."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

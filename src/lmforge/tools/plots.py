@@ -72,6 +72,7 @@ def _save(fig, out_path: str | os.PathLike) -> Path:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=110)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the plot from other users
         os.replace(tmp, out)
     finally:
         plt.close(fig)

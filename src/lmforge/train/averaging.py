@@ -18,7 +18,6 @@ from torch import nn
 
 from lmforge.config.schema import AveragingConfig
 
-
 _WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 

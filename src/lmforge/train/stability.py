@@ -110,4 +110,5 @@ class EarlyStopping:
         return {"best": self.best, "best_step": self.best_step, "bad_evals": self.bad_evals}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.best, self.best_step, self.bad_evals = float(sd["best"]), int(sd["best_step"]), int(sd["bad_evals"])
+        self.best, self.best_step = float(sd["best"]), int(sd["best_step"])
+        self.bad_evals = int(sd["bad_evals"])

@@ -112,7 +112,7 @@ def train_step(
         from lmforge.optim.sophia import estimate_hessian
 
         # The eager module: Hutchinson's double backward does not run through torch.compile.
-        estimate_hessian(getattr(model, "_orig_mod", model), optimizer, micro_batches, precision)
+        estimate_hessian(getattr(model, "_orig_mod", model), optimizer, micro_batches, precision, comm)
     return result
 
 

@@ -8,6 +8,7 @@ checkpoints, so a run killed at any point resumes onto the exact same loss curve
 from __future__ import annotations
 
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -29,15 +30,18 @@ from lmforge.models import build_model
 from lmforge.models.flops import flops_per_token
 from lmforge.optim.builder import build_optimizer
 from lmforge.optim.schedule import make_schedule
-from lmforge.parallel.checkpointing import apply_activation_checkpointing
+from lmforge.parallel.api import parallelize
+from lmforge.parallel.coord import any_rank, on_rank0, rank0_first
+from lmforge.parallel.dims import ParallelDims
+from lmforge.parallel.init import abandon, init_distributed, shutdown
 from lmforge.parallel.world import World, resolve_device
-from lmforge.train.precision import Precision, resolve_precision
-from lmforge.train.run_dir import open_run_dir
 from lmforge.train.averaging import build_averages
 from lmforge.train.batch_ramp import BatchRamp
+from lmforge.train.precision import Precision, resolve_precision
+from lmforge.train.run_dir import open_run_dir
 from lmforge.train.stability import EarlyStopping, NonFiniteGuard, SpikeDetector
 from lmforge.train.state import capture_rng, restore_rng, seed_everything
-from lmforge.train.step import StepResult, train_step
+from lmforge.train.step import IGNORE_INDEX, StepResult
 
 
 class TrainingDiverged(LmforgeError):
@@ -68,6 +72,30 @@ def resolve_vocab_size(cfg: Config, tokenizer_vocab: int) -> int:
     return cfg.model.vocab_size
 
 
+def check_parallel_support(cfg: Config, dims: ParallelDims) -> None:
+    """Refuse, before any work, training features whose maths a parallel layout would change."""
+    sharded = dims.fsdp or dims.tp > 1
+    problems = []
+    if cfg.optim.name == "muon" and sharded:
+        problems.append("optim.name=muon orthogonalises whole matrices, but parallel.dp_shard/tp shard them; "
+                        "use DDP (parallel.dp_replicate) or pipeline stages, or another optimizer")
+    if cfg.optim.name == "adamw8bit" and sharded:
+        problems.append("optim.name=adamw8bit is not supported with sharded parameters "
+                        "(parallel.dp_shard/tp); use parallel.zero=1 or DDP (parallel.dp_replicate)")
+    if cfg.optim.name == "sophia" and dims.pp > 1:
+        problems.append("optim.name=sophia estimates its Hessian with a whole-model forward, which a "
+                        "pipeline (parallel.pp > 1) does not have")
+    if cfg.optim.name == "sophia" and cfg.optim.hessian_estimator == "hutchinson" and dims.dp_size > 1:
+        problems.append("optim.hessian_estimator=hutchinson's second backward bypasses the data-parallel "
+                        "gradient reduction; use hessian_estimator=gnb")
+    if cfg.train.batch_warmup_tokens and dims.pp > 1:
+        problems.append("train.batch_warmup_tokens varies the micro-batches per step, but a pipeline "
+                        "schedule (parallel.pp > 1) has a fixed number")
+    if problems:
+        raise ConfigError("this parallel layout cannot run the run as configured:\n  "
+                          + "\n  ".join(problems))
+
+
 class Trainer:
     """Owns the components of one training run."""
 
@@ -78,35 +106,48 @@ class Trainer:
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
         self.device = resolve_device(cfg.train.device, self.world)
+        # A distributed job: join it (collective timeouts set), check the layout before any work.
+        init_distributed(cfg.parallel.timeout_s, self.device, cfg.train.threads)
+        self.dims = ParallelDims.resolve(cfg.parallel, self.world.world_size, cfg.model,
+                                         cfg.train.grad_accum_steps)
+        check_parallel_support(cfg, self.dims)
+        if self.world.world_size > 1:
+            self.dims.build_mesh(self.device.type)
         self.run_dir = Path(cfg.run.dir)
-        resuming = open_run_dir(self.run_dir, resume=resume, overwrite=cfg.run.overwrite, say=self.console)
+        # torchrun --max-restarts: a restarted job continues from the last checkpoint by itself.
+        resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        resuming = on_rank0(lambda: open_run_dir(self.run_dir, resume=resume, overwrite=cfg.run.overwrite,
+                                                 say=self.console))
 
         if cfg.model.init_from:
             apply_init_from(cfg, say=self.console)
-        self.data = prepare(cfg, console=self.console.print)
+        self.data = rank0_first(lambda: prepare(cfg, console=self.console.print))
         cfg.model.vocab_size = resolve_vocab_size(cfg, self.data.tokenizer.vocab_size)
 
-        seed_everything(cfg.run.seed)
-        self.model = build_model(cfg.model, device=self.device)
+        seed_everything(cfg.run.seed)  # the same seed on every rank: replicas start equal
+        model = build_model(cfg.model, device=self.device)
         if not resuming:
-            self._load_init_from()
-        apply_activation_checkpointing(self.model, cfg.train.activation_checkpointing, cfg.train.ac_every)
-        self.forward_model = torch.compile(self.model) if cfg.train.compile else self.model
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+            self._load_init_from(model)
+        seq_len = cfg.seq_len
+        precision = on_rank0(lambda: resolve_precision(cfg.train.precision, self.device, model,
+                                                       cfg.train.micro_batch_size, seq_len,
+                                                       cfg.model.vocab_size))
+        self.precision = Precision(precision, self.device)
+        # TP -> activation checkpointing -> compile -> FSDP/DDP, from outside the model.
+        self.parallel = parallelize(model, cfg, self.dims, precision)
+        self.model = self.parallel.model
+        self.optimizer = self.parallel.wrap_optimizer(build_optimizer(self.model, cfg.optim))
         self.averages = build_averages(self.model, cfg.averaging)
-        self.ramp = BatchRamp(cfg, self.world.world_size)
+        dp_rank, dp_size = self.dims.dp_rank, self.dims.dp_size
+        self.ramp = BatchRamp(cfg, dp_size)
         self.lr_at = make_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps,
                                    self.ramp.total_tokens(cfg.train.max_steps))
-        seq_len = cfg.seq_len
-        self.precision = Precision(resolve_precision(cfg.train.precision, self.device, self.model,
-                                                     cfg.train.micro_batch_size, seq_len,
-                                                     cfg.model.vocab_size), self.device)
         self.train_loader = TokenLoader(self.data.shards("train"), seq_len, cfg.train.micro_batch_size,
-                                        seed=cfg.run.seed, rank=self.world.rank,
-                                        world_size=self.world.world_size)
+                                        seed=cfg.run.seed, rank=dp_rank, world_size=dp_size)
+        # Every rank must run the same number of evaluation batches (their forwards are collective).
         self.val_loader = TokenLoader(self.data.shards("val"), seq_len, cfg.train.micro_batch_size,
-                                      seed=cfg.run.seed, rank=self.world.rank,
-                                      world_size=self.world.world_size, shuffle=False, drop_last=False)
+                                      seed=cfg.run.seed, rank=dp_rank, world_size=dp_size, shuffle=False,
+                                      drop_last=self.world.world_size > 1)
         self.token_bytes = torch.as_tensor(self.data.tokenizer.token_byte_lengths(), dtype=torch.long)
         self.ckpt = CheckpointManager(self.run_dir, cfg.checkpoint.keep_last, self.world.rank,
                                       self.world.world_size)
@@ -116,7 +157,8 @@ class Trainer:
         self.lr_scale = 1.0  # lowered by spike recoveries (stability.spike_lr_factor)
         self.guard = NonFiniteGuard(cfg.stability.max_nonfinite)
         self.spikes = SpikeDetector(cfg.stability) if cfg.stability.spike_detection else None
-        self.early = EarlyStopping(cfg.stability.early_stopping_patience, cfg.stability.early_stopping_min_delta)
+        sc = cfg.stability
+        self.early = EarlyStopping(sc.early_stopping_patience, sc.early_stopping_min_delta)
         self._last_val: tuple[int, dict[str, float]] | None = None
         self._spike = None
         if resuming:
@@ -124,7 +166,7 @@ class Trainer:
         if self.world.is_main:  # only now: a refused resume must leave the old run's config intact
             save_config(cfg, self.run_dir / "config.yaml")
         self.logger = MetricsLogger.for_run(self.run_dir, cfg.logging.tensorboard, self.world.is_main)
-        self.flops_per_token = flops_per_token(cfg.model, seq_len)
+        self.flops_per_token = flops_per_token(cfg.model, cfg.seq_len)
         self.peak_flops = measure_peak_flops(self.device, self.precision.dtype)
         self._signal: int | None = None
         self._first_compiled_step = True
@@ -150,7 +192,7 @@ class Trainer:
                 batches = [self._next_batch() for _ in range(self.ramp.micro_batches(self.tokens_seen))]
                 log_now = (self.step + 1) % tc.log_every == 0 or self.step + 1 == tc.max_steps
                 result = self._train_step(batches, group_stats=log_now and tc.log_group_stats)
-                window.stop(result.tokens * self.world.world_size)
+                window.stop(result.tokens * self.dims.dp_size)
                 if self._spike is not None and self._recover():
                     continue  # rolled back: the steps since the checkpoint are redone on new data
                 self._account(result)
@@ -165,12 +207,15 @@ class Trainer:
                     self.validate()
                 if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
                     self.save()
+                if any_rank(self._signal is not None, self.device) and self._signal is None:
+                    self._signal = signal.SIGTERM  # another rank was told to stop: stop together
                 if self._signal is not None:
                     self._stop_on_signal()
                 if self.early.should_stop:
                     self._event("early_stop", best_val_loss=self.early.best, best_step=self.early.best_step)
                     break
-            final = self._last_val[1] if self._last_val and self._last_val[0] == self.step else self.validate()
+            evaluated_now = self._last_val is not None and self._last_val[0] == self.step
+            final = self._last_val[1] if evaluated_now else self.validate()
             if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
                 self.save()
         finally:
@@ -195,8 +240,8 @@ class Trainer:
         self._spike = None
 
         def run():
-            return train_step(self.forward_model, batches, self.optimizer, self.precision, tc.grad_clip,
-                              tc.grad_clip_value, group_stats, accept=self._accept_loss)
+            return self.parallel.step(batches, self.optimizer, self.precision, tc.grad_clip,
+                                      tc.grad_clip_value, group_stats, accept=self._accept_loss)
 
         if not (tc.compile and self._first_compiled_step):
             return run()
@@ -218,7 +263,7 @@ class Trainer:
     def _account(self, result: StepResult) -> None:
         """Counters, the non-finite guard and the weight averages after one step."""
         self.step += 1
-        self.tokens_seen += result.tokens * self.world.world_size
+        self.tokens_seen += result.tokens * self.dims.dp_size
         nonfinite = result.skipped and not math.isfinite(result.loss * result.grad_norm)
         self.skipped_steps += result.skipped
         if nonfinite:
@@ -227,7 +272,8 @@ class Trainer:
         if self.guard.observe(not nonfinite):
             path = self.save() if self._last_saved_step != self.step else self.ckpt.latest().path
             raise TrainingDiverged(
-                f"{self.guard.consecutive} consecutive steps with NaN/Inf loss or gradients at step {self.step} "
+                f"{self.guard.consecutive} consecutive steps with NaN/Inf loss or gradients at step "
+                f"{self.step} "
                 f"(none was applied); checkpoint of the last good weights: {path}. Lower optim.lr, raise "
                 "schedule warm-up, check the data, or use train.precision=bf16/fp32 instead of fp16; "
                 "then continue with --resume"
@@ -292,7 +338,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
         }
         if self.ramp.ramp_tokens:
-            record["tokens_per_step"] = last.tokens * self.world.world_size
+            record["tokens_per_step"] = last.tokens * self.dims.dp_size
         if self.skipped_steps:
             record["skipped_steps"] = self.skipped_steps
         # Per-group detail of the window's last step (the console shows only the headline numbers).
@@ -326,8 +372,19 @@ class Trainer:
 
     def _val_loss(self) -> dict[str, float]:
         batches = self.val_loader.iter_eval_batches(self.cfg.train.eval_batches)
-        # The eager model: a compiled one would recompile for the shorter last batch of the split.
-        return evaluate_loss(self.model, batches, self.precision, self.token_bytes, self.device)
+        if self.world.world_size == 1:
+            # The eager model: a compiled one would recompile for the shorter last batch of the split.
+            return evaluate_loss(self.model, batches, self.precision, self.token_bytes, self.device)
+        # Distributed: each data-parallel rank evaluates its own batches; sums are taken over all.
+        loss_sum, n_tokens, n_bytes = 0.0, 0, 0
+        for x, y in batches:
+            x, y = x.to(self.device), y.to(self.device)
+            s, n = self.parallel.loss_sum(x, y, self.precision)
+            loss_sum, n_tokens = loss_sum + s, n_tokens + n
+            n_bytes += self.parallel.comm.sum_count(int(self.token_bytes[y[y != IGNORE_INDEX].cpu()].sum()))
+        loss = loss_sum / max(n_tokens, 1)
+        return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": n_tokens,
+                "bpb": loss_sum / math.log(2) / max(n_bytes, 1)}
 
     def train_state(self) -> dict[str, Any]:
         return {
@@ -348,7 +405,8 @@ class Trainer:
         return {k: a.tensors() for k, a in self.averages.items()}
 
     def save(self) -> Path:
-        path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state(), self._average_tensors())
+        path = self.ckpt.save(self.step, self.model, self.optimizer, self.train_state(),
+                              self._average_tensors())
         self._last_saved_step = self.step
         self.console(f"step {self.step}: saved checkpoint {path}")
         self._plot()
@@ -403,12 +461,12 @@ class Trainer:
         """Undo what a failed partial load may have written: fresh weights and optimizer state."""
         seed_everything(self.cfg.run.seed)
         self.model.init_weights()
-        self._load_init_from()
+        self._load_init_from(self.model)
         self.optimizer.state.clear()
 
-    def _load_init_from(self) -> None:
+    def _load_init_from(self, model: torch.nn.Module) -> None:
         if self.cfg.model.init_from:
-            load_init_weights(self.cfg.model.init_from, self.model)
+            load_init_weights(self.cfg.model.init_from, model)
             self.console(f"initialised the weights from {self.cfg.model.init_from}")
 
     # -- signals: a preempted job (SIGTERM) or Ctrl-C saves at the next step boundary ----------
@@ -445,9 +503,16 @@ class Trainer:
 
 
 def train(cfg: Config, resume: bool = False) -> dict[str, Any]:
-    """Train the model the config describes; returns the final validation metrics."""
+    """Train the model the config describes; returns the final validation metrics.
+
+    Under torchrun every rank calls this; the process group is joined in `Trainer` and left here."""
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, resume=resume)
-    out = trainer.fit()
+    try:
+        trainer = Trainer(cfg, resume=resume)
+        out = trainer.fit()
+    except BaseException:
+        abandon()
+        raise
     trainer.console(f"done in {time.perf_counter() - t0:.0f}s; run dir {trainer.run_dir}")
+    shutdown()
     return out

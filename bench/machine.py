@@ -1,0 +1,32 @@
+"""What every benchmark records about the machine it ran on (imported by the bench scripts)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+
+def machine_info(**extra) -> dict:
+    """CPU model and capability, core count, versions, date and load average, plus `extra`."""
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return dict(
+        cpu_model=cpu,
+        cpu_count=os.cpu_count(),
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        torch=torch.__version__,
+        python=platform.python_version(),
+        **extra,
+        date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        loadavg_at_start=list(os.getloadavg()),
+    )
