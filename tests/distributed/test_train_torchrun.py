@@ -67,11 +67,26 @@ def assert_same_curve(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, shared_data_dir):
+def reference_run(tmp_path_factory, shared_data_dir) -> Path:
     """One process, micro-batch 8 x 2 accumulation: the global batch every layout must reproduce."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     run([sys.executable, "-m", "lmforge", "train", "-c", str(TINY), *overrides(run_dir, shared_data_dir)])
-    return curve(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> dict[int, dict]:
+    return curve(reference_run)
+
+
+def exported(run_dir: Path, out: Path) -> dict:
+    """The run's final checkpoint, consolidated by `lmforge export` in one process."""
+    from safetensors.torch import load_file
+
+    from lmforge.checkpoint.hf_io import export_hf
+
+    export_hf(run_dir, out, say=lambda *_: None)
+    return load_file(out / "model.safetensors")
 
 
 LAYOUTS = {
@@ -86,10 +101,15 @@ LAYOUTS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_trains_the_single_process_curve(layout, reference, tmp_path, shared_data_dir):
+def test_layout_trains_the_single_process_curve(layout, reference, reference_run, tmp_path, shared_data_dir):
     nproc, extra = LAYOUTS[layout]
     run(torchrun_cmd(nproc, tmp_path / "run", shared_data_dir, *extra))
     assert_same_curve(reference, curve(tmp_path / "run"))
+    # The sharded checkpoint consolidates (one process, any layout) to the single-process weights.
+    ours, ref = exported(tmp_path / "run", tmp_path / "hf"), exported(reference_run, tmp_path / "hf_ref")
+    assert ours.keys() == ref.keys()
+    for k, v in ref.items():
+        assert (ours[k] - v).abs().max().item() <= 1e-6, k  # measured <= 1.2e-7 (AdamW, 20 steps)
     ckpts = sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert ckpts == ["step_00000010", "step_00000020"]
     meta = json.loads((tmp_path / "run" / "checkpoints" / "step_00000020" / "meta.json").read_text())
@@ -135,6 +155,24 @@ def worker_pids(agent_pid: int) -> list[int]:
     except OSError:
         return []
     return [int(p) for p in text.split()]
+
+
+@pytest.mark.slow
+def test_a_dead_rank_stops_the_job_instead_of_hanging(tmp_path, shared_data_dir):
+    cmd = torchrun_cmd(2, tmp_path / "run", shared_data_dir, "parallel.dp_shard=2",
+                       "train.micro_batch_size=4", "train.max_steps=100000", "checkpoint.every=0",
+                       "parallel.timeout_s=30")
+    agent = subprocess.Popen(cmd, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (tmp_path / "run" / "metrics.jsonl").exists() and len(worker_pids(agent.pid)) == 2:
+            break
+        time.sleep(0.05)
+    os.kill(worker_pids(agent.pid)[-1], signal.SIGKILL)
+    t0 = time.time()
+    _, err = agent.communicate(timeout=120)
+    assert agent.returncode != 0 and time.time() - t0 < 60
+    assert "exitcode  : -9" in err  # torchrun names the lost rank, then stops the survivor
 
 
 @pytest.mark.slow
