@@ -21,7 +21,7 @@ from conftest import TINY, tiny_overrides
 from lmforge.metrics.loggers import read_metrics
 
 STEPS = 20
-COMPARED = ("loss", "grad_norm", "lr", "val_loss", "val_bpb", "tokens_seen")
+COMPARED = ("loss", "grad_norm", "lr", "val_loss", "val_bpb", "val_loss_ema", "tokens_seen")
 # Measured: every logged value within 1e-6 of the single-process run (fp32; only the order of
 # floating-point sums differs). The tolerance leaves headroom over that.
 TOL = 1e-5
@@ -29,7 +29,7 @@ TOL = 1e-5
 
 def overrides(run_dir: Path, data_dir: Path, *extra: str) -> list[str]:
     base = tiny_overrides(run_dir, data_dir, f"train.max_steps={STEPS}", "checkpoint.every=10",
-                          "train.eval_every=10", *extra)
+                          "train.eval_every=10", "averaging.ema=true", "averaging.ema_decay=0.9", *extra)
     return [a for o in base for a in ("--set", o)]
 
 
@@ -92,6 +92,7 @@ def exported(run_dir: Path, out: Path) -> dict:
 LAYOUTS = {
     "ddp": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1", "train.micro_batch_size=4"]),
     "fsdp": (2, ["parallel.dp_shard=2", "train.micro_batch_size=4"]),
+    "zero2": (2, ["parallel.dp_shard=2", "parallel.zero=2", "train.micro_batch_size=4"]),
     "zero1": (2, ["parallel.dp_shard=2", "parallel.zero=1", "train.micro_batch_size=4"]),
     "tp_sp": (2, ["parallel.tp=2", "parallel.dp_shard=1"]),
     "pp_1f1b": (2, ["parallel.pp=2", "parallel.dp_shard=1"]),

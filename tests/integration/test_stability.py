@@ -57,11 +57,15 @@ def test_corrupted_window_is_detected_rolled_back_and_ends_lower(tiny_cfg, tmp_p
     loss_guarded = guarded.fit()["loss"]
 
     spikes = events(tmp_path / "guarded", "loss_spike")
-    # Each of the 4 bad batches is caught before its update and rolled back to step 60's checkpoint.
+    # Each of the 4 bad batches is caught before its update and rolled back to step 60's checkpoint;
+    # the event is recorded at the checkpoint's step (the discarded steps leave metrics.jsonl).
     assert len(spikes) == 4
     for e in spikes:
-        assert e["action"] == "rollback" and e["rolled_back_to"] == 60 and e["step"] == 61
+        assert e["action"] == "rollback" and e["rolled_back_to"] == 60 == e["step"] and e["spike_step"] == 61
         assert e["z"] > 6 and e["loss"] > e["median"] + 1.0
+    train_steps = [r["step"] for r in read_metrics(tmp_path / "guarded" / "metrics.jsonl") if "loss" in r
+                   and "event" not in r]
+    assert train_steps == sorted(set(train_steps))  # no step logged twice
     assert not events(tmp_path / "unguarded")
     # Measured: unguarded 5.014, guarded 4.786 (a clean run: 4.787).
     assert loss_guarded < loss_unguarded - 0.1

@@ -204,9 +204,12 @@ class CheckpointManager:
                 }
                 atomic_write_json(tmp / "meta.json", meta)
                 fsync_dir(tmp)
-                if final.exists():  # a re-save of the same step (e.g. after a rollback), or "best"
-                    shutil.rmtree(final)
+                aside = self.root / f".old-{final.name}"
+                if final.exists():  # a re-save of the same step (e.g. after a rollback), or "best":
+                    shutil.rmtree(aside, ignore_errors=True)  # moved aside, so one always exists
+                    os.replace(final, aside)
                 os.replace(tmp, final)
+                shutil.rmtree(aside, ignore_errors=True)
                 fsync_dir(self.root)
                 self._retain()
             _barrier()  # nobody lists or loads checkpoints before the rename

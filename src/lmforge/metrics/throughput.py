@@ -16,8 +16,9 @@ import torch
 def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048,
                        repeats: int = 5) -> float:
     """Best achieved FLOP/s of an n x n matmul in `dtype` on `device`."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # a run's RNG stays
+        a = torch.randn(n, n, device=device).to(dtype)
+        b = torch.randn(n, n, device=device).to(dtype)
     torch.mm(a, b)  # warm-up
     _sync(device)
     best = float("inf")

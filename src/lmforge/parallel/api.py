@@ -86,6 +86,13 @@ class ParallelModel:
         with precision.autocast():
             loss = token_loss_sum(self.model(x), y)
         self.model.train(was)
+        # ZeRO-2 keeps parameters gathered after a forward until its backward, which evaluation
+        # never runs: shard them again, or weight swaps (EMA/SWA) and the optimizer see full tensors.
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         return float(self.comm.mean_loss(loss)), self.comm.sum_count(int((y != IGNORE_INDEX).sum()))
 
 

@@ -26,13 +26,15 @@ def on_rank0(fn: Callable[[], T]) -> T:
     """Run `fn` on rank 0 only; every rank returns its result, or raises its LmforgeError."""
     if not _active():
         return fn()
+    from lmforge.parallel.init import coord_group
+
     box: list = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", fn())
         except LmforgeError as e:
             box[0] = ("error", e)
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=coord_group())
     status, value = box[0]
     if status == "error":
         raise value

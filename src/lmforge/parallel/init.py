@@ -65,18 +65,34 @@ def init_distributed(timeout_s: int = 600, device: torch.device | None = None,
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend_for(device), store=_store(world, timeout), rank=world.rank,
                             world_size=world.world_size, timeout=timeout)
+    global _COORD_GROUP
+    # CPU-side agreement (lmforge.parallel.coord) waits on rank 0's work, e.g. preparing a corpus,
+    # which may take far longer than a training collective may: its own gloo group, a long timeout.
+    _COORD_GROUP = dist.new_group(backend="gloo", timeout=timedelta(hours=24))
     return world
+
+
+_COORD_GROUP = None
+
+
+def coord_group():
+    """The process group for rank-0 decisions and waits (None: the default group)."""
+    return _COORD_GROUP
 
 
 def shutdown() -> None:
     """Leave the job. The barrier first: a rank that destroys its group while a peer still runs a
     collective (FSDP's last reshard, a checkpoint's final gather) made runs abort at exit."""
+    global _COORD_GROUP
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    _COORD_GROUP = None
 
 
 def abandon() -> None:
     """Leave the job after an error, without the barrier: the other ranks may never reach it."""
+    global _COORD_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
+    _COORD_GROUP = None

@@ -39,7 +39,7 @@ def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike, ti
             ax_loss.plot([r["step"] for r in avg], [r[f"val_loss_{kind}"] for r in avg], "s--",
                          label=f"val loss ({kind})", color=color, ms=3)
     for i, r in enumerate(r for r in records if r.get("event") in ("loss_spike", "nonfinite")):
-        ax_loss.axvline(r["step"], color="tab:red", alpha=0.4, lw=1,
+        ax_loss.axvline(r.get("spike_step", r["step"]), color="tab:red", alpha=0.4, lw=1,
                         label="loss spike / non-finite" if i == 0 else None)
     ax_loss.set_ylabel("loss (nats/token)")
     ax_loss.set_title(title)

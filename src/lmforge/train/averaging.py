@@ -58,7 +58,8 @@ class WeightAverage:
         avg = [self.params[n] for n in self.names]
         new = [current[n].detach() for n in self.names]
         if self.n_averaged == 0:
-            torch._foreach_copy_(avg, new)
+            for a, w in zip(avg, new):  # per tensor: DTensor (FSDP/TP) has no foreach_copy_ rule
+                a.copy_(w)
         elif self.kind == "ema":
             torch._foreach_lerp_(avg, new, 1.0 - self.decay)
         else:

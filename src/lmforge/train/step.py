@@ -135,16 +135,21 @@ def apply_update(
     if scaler is not None:
         scaler.unscale_(optimizer)
     groups = [[p for p in g["params"] if p.grad is not None] for g in optimizer.param_groups]
-    if grad_clip_value > 0:
-        torch.nn.utils.clip_grad_value_([p for ps in groups for p in ps], grad_clip_value)
-    # One norm per tensor, then the global norm from them: the same arithmetic as
-    # torch.nn.utils.clip_grad_norm_, with the per-group norms falling out for free.
-    per_group = [comm.norms([p.grad for p in ps]) for ps in groups]
-    flat = [n for ns in per_group for n in ns]
-    total = torch.linalg.vector_norm(torch.stack(flat), 2.0) if flat else torch.zeros(())
-    total = comm.reduce_norm_sq(total.square()).sqrt() if comm is not LOCAL else total
-    grad_norm = float(total)
+
+    def norms() -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+        # One norm per tensor, then the global norm from them: the same arithmetic as
+        # torch.nn.utils.clip_grad_norm_, with the per-group norms falling out for free.
+        per_group = [comm.norms([p.grad for p in ps]) for ps in groups]
+        flat = [n for ns in per_group for n in ns]
+        total = torch.linalg.vector_norm(torch.stack(flat), 2.0) if flat else torch.zeros(())
+        return per_group, comm.reduce_norm_sq(total.square()).sqrt() if comm is not LOCAL else total
+
+    per_group, total = norms()
+    grad_norm = float(total)  # before any clipping: an Inf here is never clamped into a finite step
     result.grad_norm = grad_norm
+    if grad_clip_value > 0 and math.isfinite(grad_norm):
+        torch.nn.utils.clip_grad_value_([p for ps in groups for p in ps], grad_clip_value)
+        per_group, total = norms()  # the norm clip acts on the value-clipped gradients
     if grad_clip > 0 and math.isfinite(grad_norm):
         torch.nn.utils.clip_grads_with_norm_([p for ps in groups for p in ps], grad_clip, total)
     if group_stats:

@@ -8,7 +8,6 @@ checkpoints, so a run killed at any point resumes onto the exact same loss curve
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -38,7 +37,7 @@ from lmforge.parallel.world import World, resolve_device
 from lmforge.train.averaging import build_averages
 from lmforge.train.batch_ramp import BatchRamp
 from lmforge.train.precision import Precision, resolve_precision
-from lmforge.train.run_dir import open_run_dir
+from lmforge.train.run_dir import mark_job, open_run_dir, restarted_job_owns
 from lmforge.train.stability import EarlyStopping, NonFiniteGuard, SpikeDetector
 from lmforge.train.state import capture_rng, restore_rng, seed_everything
 from lmforge.train.step import IGNORE_INDEX, StepResult
@@ -78,7 +77,10 @@ def check_parallel_support(cfg: Config, dims: ParallelDims) -> None:
     problems = []
     if cfg.optim.name == "muon" and sharded:
         problems.append("optim.name=muon orthogonalises whole matrices, but parallel.dp_shard/tp shard them; "
-                        "use DDP (parallel.dp_replicate) or pipeline stages, or another optimizer")
+                        "use DDP (parallel.dp_replicate) or another optimizer")
+    if cfg.optim.name == "muon" and dims.pp > 1:
+        problems.append("optim.name=muon finds its matrices in model.layers, which pipeline stages "
+                        "(parallel.pp > 1) split; use DDP (parallel.dp_replicate) or another optimizer")
     if cfg.optim.name == "adamw8bit" and sharded:
         problems.append("optim.name=adamw8bit is not supported with sharded parameters "
                         "(parallel.dp_shard/tp); use parallel.zero=1 or DDP (parallel.dp_replicate)")
@@ -114,10 +116,13 @@ class Trainer:
         if self.world.world_size > 1:
             self.dims.build_mesh(self.device.type)
         self.run_dir = Path(cfg.run.dir)
-        # torchrun --max-restarts: a restarted job continues from the last checkpoint by itself.
-        resume = resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+        # torchrun --max-restarts: a restarted job continues from the last checkpoint by itself, but
+        # only a run this job started (a first attempt refused for a foreign run dir must stay refused).
+        resume = resume or on_rank0(lambda: restarted_job_owns(self.run_dir))
         resuming = on_rank0(lambda: open_run_dir(self.run_dir, resume=resume, overwrite=cfg.run.overwrite,
                                                  say=self.console))
+        if self.world.is_main:
+            mark_job(self.run_dir)
 
         if cfg.model.init_from:
             apply_init_from(cfg, say=self.console)
@@ -144,8 +149,13 @@ class Trainer:
                                    self.ramp.total_tokens(cfg.train.max_steps))
         self.train_loader = TokenLoader(self.data.shards("train"), seq_len, cfg.train.micro_batch_size,
                                         seed=cfg.run.seed, rank=dp_rank, world_size=dp_size)
-        # Every rank must run the same number of evaluation batches (their forwards are collective).
-        self.val_loader = TokenLoader(self.data.shards("val"), seq_len, cfg.train.micro_batch_size,
+        # Every rank must run the same number of evaluation batches (their forwards are collective);
+        # a pipeline splits each one into its micro-batches.
+        val_rows = cfg.train.micro_batch_size * (self.dims.microbatches(cfg.train.grad_accum_steps)
+                                                 if self.dims.pp > 1 else 1)
+        # The same sequences as `eval_batches` micro-batches, whatever the rows per batch.
+        self.eval_batches = max(1, math.ceil(cfg.train.eval_batches * cfg.train.micro_batch_size / val_rows))
+        self.val_loader = TokenLoader(self.data.shards("val"), seq_len, val_rows,
                                       seed=cfg.run.seed, rank=dp_rank, world_size=dp_size, shuffle=False,
                                       drop_last=self.world.world_size > 1)
         self.token_bytes = torch.as_tensor(self.data.tokenizer.token_byte_lengths(), dtype=torch.long)
@@ -194,7 +204,8 @@ class Trainer:
                 result = self._train_step(batches, group_stats=log_now and tc.log_group_stats)
                 window.stop(result.tokens * self.dims.dp_size)
                 if self._spike is not None and self._recover():
-                    continue  # rolled back: the steps since the checkpoint are redone on new data
+                    window, losses, norms = Throughput(), [], []  # the rolled-back steps do not count
+                    continue  # the steps since the checkpoint are redone on new data
                 self._account(result)
                 losses.append(result.loss)
                 norms.append(result.grad_norm)
@@ -207,17 +218,16 @@ class Trainer:
                     self.validate()
                 if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
                     self.save()
-                if any_rank(self._signal is not None, self.device) and self._signal is None:
-                    self._signal = signal.SIGTERM  # another rank was told to stop: stop together
-                if self._signal is not None:
+                # Decide on the agreed flag only: a rank must never stop (and save) alone.
+                if any_rank(self._signal is not None, self.device):
                     self._stop_on_signal()
                 if self.early.should_stop:
                     self._event("early_stop", best_val_loss=self.early.best, best_step=self.early.best_step)
                     break
+            if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
+                self.save()  # before the final evaluation: a failure there loses no training
             evaluated_now = self._last_val is not None and self._last_val[0] == self.step
             final = self._last_val[1] if evaluated_now else self.validate()
-            if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
-                self.save()
         finally:
             self.console.stop()
             self._restore_signal_handlers(old_handlers)
@@ -264,7 +274,10 @@ class Trainer:
         """Counters, the non-finite guard and the weight averages after one step."""
         self.step += 1
         self.tokens_seen += result.tokens * self.dims.dp_size
-        nonfinite = result.skipped and not math.isfinite(result.loss * result.grad_norm)
+        # With fp16 a gradient overflow is the loss scaler's business (it skips and lowers the scale);
+        # only a non-finite loss counts then.
+        grad_ok = self.precision.scaler is not None or math.isfinite(result.grad_norm)
+        nonfinite = result.skipped and not (math.isfinite(result.loss) and grad_ok)
         self.skipped_steps += result.skipped
         if nonfinite:
             self._event("nonfinite", loss=result.loss, grad_norm=result.grad_norm,
@@ -288,7 +301,7 @@ class Trainer:
         sc, spike = self.cfg.stability, self._spike
         self._spike = None
         action = sc.spike_action
-        latest = self.ckpt.latest() if action == "rollback" else None
+        latest = on_rank0(self.ckpt.latest) if action == "rollback" else None
         if action == "rollback" and latest is None:
             action = "skip"  # nothing to roll back to yet: at least keep this update out
         fields = {"loss": spike.loss, "median": spike.median, "z": spike.z, "action": action}
@@ -297,7 +310,7 @@ class Trainer:
             return False
         self.spikes.recoveries += 1
         if self.spikes.recoveries > sc.spike_max_recoveries:
-            path = self.save() if self._last_saved_step != self.step else latest.path
+            path = self.save() if self._last_saved_step != self.step else self.ckpt.latest().path
             raise TrainingDiverged(
                 f"loss spike at step {self.step + 1} (loss {spike.loss:.4f}, trailing median "
                 f"{spike.median:.4f}, robust z {spike.z:.1f}) after {sc.spike_max_recoveries} recoveries; "
@@ -307,10 +320,16 @@ class Trainer:
         if action == "skip":
             self._event("loss_spike", step=self.step + 1, lr_scale=self.lr_scale, **fields)
             return False  # the step counts (its data is consumed) but its update was never applied
-        from_step = self.step + 1
+        spike_step = self.step + 1
         self._load_checkpoint(latest.path, full=False)
-        self._event("loss_spike", step=from_step, rolled_back_to=self.step, lr_scale=self.lr_scale,
-                    redone_steps=from_step - 1 - self.step, **fields)
+        if self.world.is_main:  # the discarded steps leave the record, as after a resume
+            # The file is rewritten (temp + rename): reopen the logger on the new one.
+            self.logger.close()
+            truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+            self.logger = MetricsLogger.for_run(self.run_dir, self.cfg.logging.tensorboard, True)
+        # Logged at the checkpoint's step so a later resume from it keeps the event.
+        self._event("loss_spike", spike_step=spike_step, rolled_back_to=self.step, lr_scale=self.lr_scale,
+                    redone_steps=spike_step - 1 - self.step, **fields)
         return True
 
     def _event(self, name: str, **fields) -> None:
@@ -371,7 +390,7 @@ class Trainer:
         return out
 
     def _val_loss(self) -> dict[str, float]:
-        batches = self.val_loader.iter_eval_batches(self.cfg.train.eval_batches)
+        batches = self.val_loader.iter_eval_batches(self.eval_batches)
         if self.world.world_size == 1:
             # The eager model: a compiled one would recompile for the shorter last batch of the split.
             return evaluate_loss(self.model, batches, self.precision, self.token_bytes, self.device)
@@ -414,17 +433,22 @@ class Trainer:
 
     def _restore(self) -> None:
         """Load the newest checkpoint that reads back whole; an unreadable one is reported and skipped."""
-        for info in reversed(list_checkpoints(self.ckpt.root)):
+        for info in reversed(on_rank0(lambda: list_checkpoints(self.ckpt.root))):
+            error = None
             try:
                 self._load_checkpoint(info.path, full=True)
-                break
             except CheckpointMismatchError:
                 raise
             except CheckpointError as e:
-                self.console(f"[yellow]skipping damaged checkpoint: {e}[/yellow]")
+                error = e
+            if not any_rank(error is not None, self.device):  # every rank must take the same one
+                break
+            reason = error or "unreadable on another rank"
+            self.console(f"[yellow]skipping damaged checkpoint {info.path}: {reason}[/yellow]")
         else:
             self.console(f"[yellow]no usable checkpoint in {self.ckpt.root}: starting from step 0[/yellow]")
-            truncate_metrics(self.run_dir / "metrics.jsonl", 0)
+            if self.world.is_main:
+                truncate_metrics(self.run_dir / "metrics.jsonl", 0)
             self._reinitialise()
             return
         if self.world.is_main:
@@ -487,7 +511,7 @@ class Trainer:
             signal.signal(sig, h)
 
     def _stop_on_signal(self) -> None:
-        signum = self._signal
+        signum = self._signal or signal.SIGTERM  # the signal may have reached another rank only
         path = self.save() if self._last_saved_step != self.step else self.ckpt.latest().path
         raise TrainingInterrupted(
             f"{signal.Signals(signum).name} at step {self.step}: checkpoint saved to {path}; "
