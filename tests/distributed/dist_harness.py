@@ -15,7 +15,7 @@ model below; steps; rows (sequences per global micro-batch); clip; first_step (i
 first batch, for resumed runs); save_at + save_dir (checkpoint after that many steps);
 load_dir (resume from there first); probe_no_sync (record what each micro-batch's backward
 left behind in the first step); export (write the consolidated safetensors file there);
-eval (summed loss of one held-out global batch via ParallelModel.loss_sum).
+eval (summed loss of one held-out global batch via evaluate_loss over the ParallelModel).
 """
 
 from __future__ import annotations
@@ -89,11 +89,11 @@ def reference(spec: dict, steps: int | None = None, load_dir: Path | None = None
 def _reference(spec: dict, steps: int | None, load_dir: Path | None, first_step: int) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from lmforge.engine.precision import Precision
+    from lmforge.engine.step import train_step
     from lmforge.models import build_model
     from lmforge.optim.builder import build_optimizer
     from lmforge.parallel.checkpointing import apply_activation_checkpointing
-    from lmforge.train.precision import Precision
-    from lmforge.train.step import train_step
 
     cfg = make_config(spec)
     torch.manual_seed(spec.get("seed", 0))
@@ -107,10 +107,11 @@ def _reference(spec: dict, steps: int | None, load_dir: Path | None, first_step:
     losses, norms = [], []
     for step in range(first_step, first_step + (steps if steps is not None else spec["steps"])):
         batches = global_batches(spec, step, cfg.train.grad_accum_steps, cfg.model.vocab_size)
-        r = train_step(model, batches, opt, Precision("fp32", CPU), cfg.train.grad_clip)
+        r = train_step(model, batches, opt, Precision("fp32", CPU), grad_clip=cfg.train.grad_clip)
         losses.append(r.loss)
         norms.append(r.grad_norm)
-    from lmforge.train.step import IGNORE_INDEX, token_loss_sum
+    from lmforge.data.batch import IGNORE_INDEX
+    from lmforge.engine.loss import token_loss_sum
 
     x, y = global_batches(spec, 99, 1, cfg.model.vocab_size)[0]
     with torch.no_grad():
@@ -234,11 +235,11 @@ def _run(spec: dict, world) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from lmforge.checkpoint.manager import CheckpointManager, load_states
+    from lmforge.engine.precision import Precision
     from lmforge.models import build_model
     from lmforge.optim.builder import build_optimizer
     from lmforge.parallel.api import parallelize
     from lmforge.parallel.dims import ParallelDims
-    from lmforge.train.precision import Precision
 
     cfg = make_config(spec)
     dims = ParallelDims.resolve(cfg.parallel, world.world_size, cfg.model, cfg.train.grad_accum_steps)
@@ -258,7 +259,7 @@ def _run(spec: dict, world) -> dict:
         b = batches[0][0].shape[0] // dims.dp_size
         rows = slice(dims.dp_rank * b, (dims.dp_rank + 1) * b)
         local = [(x[rows], y[rows]) for x, y in batches]
-        r = pm.step(local, opt, Precision("fp32", CPU), cfg.train.grad_clip)
+        r = pm.step(local, opt, Precision("fp32", CPU), grad_clip=cfg.train.grad_clip)
         if probe is not None:
             pm.comm, probe_events = probe.inner, probe.events
             probe = None
@@ -266,7 +267,7 @@ def _run(spec: dict, world) -> dict:
         norms.append(r.grad_norm)
         if spec.get("save_at") == step + 1:
             CheckpointManager(Path(spec["save_dir"]), keep_last=2, rank=world.rank,
-                              world_size=world.world_size).save(step + 1, pm.model, opt, {"step": step + 1})
+                              world_size=world.world_size).save(step + 1, pm.model, opt, {})
     if spec.get("export"):
         from lmforge.parallel.export import save_consolidated
 
@@ -276,7 +277,11 @@ def _run(spec: dict, world) -> dict:
         x, y = global_batches(spec, 99, 1, cfg.model.vocab_size)[0]
         b = x.shape[0] // dims.dp_size
         rows = slice(dims.dp_rank * b, (dims.dp_rank + 1) * b)
-        extra["eval"] = pm.loss_sum(x[rows], y[rows], Precision("fp32", CPU))
+        from lmforge.engine.evaluate import evaluate_loss
+
+        # The Trainer's validation path: each dp rank its own rows, sums over the job.
+        ev = evaluate_loss(pm, [(x[rows], y[rows])], pm.objective, pm.comm, precision=Precision("fp32", CPU))
+        extra["eval"] = (ev["loss"] * ev["tokens"], ev["tokens"])
     out = {**extra, "losses": losses, "grad_norms": norms, "dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank,
            "tp_rank": dims.tp_rank,
            "params": get_model_state_dict(pm.model, options=StateDictOptions(full_state_dict=True))}

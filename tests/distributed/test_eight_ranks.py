@@ -18,7 +18,7 @@ SCENARIOS = [
     dict(name="3d_tied_sp_ac", parallel=THREE_D, model={"tie_embeddings": True},
          train={"activation_checkpointing": "full"}, steps=3),
     dict(name="3d_sgd", parallel={**THREE_D, "sequence_parallel": False},
-         optim={"name": "sgd", "lr": 0.5, "momentum": 0.9}, steps=3),
+         optim={"name": "sgd", "lr": 0.5, "sgd": {"momentum": 0.9}}, steps=3),
 ]
 
 

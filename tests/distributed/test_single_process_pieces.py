@@ -14,14 +14,15 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from lmforge.checkpoint.manager import load_states, param_shapes
+from lmforge.engine.comm import LOCAL
+from lmforge.engine.precision import Precision
+from lmforge.engine.step import train_step
 from lmforge.models import build_model
 from lmforge.optim.builder import build_optimizer
 from lmforge.parallel import init
 from lmforge.parallel.api import parallelize
 from lmforge.parallel.dims import ParallelDims
 from lmforge.parallel.world import World
-from lmforge.train.precision import Precision
-from lmforge.train.step import LOCAL, train_step
 
 
 def _trained():
@@ -30,7 +31,7 @@ def _trained():
     model = build_model(cfg.model)
     opt = build_optimizer(model, cfg.optim)
     x = torch.randint(0, 128, (2, 32))
-    train_step(model, [(x, x)], opt, Precision("fp32", torch.device("cpu")), 1.0)
+    train_step(model, [(x, x)], opt, Precision("fp32", torch.device("cpu")), grad_clip=1.0)
     return cfg, model, opt
 
 

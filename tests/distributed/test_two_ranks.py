@@ -25,7 +25,7 @@ from dist_harness import assert_matches, launch, merged_params, reference
 from safetensors.torch import load_file
 
 LOSS_TOL, NORM_RTOL, PARAM_TOL, SGD_PARAM_TOL = 1e-5, 1e-5, 1e-5, 1e-7
-SGD = {"name": "sgd", "lr": 0.5, "momentum": 0.9}
+SGD = {"name": "sgd", "lr": 0.5, "sgd": {"momentum": 0.9}}
 GPT2 = {"pos_embedding": "learned", "norm": "layernorm", "mlp": "gelu", "bias": True}
 
 SCENARIOS = [

@@ -7,9 +7,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from lmforge.config import ModelConfig
+from lmforge.config.presets import PRESETS
 from lmforge.models import build_model
 from lmforge.models.flops import count_params, flops_per_token, forward_flops_per_token
-from lmforge.models.presets import PRESETS
 
 CONFIGS = [
     dict(),

@@ -42,21 +42,21 @@ def test_windows_and_shift(stream):
 def test_shuffle_is_seeded_and_leaves_global_rng_alone(stream):
     torch.manual_seed(0)
     rng_before = torch.get_rng_state()
-    a = [windows_of(loader(stream, seed=5).next_batch()[0]) for _ in range(2)]
+    a = [windows_of(loader(stream, seed=5).next_batch().input_ids) for _ in range(2)]
     assert torch.equal(torch.get_rng_state(), rng_before)
     torch.manual_seed(123)  # the global seed must not matter
-    assert windows_of(loader(stream, seed=5).next_batch()[0]) == a[0] == a[1]
-    assert windows_of(loader(stream, seed=6).next_batch()[0]) != a[0]
+    assert windows_of(loader(stream, seed=5).next_batch().input_ids) == a[0] == a[1]
+    assert windows_of(loader(stream, seed=6).next_batch().input_ids) != a[0]
     want = torch.randperm(125, generator=torch.Generator().manual_seed(5 * 1000003)).tolist()[:B]
     assert a[0] == want
 
 
 def test_epoch_visits_each_window_once_then_reshuffles(stream):
     ld = loader(stream, seed=1, batch_size=5)  # 125 windows = 25 batches exactly
-    epoch0 = [w for _ in range(25) for w in windows_of(ld.next_batch()[0])]
+    epoch0 = [w for _ in range(25) for w in windows_of(ld.next_batch().input_ids)]
     assert sorted(epoch0) == list(range(125)) and ld.epoch == 1
     assert ld.tokens_seen == 125 * T
-    epoch1 = [w for _ in range(25) for w in windows_of(ld.next_batch()[0])]
+    epoch1 = [w for _ in range(25) for w in windows_of(ld.next_batch().input_ids)]
     assert sorted(epoch1) == list(range(125)) and epoch1 != epoch0
 
 
@@ -65,7 +65,7 @@ def test_ranks_are_disjoint_and_cover(stream, world):
     per_rank = []
     for r in range(world):
         ld = loader(stream, seed=2, rank=r, world_size=world, batch_size=1)
-        per_rank.append([windows_of(ld.next_batch()[0])[0] for _ in range(ld.batches_per_epoch)])
+        per_rank.append([windows_of(ld.next_batch().input_ids)[0] for _ in range(ld.batches_per_epoch)])
     assert len({len(p) for p in per_rank}) == 1 and len(per_rank[0]) == 125 // world
     seen = [w for p in per_rank for w in p]
     assert len(set(seen)) == len(seen) == 125 // world * world  # disjoint; only the tail is dropped
@@ -96,10 +96,10 @@ def test_resume_on_other_world_size(stream):
         ld.next_batch()
         ld.next_batch()
     state = two[0].state_dict()
-    nxt = sorted(w for ld in two for w in windows_of(ld.next_batch()[0]))
+    nxt = sorted(w for ld in two for w in windows_of(ld.next_batch().input_ids))
     one = loader(stream, seed=4)
     one.load_state_dict(state)  # 2 global batches of 8 windows -> 4 batches of 4 here
-    assert sorted(windows_of(one.next_batch()[0]) + windows_of(one.next_batch()[0])) == nxt
+    assert sorted(windows_of(one.next_batch().input_ids) + windows_of(one.next_batch().input_ids)) == nxt
 
     four = loader(stream, seed=4, rank=0, world_size=4)
     ld = loader(stream, seed=4, rank=0, world_size=2)
@@ -114,10 +114,10 @@ def test_resume_with_the_same_global_batch_split_differently(stream):
     for ld in two:
         ld.next_batch()
     state = two[0].state_dict()  # one global batch of 4 windows in
-    nxt = sorted(w for ld in two for w in windows_of(ld.next_batch()[0]))
+    nxt = sorted(w for ld in two for w in windows_of(ld.next_batch().input_ids))
     one = loader(stream, seed=5, batch_size=4)
     one.load_state_dict(state)
-    assert sorted(windows_of(one.next_batch()[0])) == nxt
+    assert sorted(windows_of(one.next_batch().input_ids)) == nxt
 
 
 def test_resume_with_other_settings_is_an_error(stream):
@@ -137,15 +137,15 @@ def test_eval_batches_are_sequential_and_stateless(stream):
     batches = list(ld.iter_eval_batches())
     assert ld.state_dict() == before
     assert len(batches) == 62 // B
-    assert windows_of(batches[0][0]) == [1, 3, 5, 7]  # rank 1 of 2, in order
-    assert torch.equal(batches[0][1], batches[0][0] + 1)
+    assert windows_of(batches[0].input_ids) == [1, 3, 5, 7]  # rank 1 of 2, in order
+    assert torch.equal(batches[0].targets, batches[0].input_ids + 1)
     assert len(list(ld.iter_eval_batches(max_batches=2))) == 2
     assert [windows_of(x) for x, _ in ld.iter_eval_batches()] == [windows_of(x) for x, _ in batches]
 
 
 def test_drop_last_false_keeps_the_tail(stream):
     ld = loader(stream, shuffle=False, drop_last=False)
-    sizes = [ld.next_batch()[0].shape[0] for _ in range(ld.batches_per_epoch)]
+    sizes = [ld.next_batch().input_ids.shape[0] for _ in range(ld.batches_per_epoch)]
     assert sizes == [B] * 31 + [1] and ld.epoch == 1 and ld.tokens_seen == 125 * T
     assert sum(x.shape[0] for x, _ in ld.iter_eval_batches()) == 125
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from lmforge.config import ModelConfig
+from lmforge.engine import precision as prec
 from lmforge.models import build_model
-from lmforge.train import precision as prec
 
 CPU = torch.device("cpu")
 

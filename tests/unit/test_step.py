@@ -8,12 +8,14 @@ import copy
 import pytest
 import torch
 
-from lmforge.config import ModelConfig, OptimConfig
+from lmforge.config import ModelConfig
+from lmforge.config.optim import optim_config
+from lmforge.data.batch import IGNORE_INDEX
+from lmforge.engine.precision import Precision
+from lmforge.engine.step import Verdict, train_step
 from lmforge.models import build_model
 from lmforge.optim.builder import build_optimizer, param_groups
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
-from lmforge.train.precision import Precision
-from lmforge.train.step import IGNORE_INDEX, train_step
 
 CPU = torch.device("cpu")
 
@@ -27,7 +29,7 @@ def make(seed: int = 0, sgd: bool = False, **model_kw):
     model = build_model(cfg)
     if sgd:
         return model, torch.optim.SGD(model.parameters(), lr=1.0)
-    return model, build_optimizer(model, OptimConfig(lr=1e-2, weight_decay=0.1))
+    return model, build_optimizer(model, optim_config(lr=1e-2, weight_decay=0.1))
 
 
 def batch(n: int, t: int = 16, seed: int = 1):
@@ -186,7 +188,8 @@ def test_rejected_step_leaves_weights_and_moments_alone():
     x, y = batch(4)
     model, opt = make()
     before = [p.detach().clone() for p in model.parameters()]
-    r = train_step(model, [(x, y)], opt, Precision("fp32", CPU), grad_clip=1.0, accept=lambda loss: False)
+    r = train_step(model, [(x, y)], opt, Precision("fp32", CPU), grad_clip=1.0,
+                   judge=lambda loss: Verdict(apply=False))
     assert r.skipped and not opt.state
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(p.grad is None for p in model.parameters())

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lmforge.data.batch import TokenBatch
 from lmforge.data.shards import open_shard
 from lmforge.errors import DataError
 
@@ -26,14 +27,27 @@ _CHECKED = ("seq_len", "seed", "num_windows", "shuffle", "drop_last")
 
 
 class TokenLoader:
-    """Batches of (inputs, targets) int64 tensors of shape (B, T); Stateful (state_dict / load_state_dict).
+    """`TokenBatch`es of int64 (inputs, targets), each (B, T); Stateful (state_dict / load_state_dict).
+
+    A shard is a token file written by `prepare` (memory-mapped) or a 1-D integer array already in
+    memory (what the Python API's own datasets become).
 
     With drop_last=False the last batch of an epoch may have fewer than B rows; batches never straddle
     two epochs. Uses its own torch.Generator, never the global RNG.
     """
 
-    def __init__(self, shard_paths: Sequence[str | Path], seq_len: int, batch_size: int, *, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True, drop_last: bool = True):
+    def __init__(
+        self,
+        shard_paths: Sequence[str | Path | np.ndarray],
+        seq_len: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ):
         if seq_len < 1 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"bad loader settings: seq_len={seq_len}, batch_size={batch_size}, "
                              f"rank={rank}, world_size={world_size}")
@@ -41,7 +55,8 @@ class TokenLoader:
             raise DataError("no shard files given to the data loader; prepare the data first")
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.rank, self.world_size, self.shuffle, self.drop_last = rank, world_size, shuffle, drop_last
-        self._shards = [s for s in (open_shard(p) for p in shard_paths) if len(s)]
+        opened = (p if isinstance(p, np.ndarray) else open_shard(p) for p in shard_paths)
+        self._shards = [s for s in opened if len(s)]
         self._starts = [0]  # offset of each shard in the stream
         for s in self._shards:
             self._starts.append(self._starts[-1] + len(s))
@@ -76,8 +91,8 @@ class TokenLoader:
         windows = self._epoch * self._windows_per_epoch + self._cursor * self.batch_size
         return windows * self.seq_len
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (inputs, targets) batch; moves to the next epoch after the last one."""
+    def next_batch(self) -> TokenBatch:
+        """The next batch; moves to the next epoch after the last one."""
         b = self.batch_size
         windows = self._rank_windows(self._epoch)[self._cursor * b:(self._cursor + 1) * b]
         self._cursor += 1
@@ -85,13 +100,13 @@ class TokenLoader:
             self._epoch, self._cursor = self._epoch + 1, 0
         return self._gather(windows)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def __iter__(self) -> Iterator[TokenBatch]:
         while True:
             yield self.next_batch()
 
     def iter_eval_batches(
         self, max_batches: int | None = None
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> Iterator[TokenBatch]:
         """One sequential pass over this rank's windows (no shuffle); the loader's state is untouched."""
         windows = self._rank_slice(np.arange(self.num_windows))
         stop = len(windows) if not self.drop_last else len(windows) // self.batch_size * self.batch_size
@@ -154,13 +169,13 @@ class TokenLoader:
             self._order = (epoch, self._rank_slice(order))
         return self._order[1]
 
-    def _gather(self, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gather(self, windows: np.ndarray) -> TokenBatch:
         t = self.seq_len
         rows = np.empty((len(windows), t + 1), dtype=np.int64)
         for j, w in enumerate(windows):
             self._read(int(w) * t, rows[j])
         x = torch.from_numpy(rows)
-        return x[:, :-1].contiguous(), x[:, 1:].contiguous()  # (B, T) each, shifted by one
+        return TokenBatch(x[:, :-1].contiguous(), x[:, 1:].contiguous())  # (B, T) each, shifted by one
 
     def _read(self, start: int, out: np.ndarray) -> None:
         """Copy tokens [start, start + len(out)) of the stream into `out`, across shard boundaries."""

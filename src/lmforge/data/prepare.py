@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from lmforge import __version__
+from lmforge._version import __version__
 from lmforge.config.schema import Config, DataConfig
 from lmforge.data.shards import ShardWriter, dtype_for_vocab, read_meta, write_meta
 from lmforge.data.sources import (

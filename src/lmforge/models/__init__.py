@@ -1,8 +1,5 @@
-"""Model definitions: the transformer decoder, its shared blocks, presets and FLOP counts.
-
-The public names load lazily, so that importing `lmforge.models.presets` (which the config schema
-does) never pulls in torch: config validation and data curation workers stay light.
-"""
+"""Model definitions: the transformer decoder, its shared blocks, FLOP counts and the Hugging Face
+adapters. The public names load lazily, so that importing `lmforge.models.flops` never pulls in torch."""
 
 __all__ = ["KVCache", "Transformer", "build_model"]
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
-    from lmforge.config.schema import ModelConfig
+from lmforge.config.schema import ModelConfig
 
 
 def _layer_matmul_params(cfg: ModelConfig) -> int:

@@ -12,15 +12,14 @@ With tied embeddings there is no `output` module: the logits use `tok_embeddings
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
-    from lmforge.config.schema import ModelConfig
-
+from lmforge.config.schema import ModelConfig
 from lmforge.models.common.attention import Attention, KVCache, LayerKV
 from lmforge.models.common.mlp import MLP
 from lmforge.models.common.norm import RMSNorm, build_norm
@@ -225,6 +224,7 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size) in the model's dtype.
 
@@ -234,6 +234,9 @@ class Transformer(nn.Module):
         attention_mask: (B, S) of 1 (real token) / 0 (padding) over every key position, S = T without
         a cache and cache.pos + T with one, as in transformers. Padding keys are never attended; the
         logits at padding positions are meaningless (but finite).
+        head: replaces the output projection: called as head(hidden (B, T, d_model) after the final
+        norm, output weight (vocab_size, d_model)) and its result returned instead of the logits, so a
+        loss can consume the projection chunk by chunk without the whole logits tensor existing.
 
         A pipeline stage is this module with parts removed (`lmforge.parallel` builds them, keeping
         parameter names): given hidden states (B, T, d_model), a float tensor, instead of token ids
@@ -287,6 +290,8 @@ class Transformer(nn.Module):
         if self.norm is None:
             return x  # (B, T, d_model): a pipeline stage before the last
         x = self.norm(x)
+        if head is not None:
+            return head(x, self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight)
         # Calling `output` (not F.linear on its weight) lets tensor parallelism hook the head.
         logits = F.linear(x, self.tok_embeddings.weight) if self.cfg.tie_embeddings else self.output(x)
         if cache is not None:

@@ -9,29 +9,32 @@ dims; checkpointing and compile wrap the already-parallel blocks; FSDP goes last
     world = init_distributed(cfg.parallel.timeout_s, device, cfg.train.threads)
     dims = ParallelDims.resolve(cfg.parallel, world.world_size, cfg.model, cfg.train.grad_accum_steps)
     dims.build_mesh(device.type)                                         # (world size > 1)
-    pm = parallelize(build_model(cfg.model, device), cfg, dims, precision="fp32")
+    pm = parallelize(build_model(cfg.model, device), cfg, dims, "fp32", objective)
     optimizer = pm.wrap_optimizer(build_optimizer(pm.model, cfg.optim))
     loader rank / world size: dims.dp_rank / dims.dp_size
-    result = pm.step(micro_batches, optimizer, precision, grad_clip)       # each step
+    result = pm.step(micro_batches, optimizer, precision, grad_clip=1.0)  # each step
+    evaluate_loss(pm, batches, objective, pm.comm, precision=precision)  # validation
     CheckpointManager(...).save(step, pm.model, optimizer, state)        # every rank calls it
     shutdown()                                                           # at exit
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from lmforge.config.schema import Config
+from lmforge.engine.comm import LOCAL, Comm
+from lmforge.engine.objectives import CausalLM, Objective, ObjectiveModule, ObjectiveOutput
+from lmforge.engine.precision import Precision
+from lmforge.engine.step import StepHook, StepResult, Verdict, train_step
 from lmforge.errors import ConfigError
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.parallel.dims import ParallelDims
-from lmforge.train.precision import Precision
-from lmforge.train.step import IGNORE_INDEX, LOCAL, Comm, StepResult, token_loss_sum, train_step
 
 if TYPE_CHECKING:
     from lmforge.parallel.pipeline import Pipeline
@@ -50,8 +53,9 @@ class ParallelModel:
     parts: list[nn.Module]
     dims: ParallelDims
     comm: Comm
+    objective: Objective
     pipeline: Pipeline | None = None
-    forward: nn.Module | None = None  # what runs forward when it is not `model` (a whole-model compile)
+    forward: nn.Module | None = None  # the compiled model + objective (one process with train.compile)
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer to train with: ZeRO-1 shards its state over the data-parallel group."""
@@ -61,54 +65,71 @@ class ParallelModel:
 
         return zero1_optimizer(optimizer, self.dims.dp_mesh.get_group())
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], optimizer: torch.optim.Optimizer,
-             precision: Precision, grad_clip: float, grad_clip_value: float = 0.0, group_stats: bool = False,
-             accept: Callable[[float], bool] | None = None) -> StepResult:
+    def step(
+        self,
+        micro_batches: Sequence[Any],
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        *,
+        grad_clip: float,
+        grad_clip_value: float = 0.0,
+        group_stats: bool = False,
+        judge: Callable[[float], Verdict | None] | None = None,
+        hooks: Sequence[StepHook] = (),
+    ) -> StepResult:
         """One optimizer step over this rank's micro-batches (its data-parallel share of the step).
 
         Same contract as `train_step`; the loss and gradient norm in the result are the whole job's.
         """
         if self.pipeline is not None:
-            return self.pipeline.step(micro_batches, optimizer, precision, grad_clip, self.comm,
-                                      grad_clip_value, group_stats, accept)
-        model = self.forward if self.forward is not None else self.model  # bool() of a compiled module fails
-        return train_step(model, micro_batches, optimizer, precision, grad_clip, grad_clip_value, group_stats,
-                          self.comm, accept)
+            return self.pipeline.step(micro_batches, optimizer, precision, self.comm,
+                                      grad_clip=grad_clip, grad_clip_value=grad_clip_value,
+                                      group_stats=group_stats, judge=judge)
+        return train_step(self.model, micro_batches, optimizer, precision, objective=self.objective,
+                          grad_clip=grad_clip, grad_clip_value=grad_clip_value, group_stats=group_stats,
+                          comm=self.comm, judge=judge, hooks=hooks, forward=self.forward)
 
     @torch.no_grad()
-    def loss_sum(self, x: torch.Tensor, y: torch.Tensor, precision: Precision) -> tuple[float, int]:
-        """Summed token loss and target count of one evaluation batch over all data-parallel ranks
-        (every rank must call it with its own batch of the same shape)."""
+    def eval_loss(self, objective: Objective, batch: Any) -> ObjectiveOutput:
+        """This rank's share of the summed loss of one evaluation batch (`evaluate_loss` sums the
+        shares over the job; every rank must call it with its own batch of the same shape). Runs the
+        eager model: a compiled one would recompile for the shorter last batch of a split."""
         if self.pipeline is not None:
-            return self.pipeline.loss_sum(x, y, self.comm, precision)
+            return self.pipeline.eval_loss(objective, batch)
         was = self.model.training
         self.model.eval()
-        with precision.autocast():
-            loss = token_loss_sum(self.model(x), y)
-        self.model.train(was)
-        # ZeRO-2 keeps parameters gathered after a forward until its backward, which evaluation
-        # never runs: shard them again, or weight swaps (EMA/SWA) and the optimizer see full tensors.
-        from torch.distributed.fsdp import FSDPModule
+        try:
+            out = objective(self.model, batch)
+        finally:
+            self.model.train(was)
+        if self.dims.world_size > 1:
+            # ZeRO-2 keeps parameters gathered after a forward until its backward, which evaluation
+            # never runs: shard them again, or weight swaps (EMA/SWA) and the optimizer see full tensors.
+            from torch.distributed.fsdp import FSDPModule
 
-        for m in self.model.modules():
-            if isinstance(m, FSDPModule):
-                m.reshard()
-        return float(self.comm.mean_loss(loss)), self.comm.sum_count(int((y != IGNORE_INDEX).sum()))
+            for m in self.model.modules():
+                if isinstance(m, FSDPModule):
+                    m.reshard()
+        return out
 
 
-def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: str = "fp32") -> ParallelModel:
+def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: str = "fp32",
+                objective: Objective | None = None) -> ParallelModel:
     """Apply `dims`' layout and `cfg.train`'s activation checkpointing / compile to `model`.
 
     `model` is a freshly built Transformer (same seed on every rank, so replicas start equal);
     use the returned `.model` / `.parts` from here on. `precision` is the resolved train
-    precision (fp32 / bf16 / fp16); FSDP's param_dtype 'auto' follows it.
+    precision (fp32 / bf16 / fp16); FSDP's param_dtype 'auto' follows it. `objective` (default:
+    causal LM) is what the step minimises.
     """
     tc = cfg.train
+    objective = objective or CausalLM()
     if dims.world_size == 1:
         apply_activation_checkpointing(model, tc.activation_checkpointing, tc.ac_every)
-        # One process compiles the whole model (one graph; faster than per-block graphs).
-        forward = torch.compile(model) if tc.compile else None
-        return ParallelModel(model, [model], dims, LOCAL, forward=forward)
+        # One process compiles the model and the objective together: one graph, the loss included
+        # (an eager loss on a copy of all logits outside the graph costs as much as the model's blocks).
+        forward = torch.compile(ObjectiveModule(model, objective)) if tc.compile else None
+        return ParallelModel(model, [model], dims, LOCAL, objective, forward=forward)
     if precision == "fp16":
         raise ConfigError(
             "train.precision=fp16 needs a loss scaler whose overflow check agrees across ranks, "
@@ -155,8 +176,8 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: st
         if holder is not parts[0]:
             gather_parts(holder, parts)
         pipeline = Pipeline(parts, ids, dims.pp * pc.pp_stages_per_rank, pc.pp_schedule,
-                            dims.microbatches(tc.grad_accum_steps), device, pp_group, dp_group)
-    return ParallelModel(holder, parts, dims, comm, pipeline)
+                            dims.microbatches(tc.grad_accum_steps), device, pp_group, dp_group, objective)
+    return ParallelModel(holder, parts, dims, comm, objective, pipeline)
 
 
 def _maybe_compile(model: nn.Module, enabled: bool) -> None:

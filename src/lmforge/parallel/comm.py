@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import DTensor, Replicate
 
-from lmforge.train.step import Comm
+from lmforge.engine.comm import Comm
 
 
 def _size(group: ProcessGroup | None) -> int:

@@ -18,7 +18,8 @@ with an all-reduce and duplicated updates).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,8 +33,10 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor, Replicate
 
-from lmforge.train.precision import Precision
-from lmforge.train.step import IGNORE_INDEX, Comm, StepResult, apply_update, token_loss_sum
+from lmforge.engine.comm import Comm
+from lmforge.engine.objectives import Objective, ObjectiveOutput
+from lmforge.engine.precision import Precision
+from lmforge.engine.step import StepResult, Verdict, apply_update, withheld
 
 _SPLIT_PARTS = ("tok_embeddings", "pos_embeddings", "layers", "norm", "output")
 
@@ -123,8 +126,11 @@ class Pipeline:
 
     def __init__(self, stages: list[nn.Module], ids: list[int], n_stages: int, schedule_kind: str,
                  n_micro: int, device: torch.device, pp_group: ProcessGroup,
-                 dp_group: ProcessGroup | None) -> None:
+                 dp_group: ProcessGroup | None, objective: Objective) -> None:
+        if not objective.supports_pipeline:
+            raise ValueError(f"objective {objective.name} has no per-stage loss; it cannot run in a pipeline")
         self.stages, self.ids, self.n_stages = stages, ids, n_stages
+        self.objective = objective
         self.has_first, self.has_last = 0 in ids, n_stages - 1 in ids
         self.pp_group, self.dp_group = pp_group, dp_group
         self.pp = dist.get_world_size(pp_group)
@@ -137,8 +143,8 @@ class Pipeline:
         self._copy = head if isinstance(head, TiedHead) else None
         self._tied = tied
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return token_loss_sum(logits, targets) / self._denom
+    def _loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.objective.stage_loss(output, targets) / self._denom
 
     # -- tied embeddings across the first and last stage ----------------------------------------
     def _push_table(self) -> None:
@@ -180,14 +186,15 @@ class Pipeline:
                     w.grad.add_(g)
 
     # -- one optimizer step -------------------------------------------------------------------
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], optimizer: torch.optim.Optimizer,
-             precision: Precision, grad_clip: float, comm: Comm, grad_clip_value: float = 0.0,
-             group_stats: bool = False, accept: Callable[[float], bool] | None = None) -> StepResult:
+    def step(self, micro_batches: Sequence[Any], optimizer: torch.optim.Optimizer, precision: Precision,
+             comm: Comm, *, grad_clip: float, grad_clip_value: float = 0.0,
+             group_stats: bool = False, judge: Callable[[float], Verdict | None] | None = None) -> StepResult:
         """The pipelined counterpart of `train_step`: the schedule runs forward and backward over
         the micro-batches, then the shared `apply_update` clips by the norm over all stages."""
-        x = torch.cat([mb[0] for mb in micro_batches])
-        y = torch.cat([mb[1] for mb in micro_batches])
-        n_targets = comm.sum_count(int((y != IGNORE_INDEX).sum()))
+        objective = self.objective
+        batch = objective.batch_type.cat([objective.batch_of(b) for b in micro_batches])
+        x, y = batch.input_ids, batch.targets
+        n_targets = comm.sum_count(objective.num_targets(batch))
         self._denom = max(n_targets, 1)
         self._push_table()
         losses: list[torch.Tensor] = []
@@ -198,17 +205,18 @@ class Pipeline:
         local = (torch.stack([t.detach().float() for t in losses]).sum() if losses
                  else torch.zeros((), device=x.device))
         result = StepResult(float(comm.mean_loss(local)), x.numel(), n_targets, 0.0)
-        if accept is not None and not accept(result.loss):
-            result.skipped = True
-            optimizer.zero_grad(set_to_none=True)
+        if withheld(result, judge, optimizer):
             return result
         apply_update(optimizer, precision, result, grad_clip, grad_clip_value, group_stats, comm)
         return result
 
     @torch.no_grad()
-    def loss_sum(self, x: torch.Tensor, y: torch.Tensor, comm: Comm,
-                 precision: Precision) -> tuple[float, int]:
-        """Summed token loss and target count of one evaluation batch, as every rank sees it."""
+    def eval_loss(self, objective: Objective, batch: Any) -> ObjectiveOutput:
+        """This rank's share of the summed loss of one evaluation batch (on the last stage; zero
+        elsewhere): every rank calls it with the same batch shape. The loss is the pipeline's own
+        objective (its schedule was built with it)."""
+        assert objective is self.objective, "a pipeline evaluates the objective it was built with"
+        x, y = batch.input_ids, batch.targets
         n_micro = self.schedule._n_microbatches
         if x.shape[0] < n_micro:
             raise ValueError(f"the pipeline runs a batch as {n_micro} micro-batches, so an evaluation batch "
@@ -216,8 +224,7 @@ class Pipeline:
         self._push_table()
         losses: list[torch.Tensor] = []
         self._denom = 1
-        with precision.autocast():
-            self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None,
-                               losses=losses if self.has_last else None)
+        self.schedule.eval(*((x,) if self.has_first else ()), target=y if self.has_last else None,
+                           losses=losses if self.has_last else None)
         local = torch.stack([t.float() for t in losses]).sum() if losses else torch.zeros((), device=x.device)
-        return float(comm.mean_loss(local)), comm.sum_count(int((y != IGNORE_INDEX).sum()))
+        return ObjectiveOutput(local, {})

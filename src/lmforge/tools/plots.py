@@ -1,84 +1,19 @@
-"""Curves as PNGs: a run's loss / lr (from its metrics.jsonl), the lr schedule a config will use,
-and the loss of a learning-rate range test."""
+"""Planning plots: the lr schedule a config will use, and the loss of a learning-rate range test
+(a run's own loss / lr curves are drawn by `lmforge.metrics.curves`)."""
 
 from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lmforge.metrics.loggers import read_metrics
+from lmforge.metrics.curves import pyplot, save_figure
 
 if TYPE_CHECKING:
     from lmforge.config.schema import Config
-
-
-def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike, title: str = "") -> Path | None:
-    """Draw train/val loss (top) and learning rate (bottom) against step. None if nothing to draw."""
-    records = read_metrics(metrics_path)
-    train = [r for r in records if "loss" in r and "event" not in r]
-    val = [r for r in records if "val_loss" in r]
-    if not train and not val:
-        return None
-    plt = _pyplot()
-    fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
-                                         gridspec_kw={"height_ratios": [3, 1]})
-    if train:
-        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1.2)
-        ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:green", lw=1.2)
-    if val:
-        ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val loss",
-                     color="tab:orange", ms=4)
-    for kind, color in (("ema", "tab:purple"), ("swa", "tab:brown")):
-        avg = [r for r in val if f"val_loss_{kind}" in r]
-        if avg:
-            ax_loss.plot([r["step"] for r in avg], [r[f"val_loss_{kind}"] for r in avg], "s--",
-                         label=f"val loss ({kind})", color=color, ms=3)
-    for i, r in enumerate(r for r in records if r.get("event") in ("loss_spike", "nonfinite")):
-        ax_loss.axvline(r.get("spike_step", r["step"]), color="tab:red", alpha=0.4, lw=1,
-                        label="loss spike / non-finite" if i == 0 else None)
-    ax_loss.set_ylabel("loss (nats/token)")
-    ax_loss.set_title(title)
-    ax_loss.grid(alpha=0.3)
-    ax_loss.legend()
-    ax_lr.set_ylabel("lr")
-    ax_lr.set_xlabel("step")
-    ax_lr.grid(alpha=0.3)
-    ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
-    return _save(fig, out_path)
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, out_path: str | os.PathLike) -> Path:
-    """Write `fig` atomically (a reader never sees half a PNG) and close it."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".png", dir=out.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the plot from other users
-        os.replace(tmp, out)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
 
 
 @dataclass
@@ -99,8 +34,8 @@ class ScheduleCurve:
 def schedule_curve(cfg: Config, world_size: int = 1) -> ScheduleCurve:
     """The lrs `lmforge train` will use with `cfg` on `world_size` data-parallel ranks: the trainer's own
     schedule, fed the tokens its batch-size ramp (train.batch_warmup_tokens) gives each step."""
+    from lmforge.optim.batch_ramp import BatchRamp
     from lmforge.optim.schedule import make_schedule, warmup_length
-    from lmforge.train.batch_ramp import BatchRamp
 
     if world_size < 1:
         from lmforge.errors import ConfigError
@@ -127,7 +62,7 @@ def schedule_curve(cfg: Config, world_size: int = 1) -> ScheduleCurve:
 
 def plot_schedule(curve: ScheduleCurve, out_path: str | os.PathLike, title: str = "") -> Path:
     """Draw the lr against the step, and against tokens seen when the schedule counts tokens."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = 2 if curve.unit == "tokens" else 1
     fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels), squeeze=False)
     xs = [("step", list(range(len(curve.lrs))))]
@@ -143,13 +78,13 @@ def plot_schedule(curve: ScheduleCurve, out_path: str | os.PathLike, title: str 
         ax.grid(alpha=0.3)
         ax.ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     axes[0, 0].set_title(title)
-    return _save(fig, out_path)
+    return save_figure(fig, out_path)
 
 
 def plot_lr_find(lrs: Sequence[float], losses: Sequence[float], smoothed: Sequence[float],
                  marks: dict[str, float], out_path: str | os.PathLike, title: str = "") -> Path:
     """Loss against a log-scale lr (raw faint, smoothed bold), each suggested lr marked on the curve."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     ax.plot(lrs, losses, color="tab:blue", alpha=0.3, lw=1, label="loss")
     ax.plot(lrs, smoothed, color="tab:blue", lw=1.8, label="smoothed loss")
@@ -168,4 +103,4 @@ def plot_lr_find(lrs: Sequence[float], losses: Sequence[float], smoothed: Sequen
     ax.set_title(title)
     ax.grid(alpha=0.3, which="both")
     ax.legend()
-    return _save(fig, out_path)
+    return save_figure(fig, out_path)

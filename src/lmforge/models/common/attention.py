@@ -3,15 +3,11 @@ and the preallocated key/value cache used for generation."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
-    from lmforge.config.schema import ModelConfig
-
+from lmforge.config.schema import ModelConfig
 from lmforge.models.common.rope import apply_rope
 
 # (k_buffer, v_buffer, pos): one layer's view of a KVCache; buffers are (B, n_kv_heads, max_len, D).

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
-    from lmforge.config.schema import ModelConfig
+from lmforge.config.schema import ModelConfig
 
 
 class RMSNorm(nn.Module):

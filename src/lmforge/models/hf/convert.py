@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
+from lmforge.models.hf import gpt2, llama
+from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir
 
-if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
-    from lmforge.config.schema import ModelConfig
+if TYPE_CHECKING:  # the model module (torch blocks) loads only when a model is built
     from lmforge.models.transformer import Transformer
 
 SINGLE = "model.safetensors"
@@ -35,47 +37,7 @@ INDEX = "model.safetensors.index.json"
 _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
-class KeyMap:
-    """A two-way rename table between our parameter names and HF's.
-
-    Entries are (ours, HF) templates where `{i}` stands for a layer index and `{p}` for weight|bias.
-    """
-
-    _FIELDS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)"}
-
-    def __init__(self, pairs: list[tuple[str, str]]) -> None:
-        self._pairs = [(self._compile(a), b, self._compile(b), a) for a, b in pairs]
-
-    @classmethod
-    def _compile(cls, template: str) -> re.Pattern:
-        pattern = re.escape(template).replace(r"\{", "{").replace(r"\}", "}")
-        return re.compile(pattern.format(**cls._FIELDS))
-
-    def to_hf(self, ours: str) -> str | None:
-        for ours_re, hf_tpl, _, _ in self._pairs:
-            if m := ours_re.fullmatch(ours):
-                return hf_tpl.format(**m.groupdict())
-        return None
-
-    def to_ours(self, hf: str) -> str | None:
-        for _, _, hf_re, ours_tpl in self._pairs:
-            if m := hf_re.fullmatch(hf):
-                return ours_tpl.format(**m.groupdict())
-        return None
-
-
-def unsupported(key: str, value: Any, valid: str) -> None:
-    """Raise the error for a config.json value lmforge cannot reproduce exactly."""
-    raise LmforgeError(
-        f"unsupported Hugging Face config: {key}={value!r}; lmforge supports {valid}. "
-        "Loading it anyway would build a different model."
-    )
-
-
 def _families() -> dict[str, ModuleType]:
-    # Imported here: the family modules import KeyMap / unsupported from this module.
-    from lmforge.models.hf import gpt2, llama
-
     return {t: fam for fam in (llama, gpt2) for t in fam.MODEL_TYPES}
 
 
@@ -108,8 +70,6 @@ def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None
     max_seq_len overrides the length derived from max_position_embeddings (RoPE models have no hard
     limit in transformers; Llama 3.1's 131072 builds large RoPE tables).
     """
-    from lmforge.config.schema import ModelConfig
-
     family = _family(hf_cfg.get("model_type"))
     if hf_cfg.get("quantization_config"):
         unsupported("quantization_config", hf_cfg["quantization_config"].get("quant_method"),

@@ -8,15 +8,13 @@ projection, split along its output dimension on import and concatenated on expor
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf.convert import KeyMap, unsupported
-
-if TYPE_CHECKING:  # runtime import would be circular: config.schema imports models.presets
-    from lmforge.config.schema import ModelConfig
+from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("gpt2",)
 

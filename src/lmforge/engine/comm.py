@@ -1,0 +1,37 @@
+"""The collectives one optimizer step needs. For one process each is the identity; `lmforge.parallel`
+supplies the distributed one, so the step and the evaluation never import distributed code."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+
+class Comm:
+    """Collectives of a training step; for one process each is the identity."""
+
+    def sum_count(self, n: int) -> int:
+        """Target tokens (or pairs, ...) of the step summed over data-parallel ranks."""
+        return n
+
+    def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's backward; `enabled=False` defers the gradient all-reduce."""
+        return contextlib.nullcontext()
+
+    def norms(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-tensor L2 norms of the full (unsharded) gradients, as 0-dim tensors."""
+        return list(torch._foreach_norm(grads, 2.0)) if grads else []
+
+    def reduce_norm_sq(self, sq: torch.Tensor) -> torch.Tensor:
+        """Sum a squared norm over ranks that hold disjoint parameters (pipeline stages)."""
+        return sq
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's loss as the whole job sees it: each rank holds its share (already divided by
+        the global target count), so the shares are summed."""
+        return loss
+
+
+LOCAL = Comm()

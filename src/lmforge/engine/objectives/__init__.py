@@ -1,0 +1,18 @@
+"""Objectives: what a training step minimises. `build_objective(cfg)` picks one from the config."""
+
+from __future__ import annotations
+
+from lmforge.config.schema import Config
+from lmforge.engine.objectives.base import Objective, ObjectiveModule, ObjectiveOutput, TokenObjective
+from lmforge.engine.objectives.causal_lm import CausalLM
+
+OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM}
+
+
+def build_objective(cfg: Config) -> Objective:
+    """The objective `cfg.objective.name` names, with its settings."""
+    return OBJECTIVES[cfg.objective.name].from_config(cfg)
+
+
+__all__ = ["OBJECTIVES", "CausalLM", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
+           "build_objective"]

@@ -1,0 +1,103 @@
+"""What an objective is: (model, batch) -> summed loss, the number of targets it sums over, and
+summed metrics, for a batch type it declares.
+
+The step divides the summed loss by the target count of the whole step (all micro-batches of all
+data-parallel ranks), so every objective gets exact gradient accumulation and data parallelism for
+free; metrics are sums too and are reported as means per target the same way. An objective runs
+inside the compiled region with the model (`ObjectiveModule`), so its loss is part of the graph.
+
+A new training method (masked SFT, pairwise preference, per-token weighted RL, teacher/student,
+masked LM) is one new file here plus a config choice; the step, the Trainer and `parallel/` stay.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+from torch import nn
+
+from lmforge.data.batch import IGNORE_INDEX, TokenBatch
+from lmforge.engine.loss import logits_of
+
+
+class ObjectiveOutput(NamedTuple):
+    """loss: fp32 scalar, summed over the batch's targets. metrics: name -> fp32 scalar, summed over
+    the same targets (the step reports each as a mean per target)."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+class Objective(abc.ABC):
+    """Base of every objective. Stateless apart from its settings: safe to share between steps."""
+
+    name: ClassVar[str]
+    batch_type: ClassVar[type]
+    supports_pipeline: ClassVar[bool] = False  # splits into a last-stage loss (see TokenObjective)
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Objective:
+        """The objective with its settings from the config tree (lmforge.config.Config)."""
+        return cls()
+
+    def batch_of(self, raw: Any) -> Any:
+        """Check (and where unambiguous convert) one batch into `batch_type`."""
+        if not isinstance(raw, self.batch_type):
+            raise TypeError(f"objective {self.name} takes {self.batch_type.__name__} batches, "
+                            f"got {type(raw).__name__}")
+        return raw
+
+    @abc.abstractmethod
+    def num_targets(self, batch: Any) -> int:
+        """How many targets the summed loss of `batch` covers (tokens, pairs, ...): the normaliser."""
+
+    @abc.abstractmethod
+    def __call__(self, model: nn.Module, batch: Any) -> ObjectiveOutput:
+        """The summed loss (and summed metrics) of `model` on `batch`."""
+
+    def target_ids(self, batch: Any) -> torch.Tensor | None:
+        """Token ids the loss predicts (1-D), for bits per byte; None where that has no meaning."""
+        return None
+
+    def check_model(self, model: nn.Module) -> None:  # noqa: B027 - optional hook, nothing to check by default
+        """Refuse a model this objective cannot train (a clear error before the first step)."""
+
+
+class ObjectiveModule(nn.Module):
+    """A model and its objective as one module: `torch.compile` of this compiles the loss into the
+    model's graph. Used for the forward only; the optimizer and checkpoints take `model` itself."""
+
+    def __init__(self, model: nn.Module, objective: Objective) -> None:
+        super().__init__()
+        self.model = model
+        self.objective = objective
+
+    def forward(self, batch: Any) -> ObjectiveOutput:
+        return self.objective(self.model, batch)
+
+
+class TokenObjective(Objective):
+    """An objective over `TokenBatch` whose loss is a function of the logits and the targets. Such a
+    loss also runs on a pipeline's last stage (`stage_loss`), and gives per-token estimates (Sophia's
+    Hessian) the logits they need."""
+
+    batch_type = TokenBatch
+    supports_pipeline = True
+
+    def batch_of(self, raw: Any) -> TokenBatch:
+        return TokenBatch.of(raw)
+
+    def num_targets(self, batch: TokenBatch) -> int:
+        return int((batch.targets != IGNORE_INDEX).sum())
+
+    def target_ids(self, batch: TokenBatch) -> torch.Tensor:
+        return batch.targets[batch.targets != IGNORE_INDEX]
+
+    def logits(self, model: nn.Module, batch: TokenBatch) -> torch.Tensor:
+        return logits_of(model(batch.input_ids))
+
+    @abc.abstractmethod
+    def stage_loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
+        """The summed loss from the model's output (a pipeline's last stage) and the targets."""

@@ -1,0 +1,196 @@
+"""One optimizer step: forward/backward of an objective over micro-batches, loss normalisation,
+clipping, the update, and the hooks that follow it.
+
+Everything that differs between one process and a distributed job (how many targets the whole
+step has, when gradients synchronise, what the global gradient norm is) goes through a `Comm`;
+everything that differs between training methods goes through the `Objective`; what a particular
+optimizer needs after its update (Sophia's Hessian refresh) attaches as a `StepHook`. The step itself
+knows none of them by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lmforge.engine.comm import LOCAL, Comm
+from lmforge.engine.objectives import CausalLM, Objective, ObjectiveOutput
+from lmforge.engine.precision import Precision
+
+
+@dataclass
+class Verdict:
+    """A judge's ruling on a step's loss, made before its update is applied (the loss-spike guard)."""
+
+    apply: bool  # False keeps the update out of the weights
+    finding: Any = None  # what the judge found (e.g. a loss spike), for the caller to act on
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss per target over the whole step
+    tokens: int  # input tokens processed (this rank)
+    target_tokens: int  # targets that carried a loss (the whole job)
+    grad_norm: float  # global gradient norm before clipping
+    skipped: bool = False  # the update was not applied (non-finite loss or gradients, or the judge said so)
+    verdict: Verdict | None = None  # the judge's ruling, when there was a judge and it found something
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's metrics, means per target
+    group_grad_norms: dict[str, float] = field(default_factory=dict)  # with group_stats
+    update_ratios: dict[str, float] = field(default_factory=dict)  # |update| / |param| per group
+    seconds: float = 0.0  # wall time of the step, batches included (the trainer fills it in)
+
+
+@dataclass
+class StepContext:
+    """What a hook sees after an applied update: the eager model, the step's batches and collectives."""
+
+    model: nn.Module
+    batches: list[Any]
+    precision: Precision
+    comm: Comm
+    objective: Objective
+
+
+class StepHook(Protocol):
+    """Called after every applied update (optimizer specs attach their extra work this way)."""
+
+    def __call__(self, ctx: StepContext) -> None: ...
+
+
+def _group_name(i: int, group: dict) -> str:
+    return str(group.get("name", i))
+
+
+def train_step(
+    model: nn.Module,
+    micro_batches: Sequence[Any],
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    *,
+    objective: Objective | None = None,
+    grad_clip: float = 0.0,
+    grad_clip_value: float = 0.0,
+    group_stats: bool = False,
+    comm: Comm = LOCAL,
+    judge: Callable[[float], Verdict | None] | None = None,
+    hooks: Sequence[StepHook] = (),
+    forward: Callable[[Any], ObjectiveOutput] | None = None,
+) -> StepResult:
+    """Accumulate gradients of `objective` (default: causal LM) over `micro_batches`, then clip and
+    apply one update.
+
+    Each micro-batch's summed loss is divided by the target count of the WHOLE step (all
+    micro-batches of all data-parallel ranks), so the gradient equals that of one big batch even
+    when micro-batches hold different numbers of real targets. Gradients synchronise only on the
+    last micro-batch. `forward(batch)` computes the objective when it is not `objective(model, batch)`
+    (a compiled `ObjectiveModule`). `judge(loss)` rules before the update is applied: a verdict with
+    apply=False leaves the weights untouched and marks the step skipped.
+    """
+    objective = objective or CausalLM()
+    batches = [objective.batch_of(b) for b in micro_batches]
+    n_targets = comm.sum_count(sum(objective.num_targets(b) for b in batches))
+    denom = max(n_targets, 1)
+    run = forward if forward is not None else (lambda b: objective(model, b))
+    loss_total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
+    metric_total: dict[str, torch.Tensor] = {}
+    scaler = precision.scaler
+    for i, batch in enumerate(batches):
+        with comm.grad_sync(model, enabled=i == len(batches) - 1):
+            with precision.autocast():
+                out = run(batch)
+            loss = out.loss / denom
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        loss_total += loss.detach()
+        for k, v in out.metrics.items():
+            metric_total[k] = metric_total.get(k, 0.0) + v.detach() / denom
+    result = StepResult(float(comm.mean_loss(loss_total)), sum(b.num_tokens for b in batches), n_targets, 0.0)
+    result.metrics = {k: float(comm.mean_loss(v)) for k, v in metric_total.items()}
+    if withheld(result, judge, optimizer):
+        return result
+    apply_update(optimizer, precision, result, grad_clip, grad_clip_value, group_stats, comm)
+    if not result.skipped and hooks:
+        ctx = StepContext(model, batches, precision, comm, objective)
+        for hook in hooks:
+            hook(ctx)
+    return result
+
+
+def withheld(result: StepResult, judge: Callable[[float], Verdict | None] | None,
+             optimizer: torch.optim.Optimizer) -> bool:
+    """Ask the judge about the step's loss; True (gradients dropped, step marked skipped) when its
+    verdict keeps the update out of the weights."""
+    if judge is None:
+        return False
+    result.verdict = judge(result.loss)
+    if result.verdict is None or result.verdict.apply:
+        return False
+    result.skipped = True
+    optimizer.zero_grad(set_to_none=True)
+    return True
+
+
+def apply_update(
+    optimizer: torch.optim.Optimizer,
+    precision: Precision,
+    result: StepResult,
+    grad_clip: float,
+    grad_clip_value: float = 0.0,
+    group_stats: bool = False,
+    comm: Comm = LOCAL,
+) -> None:
+    """Clip the accumulated gradients (by value, then by the global norm), step, zero the grads.
+
+    A step whose loss or gradient norm is not finite is never applied: one NaN would otherwise
+    poison the weights and the optimizer moments for good. Fills `result.grad_norm`,
+    `result.skipped` and, with `group_stats`, the per-group norms and update/param ratios.
+    """
+    scaler = precision.scaler
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    groups = [[p for p in g["params"] if p.grad is not None] for g in optimizer.param_groups]
+
+    def norms() -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+        # One norm per tensor, then the global norm from them: the same arithmetic as
+        # torch.nn.utils.clip_grad_norm_, with the per-group norms falling out for free.
+        per_group = [comm.norms([p.grad for p in ps]) for ps in groups]
+        flat = [n for ns in per_group for n in ns]
+        total = torch.linalg.vector_norm(torch.stack(flat), 2.0) if flat else torch.zeros(())
+        return per_group, comm.reduce_norm_sq(total.square()).sqrt() if comm is not LOCAL else total
+
+    per_group, total = norms()
+    grad_norm = float(total)  # before any clipping: an Inf here is never clamped into a finite step
+    result.grad_norm = grad_norm
+    if grad_clip_value > 0 and math.isfinite(grad_norm):
+        torch.nn.utils.clip_grad_value_([p for ps in groups for p in ps], grad_clip_value)
+        per_group, total = norms()  # the norm clip acts on the value-clipped gradients
+    if grad_clip > 0 and math.isfinite(grad_norm):
+        torch.nn.utils.clip_grads_with_norm_([p for ps in groups for p in ps], grad_clip, total)
+    if group_stats:
+        for i, (g, ns) in enumerate(zip(optimizer.param_groups, per_group)):
+            if ns:
+                sq = comm.reduce_norm_sq(torch.linalg.vector_norm(torch.stack(ns), 2.0).square())
+                result.group_grad_norms[_group_name(i, g)] = float(sq.sqrt())
+        before = [[p.detach().clone() for p in ps] for ps in groups]
+    finite = math.isfinite(grad_norm) and math.isfinite(result.loss)
+    if scaler is not None:
+        scaler.step(optimizer)  # skips the update itself when grads overflowed, then lowers the scale
+        scaler.update()
+        result.skipped = not finite
+    elif finite:
+        optimizer.step()
+    else:
+        result.skipped = True
+    if group_stats and not result.skipped:
+        for i, (g, ps, old) in enumerate(zip(optimizer.param_groups, groups, before)):
+            if ps:
+                delta = comm.norms([p.detach() - o for p, o in zip(ps, old)])
+                size = comm.norms([o for o in old])
+                d = comm.reduce_norm_sq(torch.linalg.vector_norm(torch.stack(delta), 2.0).square()).sqrt()
+                s = comm.reduce_norm_sq(torch.linalg.vector_norm(torch.stack(size), 2.0).square()).sqrt()
+                result.update_ratios[_group_name(i, g)] = float(d / s.clamp_min(1e-30))
+    optimizer.zero_grad(set_to_none=True)
