@@ -22,3 +22,7 @@ class CheckpointError(LmforgeError):
 
 class CheckpointMismatchError(CheckpointError):
     """A checkpoint is readable but belongs to a model of another shape."""
+
+
+class LmforgeDeprecationWarning(UserWarning):
+    """A config key or call that still works but has a new form (the CLI prints it as one line)."""

@@ -9,8 +9,8 @@ from lmforge.config import Config, dump_config, load_config
 from lmforge.errors import ConfigError
 
 
-def write(tmp_path, text: str):
-    p = tmp_path / "run.yaml"
+def write(tmp_path, text: str, name: str = "run.yaml"):
+    p = tmp_path / name
     p.write_text(text)
     return p
 
@@ -100,12 +100,109 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_config(write(tmp_path, "- 1\n- 2\n"))
 
 
-def test_every_field_is_documented():
-    def walk(cls):
-        for name, field in cls.model_fields.items():
-            assert field.description, f"{cls.__name__}.{name} has no description"
-            ann = field.annotation
-            if isinstance(ann, type) and hasattr(ann, "model_fields"):
-                walk(ann)
+def assert_documented(cls):
+    for name, field in cls.model_fields.items():
+        assert field.description, f"{cls.__name__}.{name} has no description"
+        ann = field.annotation
+        if isinstance(ann, type) and hasattr(ann, "model_fields"):
+            assert_documented(ann)
 
-    walk(Config)
+
+def test_every_field_is_documented():
+    assert_documented(Config)
+
+
+def test_every_optimizer_field_is_documented():
+    import typing
+
+    from lmforge.config.optim import OPTIMIZER_CONFIGS, OptimConfig
+
+    members = {a for a in typing.get_args(typing.get_args(OptimConfig)[0])}
+    assert members == set(OPTIMIZER_CONFIGS.values())
+    for cls in members:
+        assert_documented(cls)
+
+
+def test_each_optimizer_takes_its_own_keys_only(tmp_path):
+    cfg = load_config(overrides=["optim.name=muon", "optim.muon.lr=0.05", "optim.betas=[0.8, 0.9]"])
+    assert cfg.optim.muon.lr == 0.05 and cfg.optim.betas == (0.8, 0.9) and cfg.optim.lr == 3e-4
+    with pytest.raises(
+        ConfigError, match=r"--set optim.betas: unknown key 'optim.betas'; valid keys: lr, name, sgd"
+    ):
+        load_config(overrides=["optim.name=sgd", "optim.betas=[0.9, 0.9]"])
+    p = write(tmp_path, "optim:\n  name: sophia\n  muon:\n    lr: 0.1\n")
+    with pytest.raises(
+        ConfigError,
+        match=rf"{p}:3: unknown key 'optim.muon'; valid keys: betas, eps, lr, name, "
+        "sophia, weight_decay",
+    ):
+        load_config(p)
+    with pytest.raises(
+        ConfigError,
+        match=r"--set optim.muon.momentun: unknown key 'optim.muon.momentun' \(did "
+        r"you mean 'momentum'\?\); valid keys: lr, momentum, nesterov, ns_steps",
+    ):
+        load_config(overrides=["optim.name=muon", "optim.muon.momentun=3"])
+    with pytest.raises(ConfigError, match=r"optim.sgd.nesterov needs optim.sgd.momentum > 0"):
+        load_config(overrides=["optim.name=sgd", "optim.sgd.momentum=0", "optim.sgd.nesterov=true"])
+    with pytest.raises(ConfigError, match=r"does not match any of the expected tags: 'adamw', 'adam', 'sgd'"):
+        load_config(overrides=["optim.name=adagrad"])
+
+
+def test_flat_optim_keys_still_work_with_a_deprecation_note(tmp_path):
+    """Configs from before the per-optimizer sections (and every config.yaml a run saved then, which
+    lists all optimizers' keys) load: the chosen optimizer's keys move, the others are dropped."""
+    from lmforge.config.load import dump_config
+    from lmforge.errors import LmforgeDeprecationWarning
+
+    p = write(
+        tmp_path,
+        "optim:\n  name: muon\n  lr: 0.001\n  muon_lr: 0.03\n  muon_ns_steps: 4\n  sophia_rho: 0.1\n"
+        "  momentum: 0.5\n",
+    )
+    with pytest.warns(LmforgeDeprecationWarning) as caught:
+        cfg = load_config(p)
+    assert len(caught) == 1
+    msg = str(caught[0].message)
+    assert (
+        msg.startswith(f"{p}:1: flat optim keys are deprecated") and "optim.muon_lr -> optim.muon.lr" in msg
+    )
+    assert (
+        "optim.muon_ns_steps -> optim.muon.ns_steps" in msg and "ignored" in msg and "optim.sophia_rho" in msg
+    )
+    assert cfg.optim.name == "muon" and cfg.optim.lr == 0.001 and cfg.optim.muon.lr == 0.03
+    assert cfg.optim.muon.ns_steps == 4 and cfg.optim.muon.momentum == 0.95
+    again = write(tmp_path, dump_config(cfg), "again.yaml")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # today's form: no note
+        assert load_config(again) == cfg
+    with pytest.warns(
+        LmforgeDeprecationWarning, match=r"--set optim: .*optim.momentum -> optim.sgd.momentum"
+    ):
+        assert load_config(overrides=["optim.name=sgd", "optim.momentum=0.5"]).optim.sgd.momentum == 0.5
+
+
+def test_cli_prints_the_deprecation_as_one_line(capsys):
+    import warnings
+
+    from lmforge.cli import main
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")  # as outside the test suite: shown, not raised
+        assert main(["config", "--set", "optim.name=sophia", "--set", "optim.hessian_every=3"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "lmforge config: warning: --set optim: flat optim keys are deprecated; they still work in this "
+        "release: optim.hessian_every -> optim.sophia.hessian_every (print the current form with: "
+        "lmforge config -c FILE)"
+    ]
+
+
+def test_a_resolved_config_is_immutable():
+    cfg = Config()
+    with pytest.raises(Exception, match="frozen"):
+        cfg.train.max_steps = 3
+    with pytest.raises(Exception, match="frozen"):
+        cfg.optim.lr = 1.0

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lmforge.optim.lr_finder import exponential_lrs, lr_find, smooth, suggest
+from lmforge.tools.lr_finder import exponential_lrs, lr_find, smooth, suggest
 
 
 def test_smoothing_equals_a_hand_computation():

@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lmforge.config import ModelConfig, OptimConfig
+from lmforge.config import ModelConfig
+from lmforge.config.optim import optim_config
+from lmforge.engine.precision import Precision
 from lmforge.errors import ConfigError
 from lmforge.models import build_model
 from lmforge.optim.adamw8bit import (
@@ -27,7 +29,6 @@ from lmforge.optim.adamw8bit import (
 from lmforge.optim.builder import build_optimizer, param_groups, state_bytes_per_param
 from lmforge.optim.muon import MuonAdamW, hidden_matrices
 from lmforge.optim.sophia import Sophia, estimate_hessian
-from lmforge.train.precision import Precision
 
 FP32 = Precision("fp32", torch.device("cpu"))
 V = 256  # vocabulary of the token stream and the debug-size models
@@ -178,7 +179,9 @@ def test_adamw8bit_tracks_fp32_adamw_on_a_real_model():
     final parameters 4.8% apart in relative norm (for scale: fused vs for-loop fp32 AdamW end
     9e-7 apart, so this is the quantisation, not chaos); final losses 2.033 (8-bit), 2.027 (fp32)."""
     a, b = debug_model(), debug_model()
-    ours = build_optimizer(a, OptimConfig(name="adamw8bit", lr=3e-3, weight_decay=0.1, quant_backend="torch"))
+    ours = build_optimizer(
+        a, optim_config(name="adamw8bit", lr=3e-3, weight_decay=0.1, adamw8bit={"backend": "torch"})
+    )
     ref = torch.optim.AdamW(param_groups(b, 0.1), lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
     assert isinstance(ours, AdamW8bit)
     la = train(a, ours, range(200))
@@ -233,7 +236,7 @@ def test_adamw8bit_state_bytes_per_param(min_size, expect):
     quant_min_size; 4 bytes of step counter per tensor. The debug model's K/V projections (2048
     elements) and norms stay fp32 under the default 4096, hence 2.47 rather than ~2.03."""
     model = debug_model()
-    opt = build_optimizer(model, OptimConfig(name="adamw8bit", quant_min_size=min_size))
+    opt = build_optimizer(model, optim_config(name="adamw8bit", adamw8bit={"min_size": min_size}))
     lm_loss(model, 0, seq_len=8).backward()
     opt.step()
     sizes = [p.numel() for p in model.parameters()]
@@ -267,23 +270,24 @@ def test_adamw8bit_load_keeps_codes_and_scales_of_bf16_params():
 
 def test_backend_choice(monkeypatch):
     model = debug_model()
-    cfg = OptimConfig(name="adamw8bit")
+    cfg = optim_config(name="adamw8bit")
     assert isinstance(build_optimizer(model, cfg), AdamW8bit)  # auto on CPU: ours
-    assert isinstance(build_optimizer(model, cfg.model_copy(update={"quant_backend": "torch"})), AdamW8bit)
-    with pytest.raises(ConfigError, match="quant_block_size=128"):
-        build_optimizer(model, cfg.model_copy(update={"quant_backend": "bitsandbytes",
-                                                      "quant_block_size": 128}))
+    assert isinstance(build_optimizer(model, optim_config(name="adamw8bit", adamw8bit={"backend": "torch"})),
+                      AdamW8bit)
+    with pytest.raises(ConfigError, match="block_size=128"):
+        build_optimizer(model, optim_config(name="adamw8bit", adamw8bit={"backend": "bitsandbytes",
+                                                                         "block_size": 128}))
     try:
         import bitsandbytes as bnb
     except ImportError:
         bnb = None
     if bnb is not None:  # its CPU backend runs too, so forcing it is honoured here
-        forced = build_optimizer(model, cfg.model_copy(update={"quant_backend": "bitsandbytes"}))
+        forced = build_optimizer(model, optim_config(name="adamw8bit", adamw8bit={"backend": "bitsandbytes"}))
         assert isinstance(forced, bnb.optim.AdamW8bit)
         assert [g["weight_decay"] for g in forced.param_groups] == [cfg.weight_decay, 0.0]
     monkeypatch.setitem(__import__("sys").modules, "bitsandbytes", None)  # as if not installed
     with pytest.raises(ConfigError, match="pip install bitsandbytes"):
-        build_optimizer(model, cfg.model_copy(update={"quant_backend": "bitsandbytes"}))
+        build_optimizer(model, optim_config(name="adamw8bit", adamw8bit={"backend": "bitsandbytes"}))
 
 
 # -- sophia ---------------------------------------------------------------------------------------
@@ -475,7 +479,7 @@ def test_hutchinson_expectation_is_the_hessian_diagonal():
 def test_hutchinson_runs_through_the_transformer():
     """Hessian-vector products need double backward, which the fused CPU attention kernel lacks."""
     model = debug_model()
-    opt = build_optimizer(model, OptimConfig(name="sophia", hessian_estimator="hutchinson"))
+    opt = build_optimizer(model, optim_config(name="sophia", sophia={"estimator": "hutchinson"}))
     estimate_hessian(model, opt, [batch(0, seq_len=8)], FP32)
     h = torch.cat([s["hessian"].flatten() for s in opt.state.values()])
     assert h.numel() == sum(p.numel() for p in model.parameters())
@@ -490,7 +494,7 @@ def test_estimate_under_fp16_matches_fp32(estimator):
     estimates = []
     for name in ("fp32", "fp16"):
         model = debug_model()
-        opt = build_optimizer(model, OptimConfig(name="sophia", hessian_estimator=estimator))
+        opt = build_optimizer(model, optim_config(name="sophia", sophia={"estimator": estimator}))
         torch.manual_seed(5)
         estimate_hessian(model, opt, [batch(0, seq_len=8)], Precision(name, torch.device("cpu")))
         estimates.append(torch.cat([s["hessian"].flatten() for s in opt.state.values()]))
@@ -503,8 +507,8 @@ def test_sophia_trains_a_model(estimator):
     """50 steps of the debug model with the trainer's call pattern (step, then refresh when due).
     Measured: gnb 5.56 -> 3.29, hutchinson 5.56 -> 3.26 (mean of the last 5 steps)."""
     model = debug_model()
-    opt = build_optimizer(model, OptimConfig(name="sophia", lr=3e-3, weight_decay=0.1, hessian_every=5,
-                                             hessian_estimator=estimator))
+    opt = build_optimizer(model, optim_config(name="sophia", lr=3e-3, weight_decay=0.1,
+                                              sophia={"hessian_every": 5, "estimator": estimator}))
     losses, refreshes = [], 0
     for s in range(50):
         x, y = batch(s)
@@ -527,8 +531,15 @@ def test_sophia_trains_a_model(estimator):
 
 def test_muon_groups():
     model = small_model()
-    opt = build_optimizer(model, OptimConfig(name="muon", lr=1e-3, weight_decay=0.1, muon_lr=0.03,
-                                             muon_momentum=0.9, muon_nesterov=False, muon_ns_steps=4))
+    opt = build_optimizer(
+        model,
+        optim_config(
+            name="muon",
+            lr=1e-3,
+            weight_decay=0.1,
+            muon={"lr": 0.03, "momentum": 0.9, "nesterov": False, "ns_steps": 4},
+        ),
+    )
     assert isinstance(opt, MuonAdamW)
     names = {id(p): n for n, p in model.named_parameters()}
     groups = {g["name"]: g for g in opt.param_groups}
@@ -542,11 +553,11 @@ def test_muon_groups():
         "tok_embeddings.weight", "norm.weight", *(f"layers.{i}.{n}_norm.weight" for i in (0, 1)
                                                  for n in ("attn", "mlp"))}
     g = groups["muon"]
-    assert g["use_muon"] and (g["lr"], g["peak_lr"], g["weight_decay"]) == (0.03, 0.03, 0.1)
+    assert g["use_muon"] and (g["lr"], g["weight_decay"]) == (0.03, 0.1)
     assert (g["momentum"], g["nesterov"], g["ns_steps"]) == (0.9, False, 4)
     for name, wd in (("decay", 0.1), ("no_decay", 0.0)):
         g = groups[name]
-        assert not g["use_muon"] and (g["lr"], g["peak_lr"], g["weight_decay"]) == (1e-3, 1e-3, wd)
+        assert not g["use_muon"] and (g["lr"], g["weight_decay"]) == (1e-3, wd)
         assert g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8
     assert {id(p) for p in hidden_matrices(model)} == {id(p) for p in groups["muon"]["params"]}
 
@@ -555,7 +566,7 @@ def test_muon_matches_torch_muon_and_adamw():
     """Muon groups against torch.optim.Muon, AdamW groups against torch.optim.AdamW (fused, as
     build_optimizer picks on CPU), 20 steps: identical (tolerance 0)."""
     a, b = small_model(), small_model()
-    cfg = OptimConfig(name="muon", lr=1e-2, weight_decay=0.1, muon_lr=0.02)
+    cfg = optim_config(name="muon", lr=1e-2, weight_decay=0.1, muon={"lr": 0.02})
     ours = build_optimizer(a, cfg)
     hidden = {id(p) for p in hidden_matrices(b)}
     decay, no_decay = (g["params"] for g in param_groups(b, 0.1))
@@ -577,7 +588,7 @@ def test_muon_matches_torch_muon_and_adamw():
 def test_muon_trains_a_model():
     """40 steps, ln 64 = 4.15 -> measured 2.10 (mean of the last 5; AdamW alone at lr 3e-3: 3.06)."""
     model = small_model()
-    opt = build_optimizer(model, OptimConfig(name="muon", lr=1e-2, weight_decay=0.1))
+    opt = build_optimizer(model, optim_config(name="muon", lr=1e-2, weight_decay=0.1))
     losses = train(model, opt, range(40), seq_len=16, vocab=64)
     print(f"muon: {losses[0]:.3f} -> {sum(losses[-5:]) / 5:.3f}")
     assert sum(losses[-5:]) / 5 < losses[0] - 1.5
@@ -586,9 +597,9 @@ def test_muon_trains_a_model():
 # -- state round trips ----------------------------------------------------------------------------
 
 ROUND_TRIP = [
-    OptimConfig(name="adamw8bit", lr=3e-3, quant_min_size=1024),
-    OptimConfig(name="sophia", lr=3e-3, hessian_every=2),
-    OptimConfig(name="muon", lr=3e-3),
+    optim_config(name="adamw8bit", lr=3e-3, adamw8bit={"min_size": 1024}),
+    optim_config(name="sophia", lr=3e-3, sophia={"hessian_every": 2}),
+    optim_config(name="muon", lr=3e-3),
 ]
 
 
@@ -627,10 +638,10 @@ def test_checkpoint_manager_round_trip(tmp_path, cfg):
     a = small_model()
     opt_a = build_optimizer(a, cfg)
     _steps(a, opt_a, range(5))
-    path = CheckpointManager(tmp_path, keep_last=1).save(5, a, opt_a, {"step": 5})
+    path = CheckpointManager(tmp_path, keep_last=1).save(5, a, opt_a, {})
     b = small_model(seed=3)
     opt_b = build_optimizer(b, cfg)
-    CheckpointManager(tmp_path, keep_last=1).load(path, b, opt_b)
+    CheckpointManager(tmp_path, keep_last=1).load(path, b, opt_b, {})
     for key, value in opt_a.state[next(iter(a.parameters()))].items():
         assert opt_b.state[next(iter(b.parameters()))][key].dtype == value.dtype, key
     _steps(a, opt_a, range(5, 11))
@@ -644,8 +655,15 @@ def test_trainer_runs_with(tiny_cfg, name):
     from lmforge.metrics.loggers import read_metrics
     from lmforge.train.trainer import Trainer
 
-    cfg = tiny_cfg(f"optim.name={name}", "optim.lr=1e-3", "train.max_steps=12", "train.log_every=4",
-                   "optim.quant_min_size=1024", "schedule.name=constant", "schedule.warmup_steps=0")
+    cfg = tiny_cfg(
+        f"optim.name={name}",
+        "optim.lr=1e-3",
+        "train.max_steps=12",
+        "train.log_every=4",
+        *(["optim.adamw8bit.min_size=1024"] if name == "adamw8bit" else []),
+        "schedule.name=constant",
+        "schedule.warmup_steps=0",
+    )
     trainer = Trainer(cfg)
     trainer.fit()
     losses = [r["loss"] for r in read_metrics(Path(cfg.run.dir) / "metrics.jsonl") if "loss" in r]
@@ -653,4 +671,4 @@ def test_trainer_runs_with(tiny_cfg, name):
     assert losses[-1] < losses[0]
     if name == "muon":  # the matrices follow the schedule from their own peak
         lrs = {g["name"]: g["lr"] for g in trainer.optimizer.param_groups}
-        assert lrs["muon"] == pytest.approx(cfg.optim.muon_lr) and lrs["no_decay"] == pytest.approx(1e-3)
+        assert lrs["muon"] == pytest.approx(cfg.optim.muon.lr) and lrs["no_decay"] == pytest.approx(1e-3)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 import os
+import typing
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from lmforge.config.schema import Config
-from lmforge.errors import ConfigError
+from lmforge.errors import ConfigError, LmforgeDeprecationWarning
 
 
 def _key_lines(path: str, text: str) -> dict[tuple[str, ...], int]:
@@ -55,18 +57,58 @@ def _parse_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
-def _section_model(model_cls: type[BaseModel], keys: tuple[str, ...]) -> type[BaseModel] | None:
-    """The pydantic class at a dotted path inside Config, or None if the path leaves the tree."""
+def _tagged_members(annotation: Any) -> dict[str, type[BaseModel]]:
+    """tag -> class of a discriminated union of sections keyed by `name` (the optim section)."""
+    members = {}
+    for arg in typing.get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel) and "name" in arg.model_fields:
+            members[arg.model_fields["name"].default] = arg
+    return members
+
+
+def _section_model(model_cls: type[BaseModel], keys: tuple[str, ...],
+                   tags: dict[tuple[str, ...], str] | None = None) -> type[BaseModel] | None:
+    """The pydantic class at a dotted path inside Config, or None if the path leaves the tree. A
+    union of sections resolves to the member `tags[path]` names."""
     cls: type[BaseModel] = model_cls
-    for k in keys:
+    for i, k in enumerate(keys):
         field = cls.model_fields.get(k)
         if field is None:
             return None
         ann = field.annotation
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
+            member = _tagged_members(ann).get((tags or {}).get(keys[: i + 1], ""))
+            if member is None:
+                return None
+            ann = member
         cls = ann
     return cls
+
+
+def _untag(loc: tuple[str, ...]) -> tuple[tuple[str, ...], dict[tuple[str, ...], str]]:
+    """pydantic puts a discriminated union's tag into an error's location ('optim', 'muon', 'lr');
+    the user's key has none ('optim', 'lr'). Returns the user's location and the tags found."""
+    cls: type[BaseModel] | None = Config
+    out: list[str] = []
+    tags: dict[tuple[str, ...], str] = {}
+    i = 0
+    while i < len(loc):
+        out.append(loc[i])
+        field = cls.model_fields.get(loc[i]) if cls is not None else None
+        nxt = None
+        if field is not None:
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                nxt = ann
+            else:
+                members = _tagged_members(ann)
+                if i + 1 < len(loc) and loc[i + 1] in members:
+                    tags[tuple(out)] = loc[i + 1]
+                    nxt = members[loc[i + 1]]
+                    i += 1
+        cls = nxt
+        i += 1
+    return tuple(out), tags
 
 
 def _suggest(key: str, choices: list[str]) -> str:
@@ -119,9 +161,12 @@ def _format_error(err: dict[str, Any], source: str, lines: dict[tuple[str, ...],
     loc = tuple(str(p) for p in err["loc"])
     # Drop pydantic's internal validator names from the location.
     loc = tuple(p for p in loc if not p.startswith("function-") and p not in {"tagged-union"})
+    loc, tags = _untag(loc)
     dotted = ".".join(loc)
     where = source
-    if dotted in overridden or any(dotted.startswith(o + ".") for o in overridden):
+    if dotted in overridden or any(
+        dotted.startswith(o + ".") or o.startswith(dotted + ".") for o in overridden
+    ):
         where = f"--set {dotted}"
     else:
         for n in range(len(loc), 0, -1):
@@ -130,7 +175,7 @@ def _format_error(err: dict[str, Any], source: str, lines: dict[tuple[str, ...],
                 break
     kind = err["type"]
     if kind == "extra_forbidden":
-        parent = _section_model(Config, loc[:-1])
+        parent = _section_model(Config, loc[:-1], tags)
         valid = _suggest(loc[-1], list(parent.model_fields)) if parent else ""
         return f"{where}: unknown key {dotted!r}{valid}"
     msg = err["msg"].removeprefix("Value error, ")
@@ -172,13 +217,25 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...
 def validate_config(data: dict[str, Any], source: str = "<config>",
                     lines: dict[tuple[str, ...], int] | None = None,
                     overridden: set[str] | None = None) -> Config:
-    """Validate a raw mapping into a Config, with readable errors."""
-    try:
-        return Config.model_validate(data)
-    except ValidationError as e:
-        msgs = [_format_error(err, source, lines or {}, overridden or set()) for err in e.errors()]
-        head = "invalid config" if len(msgs) == 1 else f"invalid config ({len(msgs)} problems)"
-        raise ConfigError(head + ":\n  " + "\n  ".join(msgs)) from None
+    """Validate a raw mapping into a Config, with readable errors. Deprecation notes from the
+    schema (old key forms it still reads) are re-issued naming the file and line."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            cfg = Config.model_validate(data)
+        except ValidationError as e:
+            msgs = [_format_error(err, source, lines or {}, overridden or set()) for err in e.errors()]
+            head = "invalid config" if len(msgs) == 1 else f"invalid config ({len(msgs)} problems)"
+            raise ConfigError(head + ":\n  " + "\n  ".join(msgs)) from None
+    for w in caught:
+        if issubclass(w.category, LmforgeDeprecationWarning):
+            line = (lines or {}).get(("optim",))
+            set_here = any(o.startswith("optim.") for o in overridden or ())
+            where = "--set optim" if set_here else f"{source}:{line}" if line else source
+            warnings.warn(LmforgeDeprecationWarning(f"{where}: {w.message}"), stacklevel=2)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return cfg
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

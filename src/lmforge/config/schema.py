@@ -8,16 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from lmforge.config.curate import CurateConfig
-from lmforge.models.presets import PRESETS
-
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+from lmforge.config.optim import AdamWConfig, OptimConfig
+from lmforge.config.presets import PRESETS
+from lmforge.config.section import Section
 
 
 class RunConfig(Section):
@@ -177,85 +173,6 @@ class ModelConfig(Section):
         return 64 * ((hidden + 63) // 64)
 
 
-class OptimConfig(Section):
-    name: Literal["adamw", "adam", "sgd", "lion", "adafactor", "adamw8bit", "sophia", "muon"] = Field(
-        "adamw", description="Optimizer: adamw, adam (L2 decay), sgd, lion, adafactor, adamw8bit "
-        "(block-wise 8-bit moments), sophia (clipped, Hessian-diagonal preconditioned), muon "
-        "(orthogonalised momentum on 2-D hidden weights, adamw on the rest)."
-    )
-    lr: float = Field(3e-4, gt=0.0, description="Peak learning rate (adafactor relative_step: ignored).")
-    betas: tuple[float, float] = Field(
-        (0.9, 0.95), description="Adam/AdamW/Lion beta1, beta2 (Lion paper: 0.9, 0.99)."
-    )
-    eps: float = Field(
-        1e-8, gt=0.0, description="Adam/AdamW epsilon (also adamw8bit, muon's AdamW groups); sophia: "
-        "floor of rho*h in its denominator."
-    )
-    weight_decay: float = Field(
-        0.1, ge=0.0, description="Weight decay (never applied to norms, biases, embeddings); L2 for adam/sgd."
-    )
-    fused: bool | None = Field(
-        None, description="Fused Adam/AdamW kernel (None: use it where supported); adam/adamw only."
-    )
-    momentum: float = Field(0.9, ge=0.0, lt=1.0, description="SGD momentum (0: plain SGD, no state).")
-    nesterov: bool = Field(False, description="SGD Nesterov momentum (needs momentum > 0).")
-    adafactor_beta1: float | None = Field(
-        None, ge=0.0, lt=1.0, description="Adafactor first-moment decay (None: no first moment)."
-    )
-    adafactor_eps: tuple[float, float] = Field(
-        (1e-30, 1e-3), description="Adafactor eps: added to g^2, and floor of the parameter scale."
-    )
-    relative_step: bool = Field(
-        False, description="Adafactor step size min(1e-2, 1/sqrt(t)) instead of lr (the schedule is ignored)."
-    )
-    scale_parameter: bool = Field(False, description="Adafactor: scale the step by the parameter RMS.")
-    warmup_init: bool = Field(
-        False, description="Adafactor relative step warm-up 1e-6*t (needs relative_step)."
-    )
-    clip_threshold: float = Field(1.0, gt=0.0, description="Adafactor: clip the update to this RMS.")
-    decay_rate: float = Field(
-        -0.8, lt=0.0, description="Adafactor second-moment rate: beta2_t = 1 - t^decay_rate."
-    )
-    quant_block_size: int = Field(
-        256, ge=16, description="adamw8bit: elements per quantisation block (one absmax scale each)."
-    )
-    quant_min_size: int = Field(
-        4096, ge=0, description="adamw8bit: tensors with fewer elements keep fp32 moments."
-    )
-    quant_backend: Literal["auto", "torch", "bitsandbytes"] = Field(
-        "auto", description="adamw8bit kernel: bitsandbytes on CUDA when installed and quant_block_size=256 "
-        "(auto), else pure PyTorch."
-    )
-    sophia_rho: float = Field(
-        0.04, gt=0.0, description="Sophia: clipping scale rho of the preconditioned step."
-    )
-    hessian_every: int = Field(
-        10, ge=1, description="Sophia: estimate the Hessian diagonal every k steps (after steps 1, 1+k, ...)."
-    )
-    hessian_estimator: Literal["gnb", "hutchinson"] = Field(
-        "gnb", description="Sophia Hessian-diagonal estimate: Gauss-Newton-Bartlett or Hutchinson."
-    )
-    muon_lr: float = Field(
-        0.02, gt=0.0, description="Muon: peak lr of the 2-D hidden weights (schedule applies)."
-    )
-    muon_momentum: float = Field(0.95, ge=0.0, lt=1.0, description="Muon: momentum.")
-    muon_nesterov: bool = Field(True, description="Muon: Nesterov momentum.")
-    muon_ns_steps: int = Field(5, ge=1, description="Muon: Newton-Schulz iterations.")
-
-    @model_validator(mode="after")
-    def _check_betas(self) -> OptimConfig:
-        for b in self.betas:
-            if not 0.0 <= b < 1.0:
-                raise ValueError(f"betas must lie in [0, 1), got {list(self.betas)}")
-        if self.nesterov and self.momentum <= 0.0:
-            raise ValueError("optim.nesterov needs optim.momentum > 0")
-        if self.warmup_init and not self.relative_step:
-            raise ValueError("optim.warmup_init needs optim.relative_step")
-        if self.fused and self.name not in ("adamw", "adam"):
-            raise ValueError(f"optim.fused applies to adamw/adam only, not {self.name}")
-        return self
-
-
 class ScheduleConfig(Section):
     """The learning-rate schedule. Lengths count optimizer steps (`*_steps` keys) or tokens seen
     (`*_tokens` keys), as `unit` says; keys of the other unit are errors, never silently ignored."""
@@ -391,6 +308,18 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="Log metrics every this many steps.")
     eval_every: int = Field(200, ge=0, description="Validate every this many steps (0: only at the end).")
     eval_batches: int = Field(20, ge=1, description="Validation micro-batches per evaluation.")
+    loss_chunk_tokens: int = Field(
+        0, ge=0, description="Compute the output projection and cross-entropy this many tokens at a time, "
+        "never holding all (tokens x vocab) logits (0: off; e.g. 4096 saves memory at large vocabularies)."
+    )
+
+
+class ObjectiveConfig(Section):
+    """What a training step minimises. Each objective declares the batches it takes."""
+
+    name: Literal["causal_lm"] = Field(
+        "causal_lm", description="causal_lm: next-token prediction over every target token (pretraining)."
+    )
 
 
 class CheckpointConfig(Section):
@@ -515,9 +444,11 @@ class Config(Section):
     run: RunConfig = Field(default_factory=RunConfig, description="Run identity and directory.")
     data: DataConfig = Field(default_factory=DataConfig, description="Text sources and preparation.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Model architecture.")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="Optimizer.")
+    optim: OptimConfig = Field(default_factory=AdamWConfig, description="Optimizer: optim.name picks one; "
+                               "its own settings sit in optim.<name>.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
+    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="Training objective.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     stability: StabilityConfig = Field(default_factory=StabilityConfig,
                                        description="Non-finite guard, loss-spike recovery, early stopping.")

@@ -234,13 +234,13 @@ def bitsandbytes_adamw8bit(groups: list[dict], lr: float, betas: tuple[float, fl
         import bitsandbytes as bnb
     except ImportError:
         raise ConfigError(
-            "optim.quant_backend=bitsandbytes needs the bitsandbytes package (pip install bitsandbytes); "
-            "set optim.quant_backend=torch (or auto) to use lmforge's own 8-bit AdamW"
+            "optim.adamw8bit.backend=bitsandbytes needs the bitsandbytes package (pip install bitsandbytes); "
+            "set optim.adamw8bit.backend=torch (or auto) to use lmforge's own 8-bit AdamW"
         ) from None
     if block_size != BNB_BLOCK_SIZE:
         raise ConfigError(
-            f"optim.quant_backend=bitsandbytes quantises in blocks of {BNB_BLOCK_SIZE}, but "
-            f"optim.quant_block_size={block_size}; set it to {BNB_BLOCK_SIZE} or use quant_backend=torch"
+            f"optim.adamw8bit.backend=bitsandbytes quantises in blocks of {BNB_BLOCK_SIZE}, but "
+            f"optim.adamw8bit.block_size={block_size}; set it to {BNB_BLOCK_SIZE} or use backend=torch"
         )
     return bnb.optim.AdamW8bit(groups, lr=lr, betas=tuple(betas), eps=eps, min_8bit_size=min_quant_size)
 

@@ -1,16 +1,60 @@
-"""Optimizer construction: parameter groups with and without weight decay."""
+"""One spec per optimizer: how to build it from its config section, where it can run, and what it
+needs after each update. Drivers (the assembly, the lr finder, benchmarks) ask the spec; nothing
+outside this package names an optimizer.
+
+    spec = SPECS[cfg.optim.name]
+    optimizer = build_optimizer(model, cfg.optim)
+    problems = spec.capabilities(cfg.optim).problems(...)       # refuse a layout before any work
+    hooks = spec.hooks(optimizer)                               # passed to the step (Sophia's Hessian)
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from lmforge.config.schema import OptimConfig
+from lmforge.config.optim import (
+    OPTIMIZER_CONFIGS,
+    AdafactorConfig,
+    AdamConfig,
+    AdamW8bitConfig,
+    AdamWConfig,
+    LionConfig,
+    MuonConfig,
+    OptimConfig,
+    SGDConfig,
+    SophiaConfig,
+)
+from lmforge.engine.step import StepHook
 from lmforge.optim.adafactor import Adafactor
 from lmforge.optim.adamw8bit import AdamW8bit, bitsandbytes_adamw8bit, use_bitsandbytes
 from lmforge.optim.lion import Lion
 from lmforge.optim.muon import MuonAdamW, hidden_matrices, split_muon_groups
-from lmforge.optim.sophia import Sophia
+from lmforge.optim.sophia import HessianRefresh, Sophia
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """Where an optimizer can run. Each field is None where it can, else the reason it cannot (the
+    start-up error quotes it)."""
+
+    sharded: str | None = None  # parameters sharded by FSDP (parallel.dp_shard > 1) or TP
+    pipeline: str | None = None  # model split into pipeline stages (parallel.pp > 1)
+    data_parallel: str | None = None  # any data parallelism
+    zero1: str | None = None  # optimizer state partitioned over ranks (parallel.zero=1)
+    non_token_objective: str | None = None  # objectives whose loss is not per token (pairs, ...)
+    fixed_lr: str | None = None  # it computes its own step size and ignores the lr it is given
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    build: Callable[[nn.Module, list[dict], OptimConfig], torch.optim.Optimizer]
+    capabilities: Callable[[OptimConfig], Capabilities] = lambda cfg: Capabilities()
+    hooks: Callable[[torch.optim.Optimizer], list[StepHook]] = field(default=lambda optimizer: [])
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -36,58 +80,113 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def _fused(model: nn.Module, cfg: OptimConfig) -> bool:
-    if cfg.fused is not None:
-        return cfg.fused
+def _fused(model: nn.Module, fused: bool | None) -> bool:
+    # On CPU the fused Adam kernel is several times faster than the for-loop path and matches it to
+    # float rounding (see shared cpu-facts).
+    if fused is not None:
+        return fused
     return next(model.parameters()).device.type in ("cpu", "cuda")
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer `cfg.name` over `param_groups` (weight decay per group).
+def _adamw(model: nn.Module, groups: list[dict], cfg: AdamWConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused(model, cfg.fused)
+    )
 
-    adamw/adam use the fused kernel where the parameters' device supports it: on CPU it is several
-    times faster than the for-loop path and matches it to float rounding (see shared cpu-facts).
-    """
-    groups = param_groups(model, cfg.weight_decay)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(
-            groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused(model, cfg)
-        )
-    if cfg.name == "adam":
-        return torch.optim.Adam(
-            groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused(model, cfg)
-        )
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
-    if cfg.name == "lion":
-        return Lion(groups, lr=cfg.lr, betas=tuple(cfg.betas))
-    if cfg.name == "adafactor":
-        return Adafactor(
-            groups,
-            lr=None if cfg.relative_step else cfg.lr,
-            eps=tuple(cfg.adafactor_eps),
-            clip_threshold=cfg.clip_threshold,
-            decay_rate=cfg.decay_rate,
-            beta1=cfg.adafactor_beta1,
-            scale_parameter=cfg.scale_parameter,
-            relative_step=cfg.relative_step,
-            warmup_init=cfg.warmup_init,
-        )
-    if cfg.name == "adamw8bit":
-        device = next(model.parameters()).device
-        if use_bitsandbytes(cfg.quant_backend, device, cfg.quant_block_size):
-            return bitsandbytes_adamw8bit(groups, cfg.lr, tuple(cfg.betas), cfg.eps, cfg.quant_block_size,
-                                          cfg.quant_min_size)
-        return AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                         block_size=cfg.quant_block_size, min_quant_size=cfg.quant_min_size)
-    if cfg.name == "sophia":
-        return Sophia(groups, lr=cfg.lr, betas=tuple(cfg.betas), rho=cfg.sophia_rho, eps=cfg.eps,
-                      hessian_every=cfg.hessian_every, estimator=cfg.hessian_estimator)
-    if cfg.name == "muon":
-        return MuonAdamW(split_muon_groups(groups, hidden_matrices(model)), lr=cfg.lr, betas=tuple(cfg.betas),
-                         eps=cfg.eps, muon_lr=cfg.muon_lr, momentum=cfg.muon_momentum,
-                         nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps, fused=_fused(model, cfg))
-    raise ValueError(f"unknown optimizer {cfg.name!r}")
+
+def _adam(model: nn.Module, groups: list[dict], cfg: AdamConfig) -> torch.optim.Optimizer:
+    return torch.optim.Adam(
+        groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=_fused(model, cfg.fused)
+    )
+
+
+def _sgd(model: nn.Module, groups: list[dict], cfg: SGDConfig) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.sgd.momentum, nesterov=cfg.sgd.nesterov)
+
+
+def _lion(model: nn.Module, groups: list[dict], cfg: LionConfig) -> torch.optim.Optimizer:
+    return Lion(groups, lr=cfg.lr, betas=tuple(cfg.betas))
+
+
+def _adafactor(model: nn.Module, groups: list[dict], cfg: AdafactorConfig) -> torch.optim.Optimizer:
+    a = cfg.adafactor
+    return Adafactor(
+        groups,
+        lr=None if a.relative_step else cfg.lr,
+        eps=tuple(a.eps),
+        clip_threshold=a.clip_threshold,
+        decay_rate=a.decay_rate,
+        beta1=a.beta1,
+        scale_parameter=a.scale_parameter,
+        relative_step=a.relative_step,
+        warmup_init=a.warmup_init,
+    )
+
+
+def _adamw8bit(model: nn.Module, groups: list[dict], cfg: AdamW8bitConfig) -> torch.optim.Optimizer:
+    q = cfg.adamw8bit
+    if use_bitsandbytes(q.backend, next(model.parameters()).device, q.block_size):
+        return bitsandbytes_adamw8bit(groups, cfg.lr, tuple(cfg.betas), cfg.eps, q.block_size, q.min_size)
+    return AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, block_size=q.block_size,
+                     min_quant_size=q.min_size)
+
+
+def _sophia(model: nn.Module, groups: list[dict], cfg: SophiaConfig) -> torch.optim.Optimizer:
+    s = cfg.sophia
+    return Sophia(groups, lr=cfg.lr, betas=tuple(cfg.betas), rho=s.rho, eps=cfg.eps,
+                  hessian_every=s.hessian_every, estimator=s.estimator)
+
+
+def _sophia_capabilities(cfg: SophiaConfig) -> Capabilities:
+    hutchinson = cfg.sophia.estimator == "hutchinson"
+    return Capabilities(
+        pipeline="optim.name=sophia estimates its Hessian with a whole-model forward, which a pipeline "
+        "(parallel.pp > 1) does not have",
+        data_parallel="optim.sophia.estimator=hutchinson's second backward bypasses the data-parallel "
+        "gradient reduction; use optim.sophia.estimator=gnb" if hutchinson else None,
+        zero1="optim.name=sophia refreshes its Hessian on the whole optimizer, which parallel.zero=1 "
+        "partitions; use parallel.zero=2/3 or DDP (parallel.dp_replicate)",
+        non_token_objective="optim.name=sophia samples labels from the model's next-token distribution for "
+        "its Hessian estimate, which needs a token-level objective",
+    )
+
+
+def _muon(model: nn.Module, groups: list[dict], cfg: MuonConfig) -> torch.optim.Optimizer:
+    m = cfg.muon
+    return MuonAdamW(split_muon_groups(groups, hidden_matrices(model)), lr=cfg.lr, betas=tuple(cfg.betas),
+                     eps=cfg.eps, muon_lr=m.lr, momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
+                     fused=_fused(model, cfg.fused))
+
+
+_MUON = Capabilities(
+    sharded="optim.name=muon orthogonalises whole matrices, but parallel.dp_shard/tp shard them; use DDP "
+    "(parallel.dp_replicate) or another optimizer",
+    pipeline="optim.name=muon finds its matrices in model.layers, which pipeline stages (parallel.pp > 1) "
+    "split; use DDP (parallel.dp_replicate) or another optimizer",
+)
+_ADAMW8BIT = Capabilities(
+    sharded="optim.name=adamw8bit is not supported with sharded parameters (parallel.dp_shard/tp); use "
+    "parallel.zero=1 or DDP (parallel.dp_replicate)",
+)
+
+SPECS: dict[str, OptimizerSpec] = {
+    "adamw": OptimizerSpec("adamw", _adamw),
+    "adam": OptimizerSpec("adam", _adam),
+    "sgd": OptimizerSpec("sgd", _sgd),
+    "lion": OptimizerSpec("lion", _lion),
+    "adafactor": OptimizerSpec("adafactor", _adafactor, lambda cfg: Capabilities(
+        fixed_lr="optim.adafactor.relative_step=true computes its own step size and ignores the lr"
+        if cfg.adafactor.relative_step else None)),
+    "adamw8bit": OptimizerSpec("adamw8bit", _adamw8bit, lambda cfg: _ADAMW8BIT),
+    "sophia": OptimizerSpec("sophia", _sophia, _sophia_capabilities, lambda opt: [HessianRefresh(opt)]),
+    "muon": OptimizerSpec("muon", _muon, lambda cfg: _MUON),
+}
+assert SPECS.keys() == OPTIMIZER_CONFIGS.keys(), "every optimizer in the config schema has a spec"
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """The optimizer `cfg.name` over `param_groups` (weight decay per group)."""
+    return SPECS[cfg.name].build(model, param_groups(model, cfg.weight_decay), cfg)
 
 
 def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:

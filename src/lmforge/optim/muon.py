@@ -8,8 +8,8 @@ one state_dict, which is what the checkpoint manager and torch.distributed.check
 
 Both steps are torch's own functional implementations (`torch.optim._muon.muon`,
 `torch.optim.adam.adam` with decoupled decay), so each group matches `torch.optim.Muon` or
-`torch.optim.AdamW` exactly. Every group stores its peak lr under `peak_lr`: the trainer multiplies
-it by the schedule, so the matrices follow the same warm-up and decay from muon_lr.
+`torch.optim.AdamW` exactly. The schedule scales every group's own initial lr, so the matrices
+follow the same warm-up and decay from muon_lr as the rest does from lr.
 
 torch's Newton-Schulz runs in bf16, which is fast on GPUs and slow on CPUs without bf16 units
 (shared cpu-facts: bf16 matmuls ~200x slower there); on such CPUs a Muon step costs several forward-
@@ -76,7 +76,7 @@ class MuonAdamW(torch.optim.Optimizer):
     Muon groups: lr (default muon_lr), weight_decay, momentum, nesterov, ns_steps, ns_coefficients,
     eps (Newton-Schulz), adjust_lr_fn (torch's; None = sqrt(max(1, rows/cols))); state
     `momentum_buffer`. AdamW groups: lr, betas, eps, weight_decay, fused; state `step`, `exp_avg`,
-    `exp_avg_sq`. Every group gets `peak_lr` = its initial lr.
+    `exp_avg_sq`.
     """
 
     def __init__(
@@ -107,7 +107,6 @@ class MuonAdamW(torch.optim.Optimizer):
         kind = self._muon_defaults if param_group.get("use_muon", False) else self._adamw_defaults
         for key, value in kind.items():
             param_group.setdefault(key, value)
-        param_group.setdefault("peak_lr", param_group["lr"])
         if param_group.get("use_muon", False):
             for p in param_group["params"]:
                 if p.ndim != 2:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch
+
 from lmforge.config.schema import ScheduleConfig
 from lmforge.errors import ConfigError
 
@@ -68,10 +70,9 @@ def lr_multiplier(x: int, cfg: ScheduleConfig, total: int) -> float:
     return floor + (1.0 - floor) * (1.0 - progress)
 
 
-def make_schedule(cfg: ScheduleConfig, peak_lr: float, max_steps: int,
-                  max_tokens: int) -> Callable[[int, int], float]:
-    """(step, tokens_seen) -> absolute lr for the optimizer step about to be taken (0-based step;
-    tokens_seen before it). `max_tokens` is what the whole run will see."""
+def make_multiplier(cfg: ScheduleConfig, max_steps: int, max_tokens: int) -> Callable[[int, int], float]:
+    """(step, tokens_seen) -> the factor on the peak lr for the optimizer step about to be taken
+    (0-based step; tokens_seen before it). `max_tokens` is what the whole run will see."""
     total = max_steps if cfg.unit == "steps" else max_tokens
     if total < 1:
         raise ConfigError(f"a schedule in {cfg.unit} needs a run of at least one {cfg.unit[:-1]}, "
@@ -80,8 +81,49 @@ def make_schedule(cfg: ScheduleConfig, peak_lr: float, max_steps: int,
         raise ConfigError(f"schedule.pct_start={cfg.pct_start} puts one_cycle's peak before the first "
                           f"step of a {decay_end(cfg, total)}-step cycle; raise pct_start or train longer")
     if cfg.unit == "tokens":
-        return lambda step, tokens_seen: peak_lr * lr_multiplier(tokens_seen, cfg, max_tokens)
-    return lambda step, tokens_seen: peak_lr * lr_multiplier(step, cfg, max_steps)
+        return lambda step, tokens_seen: lr_multiplier(tokens_seen, cfg, max_tokens)
+    return lambda step, tokens_seen: lr_multiplier(step, cfg, max_steps)
+
+
+def make_schedule(cfg: ScheduleConfig, peak_lr: float, max_steps: int,
+                  max_tokens: int) -> Callable[[int, int], float]:
+    """(step, tokens_seen) -> absolute lr for the optimizer step about to be taken."""
+    multiplier = make_multiplier(cfg, max_steps, max_tokens)
+    return lambda step, tokens_seen: peak_lr * multiplier(step, tokens_seen)
+
+
+class LRSchedule:
+    """Sets every parameter group's lr to its own initial lr x the schedule's multiplier x `scale`
+    (a factor the run may lower, e.g. after a loss spike).
+
+    The initial lrs are read once from the optimizer as built from the config (Muon's matrices start
+    at optim.muon.lr, everything else at optim.lr), so one rule serves every optimizer and a resumed
+    run follows the config, not the lrs its checkpoint happened to hold. Stateless: the step and the
+    tokens seen (the trainer's progress) are the whole position.
+    """
+
+    def __init__(self, cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, base_lr: float, max_steps: int,
+                 max_tokens: int) -> None:
+        self.multiplier = make_multiplier(cfg, max_steps, max_tokens)
+        self.base_lr = base_lr
+        self.initial = [g["lr"] for g in optimizer.param_groups]
+
+    def apply(
+        self, optimizer: torch.optim.Optimizer, step: int, tokens_seen: int, scale: float = 1.0
+    ) -> float:
+        """Set the lrs for the coming step; returns the headline lr (base_lr's), as logged."""
+        m = self.multiplier(step, tokens_seen)
+        set_lrs(optimizer, self.initial, m, scale)
+        return self.base_lr * m * scale
+
+
+def set_lrs(optimizer: torch.optim.Optimizer, initial: list[float | None], multiplier: float,
+            scale: float = 1.0) -> None:
+    """Each group's lr = its initial lr x multiplier x scale. A group without an lr (Adafactor's
+    relative step computes its own) is left alone."""
+    for group, lr0 in zip(optimizer.param_groups, initial, strict=True):
+        if lr0 is not None:
+            group["lr"] = lr0 * multiplier * scale
 
 
 def _timescale(cfg: ScheduleConfig, warmup: int) -> int:

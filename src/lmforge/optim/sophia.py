@@ -13,21 +13,26 @@ the step saturates at lr * sign(m), so Sophia never moves a coordinate by more t
 eps is `optim.eps`: the paper's floor of rho * h; it only matters where |m| < eps (released code:
 1e-15 added instead), and with Adam's 1e-8 such a coordinate moves by at most lr * |m| / 1e-8.
 
-The Hessian estimate needs the model, so it lives outside `step`: after an optimizer step the
-trainer asks `hessian_due()` and, if so, runs `estimate_hessian` on that step's micro-batches.
+The Hessian estimate needs the model, so it lives outside `step`: the optimizer's spec attaches a
+`HessianRefresh` hook to the training step, which after an applied update asks `hessian_due()` and,
+if so, runs `estimate_hessian` on that step's micro-batches.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-if TYPE_CHECKING:
-    from lmforge.train.precision import Precision
+from lmforge.data.batch import IGNORE_INDEX
+from lmforge.engine.comm import Comm
+from lmforge.engine.loss import token_loss_sum
+from lmforge.engine.objectives import CausalLM, TokenObjective
+from lmforge.engine.precision import Precision
+from lmforge.engine.step import StepContext
 
 ESTIMATORS = ("gnb", "hutchinson")
 
@@ -132,19 +137,18 @@ def _unscale(grads: list[torch.Tensor], precision: Precision) -> None:
             g.div_(scale)
 
 
-def _gnb(model: nn.Module, params: list[torch.Tensor], micro_batches, precision: Precision,
-         comm=None) -> None:
+def _gnb(model: nn.Module, params: list[torch.Tensor], batches, precision: Precision, comm: Comm | None,
+         objective: TokenObjective) -> None:
     """Gauss-Newton-Bartlett: labels drawn from the model's own softmax, hhat = B * g * g with g the
     gradient of the mean loss over the B tokens that carry a loss. E[hhat] is the diagonal of the
     Gauss-Newton matrix of the mean loss (the cross terms of independent samples vanish)."""
-    from lmforge.train.step import IGNORE_INDEX, token_loss_sum
-
-    n_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches)
+    n_tokens = sum(objective.num_targets(b) for b in batches)
     # Data-parallel: the mean is over every rank's tokens (gradients are summed across ranks).
     n_tokens = max(comm.sum_count(n_tokens) if comm is not None else n_tokens, 1)
-    for x, y in micro_batches:
+    for batch in batches:
+        y = batch.targets
         with precision.autocast():
-            logits = model(x)
+            logits = objective.logits(model, batch)
         with torch.no_grad():
             probs = torch.softmax(logits.float().view(-1, logits.size(-1)), dim=-1)
             sampled = torch.multinomial(probs, 1).view(y.shape)
@@ -156,22 +160,21 @@ def _gnb(model: nn.Module, params: list[torch.Tensor], micro_batches, precision:
         g.mul_(g).mul_(n_tokens)
 
 
-def _hutchinson(model: nn.Module, params: list[torch.Tensor], micro_batches, precision: Precision) -> None:
+def _hutchinson(model: nn.Module, params: list[torch.Tensor], batches, precision: Precision,
+                objective: TokenObjective) -> None:
     """hhat = u * (H u), u Rademacher, H the Hessian of the step's real (mean) loss; E[hhat] = diag(H).
     One u for the whole step; H u is summed over micro-batches like a gradient.
 
     No fp16 loss scale here: H u would carry it through both backward passes, and the scaled
     estimate of the debug model overflowed fp16 (unscaled, it matches fp32 to 7e-4)."""
-    from lmforge.train.step import IGNORE_INDEX, token_loss_sum
-
-    n_tokens = max(sum(int((y != IGNORE_INDEX).sum()) for _, y in micro_batches), 1)
+    n_tokens = max(sum(objective.num_targets(b) for b in batches), 1)
     us = [torch.randint(0, 2, p.shape, device=p.device).to(p.dtype).mul_(2).sub_(1) for p in params]
     hvp = [torch.zeros_like(p) for p in params]
-    for x, y in micro_batches:
+    for batch in batches:
         # The fused SDPA kernels have no double backward; the math one is plain differentiable ops.
         with precision.autocast(), sdpa_kernel(SDPBackend.MATH):
-            logits = model(x)
-        loss = token_loss_sum(logits, y.contiguous()) / n_tokens  # it views the targets
+            logits = objective.logits(model, batch)
+        loss = token_loss_sum(logits, batch.targets) / n_tokens
         grads = torch.autograd.grad(loss, params, create_graph=True, materialize_grads=True)
         dot = sum((g * u).sum() for g, u in zip(grads, us) if g.requires_grad)
         if not isinstance(dot, torch.Tensor):  # the loss is linear in every parameter: H = 0
@@ -182,27 +185,41 @@ def _hutchinson(model: nn.Module, params: list[torch.Tensor], micro_batches, pre
         p.grad = u.mul_(hu)
 
 
-def estimate_hessian(model: nn.Module, optimizer: Sophia,
-                     micro_batches: list[tuple[torch.Tensor, torch.Tensor]], precision: Precision,
-                     comm=None) -> None:
-    """Refresh Sophia's Hessian EMA from the optimizer's estimator on `micro_batches` (input ids,
-    targets; GNB uses the targets only for which positions carry a loss).
+def estimate_hessian(model: nn.Module, optimizer: Sophia, micro_batches: Sequence[Any], precision: Precision,
+                     comm: Comm | None = None, objective: TokenObjective | None = None) -> None:
+    """Refresh Sophia's Hessian EMA from the optimizer's estimator on `micro_batches` (batches of the
+    token-level `objective`, default causal LM; GNB uses the targets only for which positions carry
+    a loss).
 
     Zeroes the gradients before and after. An estimate with a non-finite entry is dropped (h keeps
     its value), as the trainer drops such gradients. Hutchinson differentiates twice, which needs
-    an eager (not torch.compile'd) model. `comm` (lmforge.train.step.Comm) makes the GNB mean
+    an eager (not torch.compile'd) model. `comm` (lmforge.engine.comm.Comm) makes the GNB mean
     global in a data-parallel job; Hutchinson is single-replica only (its second backward
     bypasses the data-parallel gradient reduction).
     """
+    objective = objective or CausalLM()
+    batches = [objective.batch_of(b) for b in micro_batches]
     params = _params(optimizer)
     optimizer.zero_grad(set_to_none=True)
     try:
         if optimizer.estimator == "gnb":
-            _gnb(model, params, micro_batches, precision, comm)
+            _gnb(model, params, batches, precision, comm, objective)
         else:
-            _hutchinson(model, params, micro_batches, precision)
+            _hutchinson(model, params, batches, precision, objective)
         grads = [p.grad for p in params if p.grad is not None]
         if grads and bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
             optimizer.update_hessian()
     finally:
         optimizer.zero_grad(set_to_none=True)
+
+
+class HessianRefresh:
+    """The step hook Sophia's spec attaches: after steps 1, 1 + k, ... re-estimate the Hessian
+    diagonal on the step's own micro-batches, with the eager model and the step's collectives."""
+
+    def __init__(self, optimizer: Sophia) -> None:
+        self.optimizer = optimizer
+
+    def __call__(self, ctx: StepContext) -> None:
+        if self.optimizer.hessian_due():
+            estimate_hessian(ctx.model, self.optimizer, ctx.batches, ctx.precision, ctx.comm, ctx.objective)
