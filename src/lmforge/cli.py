@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
-from lmforge.errors import ConfigError, LmforgeError
+from lmforge.errors import ConfigError, LmforgeDeprecationWarning, LmforgeError
 
 
 def _config(args: argparse.Namespace):
@@ -128,7 +130,7 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from lmforge.optim.lr_finder import lr_find
+    from lmforge.tools.lr_finder import lr_find
 
     console = Console(highlight=False)
     result = lr_find(_config(args), args.min_lr, args.max_lr, args.steps, args.out,
@@ -219,14 +221,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _plain_warnings(verb: str, rank: int) -> Iterator[None]:
+    """lmforge's own warnings (deprecated config keys) as one plain line each, from rank 0."""
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, LmforgeDeprecationWarning):
+            return shown(message, category, filename, lineno, file, line)
+        if rank == 0:
+            print(f"lmforge {verb}: warning: {message}", file=sys.stderr)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = VERBS[args.verb][0]
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        return handler(args)
+        with _plain_warnings(args.verb, rank):
+            return handler(args)
     except LmforgeError as e:
         code = getattr(e, "exit_code", 2)
-        rank = int(os.environ.get("RANK", "0"))
         # Under torchrun a config error is raised identically on every rank: rank 0 says it once.
         if rank == 0 or not isinstance(e, ConfigError):
             where = f"[rank {rank}] " if rank else ""

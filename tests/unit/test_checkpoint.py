@@ -27,14 +27,31 @@ def train_a_bit(model, opt, steps: int = 3):
         opt.zero_grad()
 
 
+class Part:
+    """A Stateful run part holding plain data."""
+
+    def __init__(self, **state) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.state = dict(sd)
+
+
 def test_round_trip_is_exact(tmp_path):
     model, opt = make()
     train_a_bit(model, opt)
     mgr = CheckpointManager(tmp_path, keep_last=2)
-    path = mgr.save(3, model, opt, {"step": 3, "loader": {"cursor": 7}, "rng": torch.get_rng_state()})
+    rng_state = torch.get_rng_state()
+    path = mgr.save(3, model, opt, {"loader": Part(cursor=7), "rng": Part(torch=rng_state)})
     model2, opt2 = make(seed=1)
-    state = mgr.load(path, model2, opt2)
-    assert state["step"] == 3 and state["loader"] == {"cursor": 7}
+    loader, rng, absent = Part(), Part(), Part(untouched=1)
+    loaded = mgr.load(path, model2, opt2, {"loader": loader, "rng": rng, "new": absent})
+    assert loaded.step == 3 and loaded.states == {"loader", "rng"}
+    assert loader.state == {"cursor": 7} and torch.equal(rng.state["torch"], rng_state)
+    assert absent.state == {"untouched": 1}  # a part the checkpoint lacks keeps its fresh state
     for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
         assert torch.equal(a, b)
     # Continuing both gives bit-identical parameters: the Adam moments and step counts came back too.
@@ -51,7 +68,7 @@ def test_retention_keeps_last_k(tmp_path):
     train_a_bit(model, opt, 1)
     mgr = CheckpointManager(tmp_path, keep_last=2)
     for step in (1, 2, 3, 4):
-        mgr.save(step, model, opt, {"step": step})
+        mgr.save(step, model, opt, {})
     assert [c.step for c in list_checkpoints(tmp_path / "checkpoints")] == [3, 4]
     assert mgr.latest().step == 4
 
@@ -60,7 +77,7 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch):
     model, opt = make()
     train_a_bit(model, opt, 1)
     mgr = CheckpointManager(tmp_path, keep_last=3)
-    good = mgr.save(1, model, opt, {"step": 1})
+    good = mgr.save(1, model, opt, {})
     before = {p.name: p.read_bytes() for p in good.rglob("*") if p.is_file()}
 
     def no_space(*args, **kwargs):
@@ -68,7 +85,7 @@ def test_full_disk_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", no_space)
     with pytest.raises(LmforgeError, match="no space left on device.*checkpoint"):
-        mgr.save(2, model, opt, {"step": 2})
+        mgr.save(2, model, opt, {})
     monkeypatch.undo()
     assert [c.step for c in list_checkpoints(tmp_path / "checkpoints")] == [1]
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
@@ -79,19 +96,19 @@ def test_interrupted_save_is_invisible(tmp_path):
     model, opt = make()
     train_a_bit(model, opt, 1)
     mgr = CheckpointManager(tmp_path, keep_last=3)
-    mgr.save(1, model, opt, {"step": 1})
+    mgr.save(1, model, opt, {})
     # A save killed before its rename leaves only a .tmp dir, which is never picked up and is
     # removed by the next successful save.
     (tmp_path / "checkpoints" / ".tmp-step_00000002" / "state").mkdir(parents=True)
     assert mgr.latest().step == 1
-    mgr.save(3, model, opt, {"step": 3})
+    mgr.save(3, model, opt, {})
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
 
 def test_shape_mismatch_is_refused(tmp_path):
     model, opt = make(width=8)
     train_a_bit(model, opt, 1)
-    path = CheckpointManager(tmp_path, keep_last=1).save(1, model, opt, {"step": 1})
+    path = CheckpointManager(tmp_path, keep_last=1).save(1, model, opt, {})
     other, _ = make(width=16)
     with pytest.raises(CheckpointError, match=r"0.weight is \(8, 8\) in the checkpoint but \(16, 16\)"):
         load_states(path, other)

@@ -11,10 +11,11 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, get_swa_m
 
 from lmforge.config import Config, ModelConfig, StabilityConfig
 from lmforge.models import build_model
+from lmforge.optim.batch_ramp import BatchRamp
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
 from lmforge.train.averaging import WeightAverage, clean_name
-from lmforge.train.batch_ramp import BatchRamp
-from lmforge.train.stability import EarlyStopping, NonFiniteGuard, SpikeDetector, robust_z
+from lmforge.train.callbacks import EarlyStopping
+from lmforge.train.stability import NonFiniteGuard, SpikeDetector, robust_z
 
 
 def trained_steps(model, n, seed=0):

@@ -4,7 +4,8 @@ Layout of one checkpoint (a directory, so sharded saves drop in without changing
 
     <run.dir>/checkpoints/step_00000100/
         state/               model + optimizer via torch.distributed.checkpoint (one file per rank)
-        rank_00000.pt        per-rank train state: step, data loader position, RNG states, scaler
+        rank_00000.pt        per-rank run state: {"format": 3, "states": {name: state_dict}} of every
+                             Stateful part the trainer holds (progress, data loader, RNG, scaler, ...)
         meta.json            step, world size, parameter shapes; written last
 
 A checkpoint is written into `.tmp-step_...` and renamed into place only once complete, so a
@@ -18,6 +19,10 @@ barriers make rank 0 clear a stale tmp before anyone writes and rename only afte
 Optimizer state is saved flattened (one key per parameter FQN, param-group settings included), so
 ranks holding different parameters (pipeline stages, ZeRO-1 partitions) save and load it in any
 layout; format 1 checkpoints (nested optimizer state) still load.
+
+The manager never knows what the run state consists of: it saves `{name: part.state_dict()}` of the
+Stateful parts it is given and hands each its own state back on load. Formats 1-2 wrote one flat
+dict of named fields; `migrate_run_state` turns it into format 3's named parts.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ import re
 import shutil
 import sys
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,7 +53,40 @@ from lmforge.errors import CheckpointError, CheckpointMismatchError
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: run state as named Stateful parts; 2: flattened optimizer state; 1: nested
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Loaded:
+    """What `CheckpointManager.load` restored: the step, the run-state parts and the weight averages
+    the checkpoint held (a part switched on after it was written keeps its fresh state)."""
+
+    step: int
+    states: set[str] = field(default_factory=set)
+    averages: list[str] = field(default_factory=list)
+
+
+def migrate_run_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A rank file's run state as format 3's {part name: state}. Formats 1-2 held one flat dict
+    (step, tokens_seen, skipped_steps, loader, rng, precision, lr_scale, guard, spikes, early, averages;
+    the older the fewer)."""
+    if "states" in state:
+        return state["states"]
+    out: dict[str, Any] = {
+        "progress": {"step": int(state.get("step", 0)), "tokens_seen": int(state.get("tokens_seen", 0)),
+                     "skipped_steps": int(state.get("skipped_steps", 0))},
+        "control": {"lr_scale": float(state.get("lr_scale", 1.0))},
+    }
+    for name in ("loader", "rng", "precision", "guard", "spikes", "early", "averages"):
+        if state.get(name) is not None:
+            out[name] = state[name]
+    return out
 
 
 def _distributed() -> bool:
@@ -172,10 +211,11 @@ class CheckpointManager:
 
     # -- save ---------------------------------------------------------------------------------
     def save(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-             train_state: dict[str, Any], averages: dict[str, dict[str, torch.Tensor]] | None = None,
+             states: Mapping[str, Stateful], averages: dict[str, dict[str, torch.Tensor]] | None = None,
              name: str | None = None) -> Path:
         """Write checkpoint `step` atomically and apply retention. Returns its path.
 
+        `states`: the run's Stateful parts by name; each one's state_dict() goes into this rank's file.
         Without an optimizer only the model is saved (an imported model: a run at step 0).
         `averages` (kind -> FQN -> tensor: the EMA/SWA weights) are saved beside the model.
         `name` (e.g. "best") saves outside the step sequence and its retention."""
@@ -192,7 +232,8 @@ class CheckpointManager:
                 state["averaging"] = averages
             with _quiet_single_process():
                 dcp.save(state, checkpoint_id=str(tmp / "state"))
-            torch.save(train_state, tmp / f"rank_{self.rank:05d}.pt")
+            run_state = {"format": FORMAT_VERSION, "states": {k: v.state_dict() for k, v in states.items()}}
+            torch.save(run_state, tmp / f"rank_{self.rank:05d}.pt")
             shapes = param_shapes(model)
             _barrier()
             if self.rank == 0:
@@ -233,27 +274,37 @@ class CheckpointManager:
         ckpts = list_checkpoints(self.root)
         return ckpts[-1] if ckpts else None
 
-    def load(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
-             averages: dict[str, dict[str, torch.Tensor]] | None = None) -> dict[str, Any]:
-        """Restore model and optimizer in place from checkpoint `path`; return this rank's train state.
-
-        The `averages` the checkpoint holds are loaded in place too; the train state's
-        "averages_loaded" lists which (a run that turned EMA on later has none yet)."""
-        load_states(path, model, optimizer)
+    def load(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        states: Mapping[str, Stateful],
+        averages: dict[str, dict[str, torch.Tensor]] | None = None,
+    ) -> Loaded:
+        """Restore model, optimizer and the `averages` tensors in place from checkpoint `path`, then
+        hand each of `states` its saved state (parts the checkpoint lacks are left as they are)."""
+        step = load_states(path, model, optimizer)
         loaded = [k for k in (averages or {}) if k in saved_averages(path)]
         if loaded:
             _dcp_load({"averaging": {k: averages[k] for k in loaded}}, path)
+        saved = migrate_run_state(self.read_run_state(path))
+        for name, part in states.items():
+            if name in saved:
+                part.load_state_dict(saved[name])
+        return Loaded(step, set(saved) & set(states), loaded)
+
+    def read_run_state(self, path: Path) -> dict[str, Any]:
+        """This rank's run-state file of checkpoint `path` (no pickle: tensors and plain data only)."""
         rank_file = path / f"rank_{self.rank:05d}.pt"
         if not rank_file.exists() and (path / "rank_00000.pt").exists():
             # Resumed on more ranks than saved: the data position is the same on every rank (it is
             # global); RNG streams of the new ranks start from rank 0's.
             rank_file = path / "rank_00000.pt"
         try:
-            state = torch.load(rank_file, weights_only=True)
+            return torch.load(rank_file, weights_only=True)
         except Exception as e:
             raise CheckpointError(f"cannot read train state {rank_file}: {e}") from None
-        state["averages_loaded"] = loaded
-        return state
 
 
 def saved_averages(path: Path) -> set[str]:

@@ -87,16 +87,24 @@ class Tokenizer:
             raise DataError(f"{path} is not a valid tokenizer.json: {e}") from None
         if eos_id is not None:
             return cls(tok, eos_id)
-        for name in EOS_CANDIDATES:
-            if tok.token_to_id(name) is not None:
-                return cls(tok, tok.token_to_id(name))
-        name = _config_eos(path.parent / "tokenizer_config.json")
-        if name is not None and tok.token_to_id(name) is not None:
-            return cls(tok, tok.token_to_id(name))
-        raise DataError(
-            f"{path}: no end-of-document token found (looked for {', '.join(EOS_CANDIDATES)} and for "
-            f"eos_token in {path.parent / 'tokenizer_config.json'}); add one of them to the tokenizer"
-        )
+        return cls(tok, _find_eos(tok, path, path.parent / "tokenizer_config.json"))
+
+    @classmethod
+    def of(cls, tokenizer: Tokenizer | HFTokenizer | str | Path | object) -> Tokenizer:
+        """An lmforge Tokenizer from one, from a `tokenizers.Tokenizer`, from a tokenizer.json path, or
+        from a transformers fast tokenizer (its `backend_tokenizer` and `eos_token_id`)."""
+        if isinstance(tokenizer, Tokenizer):
+            return tokenizer
+        if isinstance(tokenizer, (str, Path)):
+            return cls.load(tokenizer)
+        if isinstance(tokenizer, HFTokenizer):
+            return cls(tokenizer, _find_eos(tokenizer, "the tokenizer"))
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if isinstance(backend, HFTokenizer):
+            eos = getattr(tokenizer, "eos_token_id", None)
+            return cls(backend, eos if isinstance(eos, int) else _find_eos(backend, "the tokenizer"))
+        raise DataError(f"tokenizer: expected an lmforge Tokenizer, a tokenizers.Tokenizer, a path to a "
+                        f"tokenizer.json or a transformers fast tokenizer, got {type(tokenizer).__name__}")
 
     def save(self, path: str | Path) -> None:
         """Write tokenizer.json atomically."""
@@ -158,6 +166,21 @@ class Tokenizer:
         dec = json.loads(self._tok.to_str()).get("decoder") or {}
         parts = dec.get("decoders", [dec]) if dec.get("type") == "Sequence" else [dec]
         return any(d.get("type") == "ByteLevel" for d in parts)
+
+
+def _find_eos(tok: HFTokenizer, where: str | Path, config: Path | None = None) -> int:
+    """The first known end token in the vocabulary, else the eos_token of a tokenizer_config.json."""
+    for name in EOS_CANDIDATES:
+        if tok.token_to_id(name) is not None:
+            return tok.token_to_id(name)
+    name = _config_eos(config) if config is not None else None
+    if name is not None and tok.token_to_id(name) is not None:
+        return tok.token_to_id(name)
+    looked = f" and for eos_token in {config}" if config is not None else ""
+    raise DataError(
+        f"{where}: no end-of-document token found (looked for {', '.join(EOS_CANDIDATES)}{looked}); "
+        "add one of them to the tokenizer"
+    )
 
 
 def _config_eos(path: Path) -> str | None:

@@ -1,100 +1,35 @@
-"""`lmforge eval` and `lmforge generate`: load a trained run (or one checkpoint of it) and use it."""
+"""`lmforge eval` and `lmforge generate`: a trained run (or one checkpoint of it, or a Hugging Face
+model dir) assembled for evaluation or sampling, and used."""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from lmforge.checkpoint.hf_io import find_weights, is_hf_dir, run_tokenizer_file
-from lmforge.checkpoint.manager import load_states
-from lmforge.config.load import config_from_dict, load_config
-from lmforge.config.schema import Config
-from lmforge.data import Tokenizer, TokenLoader, data_dir, prepare
-from lmforge.errors import LmforgeError
+from lmforge.assembly import Run, build_run
+from lmforge.checkpoint.runs import run_config
+from lmforge.engine.evaluate import evaluate_loss
 from lmforge.eval.generate import generate
-from lmforge.eval.perplexity import evaluate_loss
-from lmforge.models import Transformer, build_model
-from lmforge.parallel.world import World, resolve_device
-from lmforge.train.precision import Precision, resolve_precision
 from lmforge.utils.io import atomic_write_json
 
 
-@dataclass
-class LoadedRun:
-    cfg: Config
-    run_dir: Path
-    checkpoint: Path
-    step: int
-    model: Transformer
-    tokenizer: Tokenizer
-    device: torch.device
-
-
-def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
-             weights: str = "model") -> LoadedRun:
-    """Rebuild the model of a run from its resolved config.yaml and load checkpoint weights
-    (`weights`: the trained ones, or their 'ema' / 'swa' average kept during training)."""
-    path = Path(path)
-    if not path.exists():
-        raise LmforgeError(f"no such run or checkpoint: {path}")
-    if is_hf_dir(path):
-        if weights != "model":
-            raise LmforgeError(f"{path} is a Hugging Face model dir: it has no {weights} weights")
-        return _load_hf_dir(path, overrides)
-    run_dir, ckpt = find_weights(path)
-    cfg = load_config(run_dir / "config.yaml", overrides)
-    cfg.run.dir = str(run_dir)  # where the run actually is now, whatever the cwd was at training time
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    device = resolve_device(cfg.train.device, World.from_env())
-    tok_path = run_tokenizer_file(cfg)
-    if tok_path is None:
-        raise LmforgeError(f"the tokenizer of run {run_dir} is missing ({data_dir(cfg) / 'tokenizer.json'}); "
-                           "was data.dir moved?")
-    tokenizer = Tokenizer.load(tok_path)
-    model = build_model(cfg.model, device=device)
-    step = load_states(ckpt, model, weights=weights)
-    model.eval()
-    return LoadedRun(cfg, run_dir, ckpt, step, model, tokenizer, device)
-
-
-def _load_hf_dir(path: Path, overrides) -> LoadedRun:
-    """A Hugging Face model dir used directly (no import step): step 0, its own tokenizer."""
-    from lmforge.models.hf import from_hf, hf_to_model_config
-
-    model_cfg = hf_to_model_config(json.loads((path / "config.json").read_text()))
-    cfg = config_from_dict({"run": {"dir": str(path)}, "model": model_cfg.model_dump(),
-                            "data": {"tokenizer": {"path": str(path / "tokenizer.json")}}},
-                           overrides, source=str(path / "config.json"))
-    device = resolve_device(cfg.train.device, World.from_env())
-    if not (path / "tokenizer.json").is_file():
-        raise LmforgeError(f"{path} has no tokenizer.json; lmforge needs a fast (tokenizers) tokenizer file")
-    model = from_hf(path, device=device)
-    model.eval()
-    return LoadedRun(cfg, path, path, 0, model, Tokenizer.load(path / "tokenizer.json"), device)
+def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = (), weights: str = "model") -> Run:
+    """The model and tokenizer of a run dir, checkpoint dir or Hugging Face dir (`weights`: the
+    trained ones, or their 'ema' / 'swa' average kept during training)."""
+    cfg, source = run_config(path, overrides)
+    return build_run(cfg, "generate", weights_from=source, weights=weights)
 
 
 def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=print,
              weights: str = "model") -> dict[str, float]:
     """Loss, perplexity and bits per byte of a run's checkpoint on its validation (or train) split."""
-    run = load_run(path, overrides, weights)
-    cfg = run.cfg
-    data = prepare(cfg, console=lambda *_: None)
-    loader = TokenLoader(data.shards(cfg.eval.split), cfg.seq_len, cfg.eval.batch_size,
-                         shuffle=False, drop_last=False)
-    name = resolve_precision(cfg.train.precision, run.device, run.model, cfg.eval.batch_size, cfg.seq_len,
-                             cfg.model.vocab_size, backward=False)
-    precision = Precision(name, run.device)
-    token_bytes = torch.as_tensor(run.tokenizer.token_byte_lengths(), dtype=torch.long)
-    out = evaluate_loss(run.model, loader.iter_eval_batches(cfg.eval.max_batches), precision, token_bytes,
-                        run.device)
+    cfg, source = run_config(path, overrides)
+    run = build_run(cfg, "eval", weights_from=source, weights=weights)
+    out = evaluate_loss(run.model, run.val_loader.iter_eval_batches(run.eval_batches), run.objective,
+                        precision=run.precision, token_bytes=run.token_bytes, device=run.device)
     result = {"step": run.step, "split": cfg.eval.split, "weights": weights, **out}
     suffix = "" if weights == "model" else f"_{weights}"
     atomic_write_json(run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}{suffix}.json", result)
-    say(f"{run.checkpoint}{suffix} ({cfg.eval.split}, {out['tokens']:,} tokens): loss {out['loss']:.4f}  "
+    say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} tokens): loss {out['loss']:.4f}  "
         f"ppl {out['ppl']:.2f}" + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else ""))
     return result
 

@@ -1,0 +1,344 @@
+"""The one assembly: every part of a run built from its config, in one place and one order.
+
+    run = build_run(cfg)                                   # lmforge train: run dir, data, model, optimizer...
+    run = build_run(cfg, "experiment")                  # the same parts, no run dir (lr-find, benches)
+    run = build_run(cfg, "eval", weights_from=ckpt)     # weights of a run, checkpoint or HF dir + val data
+    run = build_run(cfg, "generate", weights_from=ckpt)    # weights + tokenizer only
+
+The config is resolved first (model.init_from's architecture and tokenizer, then the vocabulary the
+data's tokenizer needs) into a new, frozen tree: `run.cfg` is what config.yaml in the run dir holds,
+and nothing changes it afterwards. The Python API's own pieces (a model object, datasets in memory,
+a tokenizer object, an objective) replace the parts the config would build.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from lmforge.checkpoint.run_dir import mark_job, open_run_dir, restarted_job_owns
+from lmforge.checkpoint.runs import load_model, load_weights, resolve_init_from, run_tokenizer_file
+from lmforge.config.schema import Config
+from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
+from lmforge.data.memory import token_stream
+from lmforge.engine.loss import logits_of
+from lmforge.engine.objectives import Objective, TokenObjective, build_objective
+from lmforge.engine.precision import Precision, resolve_precision
+from lmforge.engine.step import StepHook
+from lmforge.errors import ConfigError, DataError, LmforgeError
+from lmforge.optim.batch_ramp import BatchRamp
+from lmforge.optim.builder import SPECS, build_optimizer
+from lmforge.optim.schedule import LRSchedule
+from lmforge.parallel.api import ParallelModel, parallelize
+from lmforge.parallel.coord import on_rank0, rank0_first
+from lmforge.parallel.dims import ParallelDims
+from lmforge.parallel.init import init_distributed
+from lmforge.parallel.world import World, resolve_device
+from lmforge.utils.rng import seed_everything
+
+Purpose = Literal["train", "experiment", "eval", "generate"]
+Documents = Iterable[str | Sequence[int]]
+
+
+@dataclass
+class Run:
+    """The parts of one run. Parts a purpose does not need are None."""
+
+    cfg: Config  # resolved and frozen
+    purpose: Purpose
+    world: World
+    device: torch.device
+    model: nn.Module  # what the optimizer and checkpoints take (a pipeline rank: its stages)
+    objective: Objective
+    precision: Precision
+    tokenizer: Tokenizer | None = None
+    data: PreparedData | None = None  # the prepared data dir (None for data handed over in Python)
+    dims: ParallelDims | None = None
+    parallel: ParallelModel | None = None  # runs the steps (and the validation forwards)
+    optimizer: torch.optim.Optimizer | None = None
+    hooks: list[StepHook] = field(default_factory=list)  # the optimizer's extra work after each update
+    schedule: LRSchedule | None = None
+    ramp: BatchRamp | None = None
+    train_loader: TokenLoader | None = None
+    val_loader: TokenLoader | None = None
+    eval_batches: int | None = None  # batches per evaluation (None: the whole split)
+    token_bytes: torch.Tensor | None = None  # UTF-8 bytes per token id (bits per byte)
+    custom_model: bool = False  # the model came from the caller, not from cfg.model
+    resumed: bool = False  # train: the run dir holds an earlier run to continue
+    step: int = 0  # eval/generate: the step the weights were saved at
+    weights_from: Path | None = None  # eval/generate: the checkpoint (or HF dir) of the weights
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.run.dir)
+
+
+def build_run(
+    cfg: Config,
+    purpose: Purpose = "train",
+    *,
+    model: nn.Module | None = None,
+    train_data: Documents | None = None,
+    eval_data: Documents | None = None,
+    tokenizer: Any = None,
+    objective: Objective | None = None,
+    resume: bool = False,
+    weights_from: str | Path | None = None,
+    weights: str = "model",
+    say: Callable[[str], object] = print,
+) -> Run:
+    """Build the parts `purpose` needs from `cfg` (see the module docstring)."""
+    world = World.from_env()
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    device = resolve_device(cfg.train.device, world)
+    if purpose in ("eval", "generate"):
+        if weights_from is None:
+            raise ValueError(
+                f"build_run(purpose={purpose!r}) needs weights_from (a run, checkpoint or HF dir)"
+            )
+        return _build_inference(cfg, purpose, world, device, Path(weights_from), weights, objective)
+    return _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective,
+                           resume, say)
+
+
+def resolve_vocab_size(cfg: Config, tokenizer_vocab: int) -> int:
+    """The model's vocabulary: the config's, or the tokenizer's rounded up to a multiple of 64
+    (matmul-friendly; the extra rows are never targets)."""
+    if cfg.model.vocab_size is None:
+        return 64 * math.ceil(tokenizer_vocab / 64)
+    if cfg.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab}); set it to at least {tokenizer_vocab} or leave it unset"
+        )
+    return cfg.model.vocab_size
+
+
+def check_layout(cfg: Config, dims: ParallelDims, objective: Objective, custom_model: bool) -> None:
+    """Refuse, before any work, what a parallel layout cannot run as configured: the optimizer's and
+    the objective's declared capabilities, and the features whose maths a layout would change."""
+    caps = SPECS[cfg.optim.name].capabilities(cfg.optim)
+    sharded = dims.fsdp or dims.tp > 1
+    checks = [
+        (sharded, caps.sharded),
+        (dims.pp > 1, caps.pipeline),
+        (dims.dp_size > 1, caps.data_parallel),
+        (dims.zero1, caps.zero1),
+        (not isinstance(objective, TokenObjective), caps.non_token_objective),
+        (
+            bool(cfg.train.batch_warmup_tokens) and dims.pp > 1,
+            "train.batch_warmup_tokens varies the micro-batches per step, but a pipeline schedule "
+            "(parallel.pp > 1) has a fixed number",
+        ),
+        (
+            dims.pp > 1 and not objective.supports_pipeline,
+            f"objective {objective.name} has no per-stage loss, so it cannot run in a pipeline "
+            "(parallel.pp > 1)",
+        ),
+        (
+            bool(cfg.train.loss_chunk_tokens) and (dims.tp > 1 or dims.pp > 1),
+            "train.loss_chunk_tokens needs the whole output projection on one rank, which tensor and "
+            "pipeline parallelism split; set train.loss_chunk_tokens=0",
+        ),
+        (
+            custom_model and (sharded or dims.pp > 1),
+            "a model object of your own trains on one process or with DDP (parallel.dp_replicate); FSDP, TP "
+            "and pipeline layouts need lmforge's Transformer (build it from the config's model section)",
+        ),
+        (
+            custom_model and cfg.train.activation_checkpointing != "none",
+            "train.activation_checkpointing wraps the blocks of lmforge's Transformer (model.layers); with a "
+            "model object of your own, set it to none and checkpoint inside your module",
+        ),
+    ]
+    problems = [reason for applies, reason in checks if applies and reason]
+    if problems:
+        raise ConfigError(
+            "this parallel layout cannot run the run as configured:\n  " + "\n  ".join(problems)
+        )
+
+
+# -- training and experiments -----------------------------------------------------------------------
+def _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, resume,
+                    say) -> Run:
+    # A distributed job: join it (collective timeouts set); check the layout before any work.
+    init_distributed(cfg.parallel.timeout_s, device, cfg.train.threads)
+    custom = model is not None
+    if custom and cfg.model.init_from:
+        raise ConfigError("model.init_from loads weights into lmforge's Transformer; with a model object of "
+                          "your own, load its weights before handing it over and unset model.init_from")
+    if not custom:
+        cfg = resolve_init_from(cfg, say=say)
+    objective = objective or build_objective(cfg)
+    dims = ParallelDims.resolve(cfg.parallel, world.world_size, None if custom else cfg.model,
+                                cfg.train.grad_accum_steps)
+    check_layout(cfg, dims, objective, custom)
+    if world.world_size > 1:
+        dims.build_mesh(device.type)
+    resumed = False
+    if purpose == "train":
+        run_dir = Path(cfg.run.dir)
+        # torchrun --max-restarts: a restarted job continues from the last checkpoint by itself, but
+        # only a run this job started (a first attempt refused for a foreign run dir must stay refused).
+        resume = resume or on_rank0(lambda: restarted_job_owns(run_dir))
+        resumed = on_rank0(lambda: open_run_dir(run_dir, resume=resume, overwrite=cfg.run.overwrite, say=say))
+        if world.is_main:
+            mark_job(run_dir)
+
+    data, tokenizer, train_src, val_src = _training_data(cfg, train_data, eval_data, tokenizer, say)
+    if not custom:
+        vocab = tokenizer.vocab_size if tokenizer is not None else int(max(s.max() for s in train_src)) + 1
+        model_cfg = cfg.model.model_copy(update={"vocab_size": resolve_vocab_size(cfg, vocab)})
+        cfg = cfg.model_copy(update={"model": model_cfg})
+
+    seed_everything(cfg.run.seed)  # the same seed on every rank: replicas start equal
+    if custom:
+        model = model.to(device)
+        vocab = _check_custom_model(model, tokenizer, train_src, device)
+    else:
+        from lmforge.models import build_model
+
+        model = build_model(cfg.model, device=device)
+        if not resumed and cfg.model.init_from:
+            load_weights(cfg.model.init_from, model)
+            say(f"initialised the weights from {cfg.model.init_from}")
+        vocab = cfg.model.vocab_size
+    objective.check_model(model)
+    precision = Precision(on_rank0(lambda: resolve_precision(cfg.train.precision, device, model,
+                                                             cfg.train.micro_batch_size, cfg.seq_len, vocab)),
+                          device)
+    # TP -> activation checkpointing -> compile -> FSDP/DDP, from outside the model.
+    parallel = parallelize(model, cfg, dims, precision.name, objective)
+    optimizer = parallel.wrap_optimizer(build_optimizer(parallel.model, cfg.optim))
+    ramp = BatchRamp(cfg, dims.dp_size)
+    tc = cfg.train
+    schedule = LRSchedule(
+        cfg.schedule, optimizer, cfg.optim.lr, tc.max_steps, ramp.total_tokens(tc.max_steps)
+    )
+    train_loader = TokenLoader(train_src, cfg.seq_len, tc.micro_batch_size, seed=cfg.run.seed,
+                               rank=dims.dp_rank, world_size=dims.dp_size)
+    # Every rank must run the same number of evaluation batches (their forwards are collective);
+    # a pipeline splits each one into its micro-batches.
+    val_rows = tc.micro_batch_size * (dims.microbatches(tc.grad_accum_steps) if dims.pp > 1 else 1)
+    val_loader = None
+    if val_src is not None:
+        val_loader = TokenLoader(val_src, cfg.seq_len, val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
+                                 world_size=dims.dp_size, shuffle=False, drop_last=world.world_size > 1)
+    return Run(
+        cfg=cfg,
+        purpose=purpose,
+        world=world,
+        device=device,
+        model=parallel.model,
+        objective=objective,
+        precision=precision,
+        tokenizer=tokenizer,
+        data=data,
+        dims=dims,
+        parallel=parallel,
+        optimizer=optimizer,
+        hooks=SPECS[cfg.optim.name].hooks(optimizer),
+        schedule=schedule,
+        ramp=ramp,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        # The same sequences as `eval_batches` micro-batches, whatever the rows per batch.
+        eval_batches=max(1, math.ceil(tc.eval_batches * tc.micro_batch_size / val_rows)),
+        token_bytes=_token_bytes(tokenizer),
+        custom_model=custom,
+        resumed=resumed,
+    )
+
+
+def _training_data(cfg, train_data, eval_data, tokenizer, say):
+    """(prepared data, tokenizer, train shards, val shards or None) from the config's sources, or from
+    documents handed over in Python."""
+    if train_data is None:
+        if eval_data is not None or tokenizer is not None:
+            raise ConfigError("eval_data= and tokenizer= go with train_data=; without train_data the data "
+                              "comes from the config (data.sources, data.tokenizer)")
+        data = rank0_first(lambda: prepare(cfg, console=say))
+        return data, data.tokenizer, data.shards("train"), data.shards("val")
+    docs = train_data if isinstance(train_data, (list, tuple)) else list(train_data)
+    if tokenizer is not None:
+        tok = Tokenizer.of(tokenizer)
+    elif any(isinstance(d, str) for d in docs):
+        tc = cfg.data.tokenizer
+        say(
+            f"training a {tc.vocab_size}-token byte-level BPE on train_data (pass tokenizer= to use your own)"
+        )
+        tok = Tokenizer.train((d for d in docs if isinstance(d, str)), tc.vocab_size, tc.min_frequency)
+    else:
+        tok = None
+    train = token_stream(docs, tok, "train_data")
+    val = token_stream(eval_data, tok, "eval_data") if eval_data is not None else None
+    return None, tok, [train], None if val is None else [val]
+
+
+def _token_bytes(tokenizer: Tokenizer | None) -> torch.Tensor | None:
+    return None if tokenizer is None else torch.as_tensor(tokenizer.token_byte_lengths(), dtype=torch.long)
+
+
+def _check_custom_model(model: nn.Module, tokenizer: Tokenizer | None, train_src: list[np.ndarray],
+                        device: torch.device) -> int:
+    """A model object must map (B, T) token ids to (B, T, V) logits with V covering every id. Returns V."""
+
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            logits = logits_of(model(torch.zeros(2, 3, dtype=torch.long, device=device)))
+    except Exception as e:
+        raise LmforgeError(
+            f"the model object failed on a (2, 3) batch of token ids: {type(e).__name__}: {e}; "
+            "it must take input ids (B, T) and return logits (B, T, vocab)"
+        ) from None
+    finally:
+        model.train(was)
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != (2, 3):
+        raise LmforgeError(
+            f"the model object returned logits of shape {tuple(logits.shape)} for input (2, 3); "
+            "expected (2, 3, vocab)"
+        )
+    needed = tokenizer.vocab_size if tokenizer is not None else int(max(s.max() for s in train_src)) + 1
+    if logits.shape[-1] < needed:
+        raise LmforgeError(f"the model object predicts {logits.shape[-1]} token ids but the data uses "
+                           f"{needed}; give it an output layer of at least {needed}")
+    return int(logits.shape[-1])
+
+
+# -- evaluation and generation ----------------------------------------------------------------------
+def _build_inference(cfg, purpose, world, device, weights_from: Path, weights: str, objective) -> Run:
+    tok_path = run_tokenizer_file(cfg)
+    if tok_path is None:
+        raise LmforgeError(
+            f"the tokenizer of {weights_from} is missing ({data_dir(cfg) / 'tokenizer.json'}); "
+            "was data.dir moved?"
+        )
+    tokenizer = Tokenizer.load(tok_path)
+    model, step = load_model(cfg, weights_from, weights, device)
+    objective = objective or build_objective(cfg)
+    run = Run(cfg=cfg, purpose=purpose, world=world, device=device, model=model, objective=objective,
+              precision=Precision("fp32", device), tokenizer=tokenizer, step=step, weights_from=weights_from)
+    if purpose == "generate":
+        return run
+    data = prepare(cfg, console=lambda *_: None)
+    try:
+        shards = data.shards(cfg.eval.split)
+    except DataError as e:
+        raise DataError(f"eval.split={cfg.eval.split}: {e}") from None
+    run.data = data
+    run.val_loader = TokenLoader(shards, cfg.seq_len, cfg.eval.batch_size, shuffle=False, drop_last=False)
+    run.eval_batches = cfg.eval.max_batches
+    run.precision = Precision(resolve_precision(cfg.train.precision, device, model, cfg.eval.batch_size,
+                                                cfg.seq_len, cfg.model.vocab_size, backward=False), device)
+    run.token_bytes = _token_bytes(tokenizer)
+    return run
