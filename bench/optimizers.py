@@ -81,7 +81,7 @@ def textbook_bytes(name: str, model: torch.nn.Module, cfg) -> tuple[float, str]:
                     for p in model.parameters())
         return total / n, "row+col of v"
     if name == "adamw8bit":
-        block = cfg.optim.quant_block_size
+        block = cfg.optim.adamw8bit.block_size
         return 2 + 8 / block, f"2 codes + 8/{block} scales"
     if name == "muon":
         hidden = sum(p.numel() for p in hidden_matrices(model))
@@ -98,7 +98,7 @@ def run_one(name: str, lr: float, steps: int, data_dir: Path, adamw_lr: float | 
             "logging.plot=false",
         ]
         if name == "muon":
-            overrides += [f"optim.muon_lr={lr}", f"optim.lr={adamw_lr}"]
+            overrides += [f"optim.muon.lr={lr}", f"optim.lr={adamw_lr}"]
         else:
             overrides.append(f"optim.lr={lr}")
         cfg = load_config(RECIPE, overrides)
@@ -154,33 +154,26 @@ def sweep(name: str, steps: int, data_dir: Path, adamw_lr: float | None) -> dict
 
 
 def interleaved_step_ms(names: list[str], rounds: int, data_dir: Path) -> dict[str, dict]:
-    """Per-step time of every optimizer on one model shape, interleaved round-robin."""
-    from lmforge.data import TokenLoader, prepare
-    from lmforge.models import build_model
-    from lmforge.optim.builder import build_optimizer
-    from lmforge.train.precision import Precision
-    from lmforge.train.step import train_step
-    from lmforge.train.trainer import resolve_vocab_size
+    """Per-step time of every optimizer on one model shape, interleaved round-robin: each side is the
+    run `lmforge train` would assemble (build_run without a run dir), stepped as the Trainer steps it."""
+    from lmforge.assembly import build_run
 
-    cfg = load_config(RECIPE, [f"data.dir={data_dir}", "logging.progress=none"])
-    torch.set_num_threads(cfg.train.threads or 1)
-    data = prepare(cfg, console=lambda *_: None)
-    cfg.model.vocab_size = resolve_vocab_size(cfg, data.tokenizer.vocab_size)
-    loader = TokenLoader(data.shards("train"), cfg.seq_len, cfg.train.micro_batch_size, seed=0)
-    batches = [[loader.next_batch() for _ in range(cfg.train.grad_accum_steps)] for _ in range(8)]
-    precision = Precision("fp32", torch.device("cpu"))
-    sides = {}
+    runs = {}
     for name in names:
-        torch.manual_seed(0)
-        model = build_model(cfg.model)
-        optim_cfg = cfg.optim.model_copy(update={"name": name, "lr": 1e-3})
-        sides[name] = (model, build_optimizer(model, optim_cfg))
+        cfg = load_config(RECIPE, [f"data.dir={data_dir}", "logging.progress=none", f"optim.name={name}",
+                                   "optim.lr=1e-3", "train.precision=fp32"])
+        runs[name] = build_run(cfg, "experiment", say=lambda *_: None)
+    first = runs[names[0]]
+    torch.set_num_threads(first.cfg.train.threads or 1)
+    loader = first.train_loader
+    batches = [[loader.next_batch() for _ in range(first.cfg.train.grad_accum_steps)] for _ in range(8)]
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds + 3):  # the first 3 rounds warm up allocators and caches
         for name in names:
-            model, opt = sides[name]
+            run = runs[name]
             t0 = time.perf_counter()
-            train_step(model, batches[r % len(batches)], opt, precision, cfg.train.grad_clip)
+            run.parallel.step(batches[r % len(batches)], run.optimizer, run.precision,
+                              grad_clip=run.cfg.train.grad_clip, hooks=run.hooks)
             if r >= 3:
                 times[name].append(1e3 * (time.perf_counter() - t0))
     base = statistics.mean(times["adamw"]) if "adamw" in times else None

@@ -179,22 +179,19 @@ def _instrument(pm, optimizer) -> tuple[list[int], list[int]]:
     return grads, gathered
 
 
-def run_strategy(name: str, parallel: dict, steps: int, world) -> dict:
-    from lmforge.models import build_model
-    from lmforge.optim.builder import build_optimizer
-    from lmforge.parallel.api import parallelize
-    from lmforge.parallel.dims import ParallelDims
-    from lmforge.train.precision import Precision
+def assemble(parallel: dict, micro: int = MICRO):
+    """The run `lmforge train` would assemble for this layout (no run dir; the bench feeds its own
+    batches, so the data handed over only has to exist)."""
+    from lmforge.assembly import build_run
 
-    cfg = make_config(parallel)
-    dims = ParallelDims.resolve(cfg.parallel, world, cfg.model, MICRO)
-    if world > 1:
-        dims.build_mesh("cpu")
-    torch.manual_seed(0)
-    pm = parallelize(build_model(cfg.model), cfg, dims)
-    optimizer = pm.wrap_optimizer(build_optimizer(pm.model, cfg.optim))
+    ids = list(range(MODEL["vocab_size"])) * 4
+    return build_run(make_config(parallel, micro), "experiment", train_data=[ids], say=lambda *_: None)
+
+
+def run_strategy(name: str, parallel: dict, steps: int, world) -> dict:
+    run = assemble(parallel)
+    cfg, dims, pm, optimizer, precision = run.cfg, run.dims, run.parallel, run.optimizer, run.precision
     grads, gathered = _instrument(pm, optimizer)
-    precision = Precision("fp32", torch.device("cpu"))
     b = ROWS // dims.dp_size
     comm, seconds = [], []
     for step in range(steps + 1):  # step 0 warms up (lazy init, first-call metadata exchange)
@@ -203,7 +200,7 @@ def run_strategy(name: str, parallel: dict, steps: int, world) -> dict:
         mode = CommBytes()
         t0 = time.perf_counter()
         with mode:
-            pm.step(local, optimizer, precision, cfg.train.grad_clip)
+            pm.step(local, optimizer, precision, grad_clip=cfg.train.grad_clip)
         if step:
             seconds.append(time.perf_counter() - t0)
             comm.append(mode.sent)
@@ -215,18 +212,8 @@ def run_strategy(name: str, parallel: dict, steps: int, world) -> dict:
 
 
 def run_bubble(kind: str, m: int, steps: int, world) -> dict:
-    from lmforge.models import build_model
-    from lmforge.optim.builder import build_optimizer
-    from lmforge.parallel.api import parallelize
-    from lmforge.parallel.dims import ParallelDims
-    from lmforge.train.precision import Precision
-
-    cfg = make_config({"pp": 2, "pp_schedule": kind}, micro=m)
-    dims = ParallelDims.resolve(cfg.parallel, world, cfg.model, m)
-    dims.build_mesh("cpu")
-    torch.manual_seed(0)
-    pm = parallelize(build_model(cfg.model), cfg, dims)
-    optimizer = build_optimizer(pm.model, cfg.optim)
+    run = assemble({"pp": 2, "pp_schedule": kind}, micro=m)
+    cfg, pm, optimizer, precision = run.cfg, run.parallel, run.optimizer, run.precision
     busy = [0.0]
     stage = pm.pipeline.schedule._stage
     for meth in ("forward_one_chunk", "backward_one_chunk"):
@@ -240,12 +227,11 @@ def run_bubble(kind: str, m: int, steps: int, world) -> dict:
                 busy[0] += time.perf_counter() - t0
 
         setattr(stage, meth, timed)
-    precision = Precision("fp32", torch.device("cpu"))
     idle = []
     for step in range(steps + 1):
         busy[0] = 0.0
         t0 = time.perf_counter()
-        pm.step(batches(step, m, 2), optimizer, precision, cfg.train.grad_clip)
+        pm.step(batches(step, m, 2), optimizer, precision, grad_clip=cfg.train.grad_clip)
         wall = time.perf_counter() - t0
         if step:
             idle.append(1.0 - busy[0] / wall)

@@ -9,8 +9,9 @@ with a reference fp32 matmul timed in every round as the MFU denominator. Report
     python bench/train_throughput.py --shapes a --rounds 200
     python bench/train_throughput.py --compile             # adds lmforge + torch.compile
 
-lmforge side = what `lmforge train` runs per step: build_model, build_optimizer(OptimConfig),
-train_step(model, [(x, y)], optimizer, Precision("fp32", cpu), grad_clip=1.0).
+lmforge side = what `lmforge train` runs per step: the run `build_run` assembles from the config
+(model, optimizer, precision, objective; `train.compile` compiles the model and its loss as one
+graph), stepped by `run.parallel.step([(x, y)], run.optimizer, run.precision, grad_clip=1.0)`.
 Baseline = what a user writes: out = model(input_ids=x, labels=x); out.loss.backward();
 clip_grad_norm_(..., 1.0); AdamW(model.parameters(), lr=3e-4, weight_decay=0.1).step();
 zero_grad(set_to_none=True). Both sides run B*T input tokens per step and a cross-entropy over
@@ -31,12 +32,10 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from lmforge.config.schema import ModelConfig, OptimConfig
-from lmforge.models import build_model
+from lmforge.assembly import Run, build_run
+from lmforge.config.schema import Config, ModelConfig
+from lmforge.engine.loss import token_loss_sum
 from lmforge.models.flops import count_params, flops_per_token
-from lmforge.optim.builder import build_optimizer
-from lmforge.train.precision import Precision
-from lmforge.train.step import token_loss_sum, train_step
 from machine import machine_info  # bench/machine.py (the script's directory is on sys.path)
 
 # rounds: at most this many timed rounds by default, stopping early once budget_s seconds of
@@ -156,6 +155,20 @@ def check_same_function(ours: torch.nn.Module, hf: torch.nn.Module, cfg: ModelCo
     return res
 
 
+def assemble(cfg: ModelConfig, data: torch.Tensor, compile: bool = False) -> Run:
+    """The run `lmforge train` would assemble for this model (no run dir; fp32, AdamW lr 3e-4, weight
+    decay 0.1, clip 1.0); the timed batches are the bench's own, `data` only has to exist."""
+    config = Config.model_validate({
+        "model": cfg.model_dump(), "optim": {"lr": 3e-4, "weight_decay": 0.1},
+        "train": {"grad_clip": 1.0, "precision": "fp32", "compile": compile, "micro_batch_size": 1,
+                  "seq_len": cfg.max_seq_len},
+        "schedule": {"name": "constant", "warmup_steps": 0},
+    })
+    run = build_run(config, "experiment", train_data=[data.flatten()], say=lambda *_: None)
+    run.model.train()
+    return run
+
+
 def peak_probe(n: int):
     a = torch.randn(n, n)
     b = torch.randn(n, n)
@@ -178,18 +191,18 @@ def bench_shape(name: str, s: dict, args) -> dict:
     budget_s = None if args.rounds is not None else s["budget_s"]
     warmup = args.warmup if args.warmup is not None else s["warmup"]
 
-    torch.manual_seed(0)
-    ours = build_model(cfg)
-    hf = LlamaForCausalLM(hf_config(cfg))
-    ours.train()
-    hf.train()
-    n_params = sum(p.numel() for p in ours.parameters())
-    assert n_params == sum(p.numel() for p in hf.parameters()) == count_params(cfg)
-
     gen = torch.Generator().manual_seed(1234)
     n_batches = 8
     data = torch.randint(0, cfg.vocab_size, (n_batches, B, T + 1), generator=gen)
     batches = [(d[:, :-1].contiguous(), d[:, 1:].contiguous()) for d in data]
+
+    run = assemble(cfg, data)
+    ours = run.model
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(hf_config(cfg))
+    hf.train()
+    n_params = sum(p.numel() for p in ours.parameters())
+    assert n_params == sum(p.numel() for p in hf.parameters()) == count_params(cfg)
 
     check = check_same_function(ours, hf, cfg, *batches[0])
     print(
@@ -199,12 +212,14 @@ def bench_shape(name: str, s: dict, args) -> dict:
         flush=True,
     )
 
-    opt_ours = build_optimizer(ours, OptimConfig(lr=3e-4, weight_decay=0.1))
-    precision = Precision("fp32", torch.device("cpu"))
     opt_hf = torch.optim.AdamW(hf.parameters(), lr=3e-4, weight_decay=0.1)
 
-    def step_ours(i: int) -> float:
-        return train_step(ours, [batches[i % n_batches]], opt_ours, precision, grad_clip=1.0).loss
+    def stepper(r: Run):
+        return lambda i: (
+            r.parallel.step([batches[i % n_batches]], r.optimizer, r.precision, grad_clip=1.0).loss
+        )
+
+    step_ours = stepper(run)
 
     def step_hf(i: int) -> float:
         x, _ = batches[i % n_batches]
@@ -218,15 +233,11 @@ def bench_shape(name: str, s: dict, args) -> dict:
     sides = {"lmforge": step_ours, "hf": step_hf}
     compile_s = None
     if args.compile:
-        torch.manual_seed(0)
-        ours_c = build_model(cfg)
-        ours_c.load_state_dict(ours.state_dict())
-        ours_c.train()
-        fwd_c = torch.compile(ours_c)  # as Trainer does: compiled forward, optimizer on the module
-        opt_c = build_optimizer(ours_c, OptimConfig(lr=3e-4, weight_decay=0.1))
-
-        def step_compiled(i: int) -> float:
-            return train_step(fwd_c, [batches[i % n_batches]], opt_c, precision, grad_clip=1.0).loss
+        run_c = assemble(
+            cfg, data, compile=True
+        )  # as the Trainer runs train.compile: model + loss, one graph
+        run_c.model.load_state_dict(ours.state_dict())
+        step_compiled = stepper(run_c)
 
         t0 = time.perf_counter()
         step_compiled(0)
@@ -307,15 +318,13 @@ def profile_shape(name: str, s: dict, steps: int, row_limit: int = 25) -> None:
 
     cfg = lmforge_config(s)
     B, T = s["batch"], s["seq_len"]
-    torch.manual_seed(0)
-    ours = build_model(cfg)
-    hf = LlamaForCausalLM(hf_config(cfg))
-    hf.load_state_dict(lmforge_to_hf_state(ours.state_dict(), cfg.n_layers), strict=False)
     d = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(0))
     x, y = d[:, :-1].contiguous(), d[:, 1:].contiguous()
-    opt_ours = build_optimizer(ours, OptimConfig(lr=3e-4, weight_decay=0.1))
+    run = assemble(cfg, d)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(hf_config(cfg))
+    hf.load_state_dict(lmforge_to_hf_state(run.model.state_dict(), cfg.n_layers), strict=False)
     opt_hf = torch.optim.AdamW(hf.parameters(), lr=3e-4, weight_decay=0.1)
-    prec = Precision("fp32", torch.device("cpu"))
 
     def step_hf():
         out = hf(input_ids=x, labels=x)
@@ -325,7 +334,10 @@ def profile_shape(name: str, s: dict, steps: int, row_limit: int = 25) -> None:
         opt_hf.zero_grad(set_to_none=True)
         out.loss.item()
 
-    for label, fn in (("lmforge", lambda: train_step(ours, [(x, y)], opt_ours, prec, 1.0)), ("hf", step_hf)):
+    def step_ours():
+        run.parallel.step([(x, y)], run.optimizer, run.precision, grad_clip=1.0)
+
+    for label, fn in (("lmforge", step_ours), ("hf", step_hf)):
         for _ in range(2):
             fn()
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -92,9 +92,25 @@ class WeightAverage:
                     current[n].copy_(saved[n])
 
 
-def build_averages(model: nn.Module, cfg: AveragingConfig) -> dict[str, WeightAverage]:
+class Averages(dict[str, WeightAverage]):
+    """The run's weight averages by kind ('ema', 'swa'), as one Stateful part of the run: the counters
+    go into the run state, the tensors (`tensors()`) through torch.distributed.checkpoint."""
+
+    def tensors(self) -> dict[str, dict[str, torch.Tensor]]:
+        return {k: a.tensors() for k, a in self.items()}
+
+    def state_dict(self) -> dict:
+        return {k: a.state_dict() for k, a in self.items()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        for k, a in self.items():
+            if k in sd:
+                a.load_state_dict(sd[k])
+
+
+def build_averages(model: nn.Module, cfg: AveragingConfig) -> Averages:
     """The averages the config asks for, keyed 'ema' / 'swa'."""
-    out = {}
+    out = Averages()
     if cfg.ema:
         out["ema"] = WeightAverage(model, "ema", decay=cfg.ema_decay, every=cfg.ema_every)
     if cfg.swa:

@@ -1,8 +1,9 @@
-"""What keeps a long run alive: the non-finite guard, loss-spike detection, early stopping.
+"""What keeps a long run alive: the non-finite guard and loss-spike detection (early stopping is a
+callback: lmforge.train.callbacks).
 
-Each is a small Stateful object fed one number per step (or per evaluation) that answers a
-question; the trainer acts on the answers (skip an update, roll back, stop). Their state goes
-into the checkpoint's train state, so a resumed run judges exactly as the uninterrupted one.
+Each is a small Stateful object fed one number per step that answers a question; the trainer acts
+on the answers (skip an update, roll back, stop). Their state is part of the run state in every
+checkpoint, so a resumed run judges exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -81,34 +82,3 @@ class SpikeDetector:
     def load_state_dict(self, sd: dict) -> None:
         self.history = deque(sd["history"], maxlen=self.window)
         self.recoveries = int(sd["recoveries"])
-
-
-class EarlyStopping:
-    """Tracks the best validation loss; says when `patience` evaluations brought no improvement
-    of at least `min_delta`."""
-
-    def __init__(self, patience: int, min_delta: float) -> None:
-        self.patience = patience
-        self.min_delta = min_delta
-        self.best = math.inf
-        self.best_step = -1
-        self.bad_evals = 0
-
-    def observe(self, val_loss: float, step: int) -> bool:
-        """Record one evaluation; True when it is the best so far."""
-        if val_loss < self.best - self.min_delta:
-            self.best, self.best_step, self.bad_evals = val_loss, step, 0
-            return True
-        self.bad_evals += 1
-        return False
-
-    @property
-    def should_stop(self) -> bool:
-        return self.patience > 0 and self.bad_evals >= self.patience
-
-    def state_dict(self) -> dict:
-        return {"best": self.best, "best_step": self.best_step, "bad_evals": self.bad_evals}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.best, self.best_step = float(sd["best"]), int(sd["best_step"])
-        self.bad_evals = int(sd["bad_evals"])
