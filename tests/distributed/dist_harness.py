@@ -89,6 +89,7 @@ def reference(spec: dict, steps: int | None = None, load_dir: Path | None = None
 def _reference(spec: dict, steps: int | None, load_dir: Path | None, first_step: int) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from lmforge.engine.objectives import build_objective
     from lmforge.engine.precision import Precision
     from lmforge.engine.step import train_step
     from lmforge.models import build_model
@@ -107,7 +108,8 @@ def _reference(spec: dict, steps: int | None, load_dir: Path | None, first_step:
     losses, norms = [], []
     for step in range(first_step, first_step + (steps if steps is not None else spec["steps"])):
         batches = global_batches(spec, step, cfg.train.grad_accum_steps, cfg.model.vocab_size)
-        r = train_step(model, batches, opt, Precision("fp32", CPU), grad_clip=cfg.train.grad_clip)
+        r = train_step(model, batches, opt, Precision("fp32", CPU), grad_clip=cfg.train.grad_clip,
+                       objective=build_objective(cfg))
         losses.append(r.loss)
         norms.append(r.grad_norm)
     from lmforge.data.batch import IGNORE_INDEX
@@ -235,6 +237,7 @@ def _run(spec: dict, world) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from lmforge.checkpoint.manager import CheckpointManager, load_states
+    from lmforge.engine.objectives import build_objective
     from lmforge.engine.precision import Precision
     from lmforge.models import build_model
     from lmforge.optim.builder import build_optimizer
@@ -245,7 +248,7 @@ def _run(spec: dict, world) -> dict:
     dims = ParallelDims.resolve(cfg.parallel, world.world_size, cfg.model, cfg.train.grad_accum_steps)
     dims.build_mesh("cpu")
     torch.manual_seed(spec.get("seed", 0))
-    pm = parallelize(build_model(cfg.model), cfg, dims, "fp32")
+    pm = parallelize(build_model(cfg.model), cfg, dims, "fp32", build_objective(cfg))
     opt = pm.wrap_optimizer(build_optimizer(pm.model, cfg.optim))
     if spec.get("load_dir"):
         load_states(Path(spec["load_dir"]), pm.model, opt)

@@ -54,6 +54,11 @@ SCENARIOS = [
     dict(name="tp_sp_gpt2", parallel={"tp": 2}, model=GPT2, optim=SGD),
     dict(name="tp_gpt2_tied", parallel={"tp": 2, "sequence_parallel": False},
          model={**GPT2, "tie_embeddings": True}, optim=SGD),
+    # The chunked linear + cross-entropy (train.loss_chunk_tokens) under DDP and FSDP: the head's
+    # gradient, computed in the forward, reaches the replicated / sharded weight (tied and untied).
+    dict(name="ddp_chunked_loss", parallel={"dp_replicate": 2}, train={"loss_chunk_tokens": 48}),
+    dict(name="zero3_chunked_loss_tied", parallel={"dp_shard": 2}, model={"tie_embeddings": True},
+         train={"loss_chunk_tokens": 48}),
     # A layout that cannot fit the job: must fail before any model is built.
     dict(name="bad_layout", parallel={"tp": 4}),
     dict(name="compile_with_tp", parallel={"tp": 2}, train={"compile": True}),
