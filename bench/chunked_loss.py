@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from lmforge.engine.chunked_loss import chunked_linear_cross_entropy
-from machine import machine_info  # bench/machine.py (the script's directory is on sys.path)
+from machine import machine_info, print_markdown_table  # bench/machine.py (on sys.path)
 
 # a: a realistic small-model pretraining shape (8 x 1024 tokens, a 32k vocabulary, d 512);
 # b: GPT-2's vocabulary with a larger width and fewer tokens
@@ -241,12 +241,7 @@ def print_table(results: dict) -> None:
             f"{m['ratio']:.3f}", f"{t['plain']['median_ms']:.0f}", f"{t['chunked']['median_ms']:.0f}",
             f"{t['ratio']:.3f}",
         ])
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    print(line(headers))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print(line(row))
+    print_markdown_table(headers, rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,3 +30,16 @@ def machine_info(**extra) -> dict:
         date=_dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         loadavg_at_start=list(os.getloadavg()),
     )
+
+
+def print_markdown_table(headers: list[str], rows: list[list[str]]) -> None:
+    """Right-aligned markdown table (what the README quotes)."""
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
+
+    print(line(headers))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print(line(row))

@@ -36,7 +36,7 @@ from lmforge.assembly import Run, build_run
 from lmforge.config.schema import Config, ModelConfig
 from lmforge.engine.loss import token_loss_sum
 from lmforge.models.flops import count_params, flops_per_token
-from machine import machine_info  # bench/machine.py (the script's directory is on sys.path)
+from machine import machine_info, print_markdown_table  # bench/machine.py (on sys.path)
 
 # rounds: at most this many timed rounds by default, stopping early once budget_s seconds of
 # timed rounds have passed (but never before MIN_ROUNDS); --rounds N runs exactly N.
@@ -396,12 +396,7 @@ def print_table(results: dict) -> None:
                     f"{r['peak_gflops_median']:.1f}",
                 ]
             )
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    print(line(headers))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for row in rows:
-        print(line(row))
+    print_markdown_table(headers, rows)
 
 
 def main(argv: list[str] | None = None) -> int:
