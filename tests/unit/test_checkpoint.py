@@ -112,3 +112,22 @@ def test_shape_mismatch_is_refused(tmp_path):
     other, _ = make(width=16)
     with pytest.raises(CheckpointError, match=r"0.weight is \(8, 8\) in the checkpoint but \(16, 16\)"):
         load_states(path, other)
+
+
+def test_malformed_run_state_is_a_checkpoint_error(tmp_path):
+    """A rank file whose part states do not fit the parts (edited, truncated, from another program) is
+    reported as a damaged checkpoint (the trainer then falls back to an older one), never a traceback."""
+    model, opt = make()
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    path = mgr.save(1, model, opt, {"progress": Part(step=1)})
+    torch.save({"format": 3, "states": {"progress": {"bogus": 1}}}, path / "rank_00000.pt")
+
+    class Strict(Part):
+        def load_state_dict(self, sd):
+            self.state = {"step": int(sd["step"])}
+
+    with pytest.raises(CheckpointError, match=r"its 'progress' state is malformed \(KeyError"):
+        mgr.load(path, model, opt, {"progress": Strict()})
+    torch.save([1, 2, 3], path / "rank_00000.pt")
+    with pytest.raises(CheckpointError, match="its run state is malformed"):
+        mgr.load(path, model, opt, {"progress": Strict()})

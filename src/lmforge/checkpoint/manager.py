@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from lmforge.errors import CheckpointError, CheckpointMismatchError
+from lmforge.errors import CheckpointError, CheckpointMismatchError, LmforgeError
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -288,10 +288,21 @@ class CheckpointManager:
         loaded = [k for k in (averages or {}) if k in saved_averages(path)]
         if loaded:
             _dcp_load({"averaging": {k: averages[k] for k in loaded}}, path)
-        saved = migrate_run_state(self.read_run_state(path))
+        try:
+            saved = migrate_run_state(self.read_run_state(path))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"checkpoint {path}: its run state is malformed "
+                                  f"({type(e).__name__}: {e})") from None
         for name, part in states.items():
-            if name in saved:
+            if name not in saved:
+                continue
+            try:
                 part.load_state_dict(saved[name])
+            except LmforgeError:
+                raise  # the part's own verdict (e.g. a data loader saved for other data)
+            except (AttributeError, IndexError, KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"checkpoint {path}: its {name!r} state is malformed "
+                                      f"({type(e).__name__}: {e})") from None
         return Loaded(step, set(saved) & set(states), loaded)
 
     def read_run_state(self, path: Path) -> dict[str, Any]:
