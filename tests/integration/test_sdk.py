@@ -103,7 +103,17 @@ def test_own_module_equals_the_plain_pytorch_loop(tmp_path):
     assert final["step"] == 6 and final["train_loss"] == pytest.approx(expected[-1], rel=1e-6)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
-    assert (tmp_path / "run" / "checkpoints" / "step_00000006" / "meta.json").is_file()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000006"
+    assert (ckpt / "meta.json").is_file()
+    # The checkpoint loads back into the user's module; the verbs that rebuild lmforge's model say so.
+    from lmforge.checkpoint.manager import load_states
+    from lmforge.cli import main
+
+    again = GRULM(256)
+    assert load_states(ckpt, again) == 6
+    for p, q in zip(again.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    assert main(["eval", str(tmp_path / "run")]) == 2
 
 
 def test_texts_with_a_tokenizer_and_eval_data(tiny_cfg, tmp_path):

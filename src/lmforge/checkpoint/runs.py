@@ -159,6 +159,12 @@ def load_model(cfg: Config, path: str | Path, weights: str = "model",
     else:
         from lmforge.models import build_model
 
+        if cfg.model.vocab_size is None:  # every resolved config of lmforge's own Transformer has one
+            raise LmforgeError(
+                f"{path} was trained with a model object of its own (lmforge.Trainer(model=...)), which its "
+                "config cannot rebuild; load the weights into that module with "
+                "lmforge.checkpoint.manager.load_states(checkpoint_dir, module)"
+            )
         model = build_model(cfg.model, device=device)
         step = load_weights(path, model, weights)
     return model.eval(), step
