@@ -24,7 +24,13 @@ import torch
 from torch import nn
 
 from lmforge.checkpoint.run_dir import mark_job, open_run_dir, restarted_job_owns
-from lmforge.checkpoint.runs import load_model, load_weights, resolve_init_from, run_tokenizer_file
+from lmforge.checkpoint.runs import (
+    check_rebuildable,
+    load_model,
+    load_weights,
+    resolve_init_from,
+    run_tokenizer_file,
+)
 from lmforge.config.schema import Config
 from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.data.memory import token_stream
@@ -317,6 +323,7 @@ def _check_custom_model(model: nn.Module, tokenizer: Tokenizer | None, train_src
 
 # -- evaluation and generation ----------------------------------------------------------------------
 def _build_inference(cfg, purpose, world, device, weights_from: Path, weights: str, objective) -> Run:
+    check_rebuildable(cfg, weights_from)
     tok_path = run_tokenizer_file(cfg)
     if tok_path is None:
         raise LmforgeError(

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 
 from lmforge.checkpoint.manager import CheckpointManager
-from lmforge.checkpoint.runs import is_hf_dir, load_model, run_config, run_tokenizer_file
+from lmforge.checkpoint.runs import check_rebuildable, is_hf_dir, load_model, run_config, run_tokenizer_file
 from lmforge.config.load import save_config
 from lmforge.config.schema import Config
 from lmforge.data import Tokenizer
@@ -68,6 +68,7 @@ def export_hf(src: str | Path, out_dir: str | Path, overwrite: bool = False,
             raise LmforgeError(f"{out} is not empty; choose another output dir or pass --overwrite")
         shutil.rmtree(out)
     cfg, ckpt = run_config(src)
+    check_rebuildable(cfg, ckpt)
     tok_path = run_tokenizer_file(cfg)
     if tok_path is None:
         raise LmforgeError(f"the tokenizer of {src} is missing; was data.dir moved?")

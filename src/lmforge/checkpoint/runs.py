@@ -145,6 +145,17 @@ def load_weights(path: str | Path, model: nn.Module, weights: str = "model") -> 
     return load_states(find_weights(path)[1], model, weights=weights)
 
 
+def check_rebuildable(cfg: Config, path: str | Path) -> None:
+    """Refuse a run whose model its config cannot rebuild: one trained with a model object of its own
+    (every resolved config of lmforge's Transformer has a vocabulary size; those runs have none)."""
+    if cfg.model.vocab_size is None and not is_hf_dir(Path(path)):
+        raise LmforgeError(
+            f"{path} was trained with a model object of its own (lmforge.Trainer(model=...)), which its "
+            "config cannot rebuild; load the weights into that module with "
+            "lmforge.checkpoint.manager.load_states(checkpoint_dir, module)"
+        )
+
+
 def load_model(cfg: Config, path: str | Path, weights: str = "model",
                device: torch.device | str = "cpu") -> tuple[nn.Module, int]:
     """The model `cfg.model` describes, filled with the weights at `path`, in eval mode; and the
@@ -159,12 +170,7 @@ def load_model(cfg: Config, path: str | Path, weights: str = "model",
     else:
         from lmforge.models import build_model
 
-        if cfg.model.vocab_size is None:  # every resolved config of lmforge's own Transformer has one
-            raise LmforgeError(
-                f"{path} was trained with a model object of its own (lmforge.Trainer(model=...)), which its "
-                "config cannot rebuild; load the weights into that module with "
-                "lmforge.checkpoint.manager.load_states(checkpoint_dir, module)"
-            )
+        check_rebuildable(cfg, path)
         model = build_model(cfg.model, device=device)
         step = load_weights(path, model, weights)
     return model.eval(), step
