@@ -74,7 +74,8 @@ def reference() -> tuple[dict, bool]:
     if not same_software:
         pytest.skip(f"no golden curve recorded with torch {env['torch']} and tokenizers {env['tokenizers']}; "
                     "record one: python tests/integration/test_golden.py --record")
-    same_capability = [r for r in same_software if r["environment"]["cpu_capability"] == env["cpu_capability"]]
+    capability = env["cpu_capability"]
+    same_capability = [r for r in same_software if r["environment"]["cpu_capability"] == capability]
     return (same_capability or same_software)[0], False
 
 

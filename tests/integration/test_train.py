@@ -109,6 +109,9 @@ def test_resume_skips_a_damaged_latest_checkpoint(tiny_cfg, tmp_path, shared_dat
     train(tiny_cfg("train.max_steps=6", "checkpoint.every=3"))
     (tmp_path / "run" / "checkpoints" / "step_00000006" / "rank_00000.pt").write_bytes(b"garbage")
     train(tiny_cfg("train.max_steps=8", "checkpoint.every=3"), resume=True)  # continues from step 3
+    # The unreadable checkpoint is kept (moved out of the step sequence), not overwritten by step 6 again.
+    kept = tmp_path / "run" / "checkpoints" / "unreadable" / "step_00000006" / "rank_00000.pt"
+    assert kept.read_bytes() == b"garbage"
     clean = load_config(TINY, tiny_overrides(tmp_path / "clean", shared_data_dir, "train.max_steps=8",
                                              "checkpoint.every=3"))
     train(clean)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -43,12 +44,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_state_dict,
 )
 
+from lmforge.checkpoint.safe_dcp import SafeFileSystemReader, SafeLoadPlanner, read_metadata
 from lmforge.errors import CheckpointError, CheckpointMismatchError, LmforgeError
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir
 
@@ -173,20 +176,37 @@ def check_shapes(path: Path, meta: dict[str, Any], model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _quiet_single_process():
-    """DCP warns on every single-process save/load that it assumes one process; that is intended."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    """DCP warns on every single-process save/load that it assumes one process (intended), and logs
+    the tracebacks of reads it retries on the root logger; the error that ends a load is ours to say."""
+    dcp_noise = _DropDCPLogs()
+    root = logging.getLogger()
+    root.addFilter(dcp_noise)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    finally:
+        root.removeFilter(dcp_noise)
+
+
+class _DropDCPLogs(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "torch/distributed/checkpoint" not in record.pathname.replace("\\", "/")
 
 
 def _find_os_error(e: BaseException) -> OSError | None:
     """The OSError behind `e`, also when DCP wrapped it in a CheckpointException per rank."""
+    return _find_error(e, OSError)
+
+
+def _find_error(e: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The first `kind` behind `e` (itself, its causes, or the per-rank failures DCP wraps)."""
     seen = 0
     stack = [e]
     while stack and seen < 20:
         cur = stack.pop()
         seen += 1
-        if isinstance(cur, OSError):
+        if isinstance(cur, kind) and not (cur is e and isinstance(cur, CheckpointException)):
             return cur
         failures = getattr(cur, "failures", None)
         if isinstance(failures, dict):  # rank -> (exception, traceback frames)
@@ -269,6 +289,18 @@ class CheckpointManager:
         for stale in self.root.glob(".tmp-*"):  # left by a crash during an earlier save
             shutil.rmtree(stale, ignore_errors=True)
 
+    def set_aside(self, path: Path) -> Path:
+        """Move an unreadable checkpoint out of the step sequence (retention and resume no longer see
+        it; nothing is deleted): checkpoints/unreadable/<name>[.N]."""
+        aside = self.root / "unreadable"
+        aside.mkdir(exist_ok=True)
+        target, n = aside / path.name, 1
+        while target.exists():
+            target, n = aside / f"{path.name}.{n}", n + 1
+        os.replace(path, target)
+        fsync_dir(self.root)
+        return target
+
     # -- load ---------------------------------------------------------------------------------
     def latest(self) -> CheckpointInfo | None:
         ckpts = list_checkpoints(self.root)
@@ -288,8 +320,9 @@ class CheckpointManager:
         loaded = [k for k in (averages or {}) if k in saved_averages(path)]
         if loaded:
             _dcp_load({"averaging": {k: averages[k] for k in loaded}}, path)
+        state = self.read_run_state(path)
         try:
-            saved = migrate_run_state(self.read_run_state(path))
+            saved = migrate_run_state(state)
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"checkpoint {path}: its run state is malformed "
                                   f"({type(e).__name__}: {e})") from None
@@ -314,25 +347,40 @@ class CheckpointManager:
             rank_file = path / "rank_00000.pt"
         try:
             return torch.load(rank_file, weights_only=True)
-        except Exception as e:
-            raise CheckpointError(f"cannot read train state {rank_file}: {e}") from None
+        except Exception as e:  # weights_only refuses anything but tensors and plain data
+            reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise CheckpointError(f"cannot read train state {rank_file}: {reason}") from None
 
 
 def saved_averages(path: Path) -> set[str]:
     """Kinds of weight averages ('ema', 'swa') checkpoint `path` holds."""
     try:
-        keys = dcp.FileSystemReader(str(path / "state")).read_metadata().state_dict_metadata
+        keys = read_metadata(str(path / "state")).state_dict_metadata
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
     return {k.split(".")[1] for k in keys if k.startswith("averaging.")}
 
 
 def _dcp_load(state: dict, path: Path) -> None:
+    """Load `state` in place from checkpoint `path` through the reader and planner that run no code
+    from the files (checkpoint/safe_dcp.py)."""
     try:
+        # Read (or refused) here, before DCP's own reader would retry and log; then parsed only once.
+        reader = SafeFileSystemReader(str(path / "state"), read_metadata(str(path / "state")))
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(path / "state"))
-    except Exception as e:  # DCP wraps reader errors in its own exception types
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from None
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        ours = _find_error(e, CheckpointError)
+        raise ours if ours is not None else CheckpointError(f"cannot read checkpoint {path}: "
+                                                            f"{_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    cause = _find_error(e, Exception) if isinstance(e, CheckpointException) else e
+    text = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def load_states(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,

@@ -40,6 +40,7 @@ class Console:
         if mode == "auto":
             mode = "bar" if sys.stdout.isatty() else "plain"
         self.mode = mode if enabled else "none"
+        self.enabled = enabled
         self.rich = RichConsole(highlight=False, soft_wrap=True)
         self.progress: Progress | None = None
         self._task = None
@@ -53,6 +54,15 @@ class Console:
             self.rich.print(msg, highlight=False)
 
     __call__ = print
+
+    def warn(self, msg: str) -> None:
+        """Something the user must see even with logging.progress=none (on the main rank, to stderr)."""
+        if not self.enabled:
+            return
+        if self.mode == "none":
+            print(f"lmforge: warning: {msg}", file=sys.stderr)
+        else:
+            self.print(f"[yellow]{msg}[/yellow]")
 
     def start(self, total: int, completed: int = 0) -> None:
         self._t0, self._first = time.perf_counter(), completed

@@ -377,8 +377,12 @@ class Trainer:
         return self.save() if self._last_saved_step != self.step else self.ckpt.latest().path
 
     def _restore(self) -> None:
-        """Load the newest checkpoint that reads back whole; an unreadable one is reported and skipped."""
-        for info in reversed(on_rank0(lambda: list_checkpoints(self.ckpt.root))):
+        """Load the newest checkpoint that reads back whole. Unreadable newer ones are moved aside to
+        checkpoints/unreadable/ (never deleted, never overwritten by the resumed run); when none can
+        be read the resume is refused with nothing changed."""
+        ckpts = on_rank0(lambda: list_checkpoints(self.ckpt.root))
+        failed: list[tuple[Path, str]] = []
+        for info in reversed(ckpts):
             error = None
             try:
                 self._load_checkpoint(info.path, full=True)
@@ -388,12 +392,20 @@ class Trainer:
                 error = e
             if not any_rank(error is not None, self.device):  # every rank must take the same one
                 break
-            reason = error or "unreadable on another rank"
-            self.console(f"[yellow]skipping damaged checkpoint {info.path}: {reason}[/yellow]")
+            failed.append((info.path, str(error or "unreadable on another rank")))
         else:
-            self.console(f"[yellow]no usable checkpoint in {self.ckpt.root}: starting from step 0[/yellow]")
+            if ckpts:
+                detail = "; ".join(f"{p.name}: {why}" for p, why in failed)
+                raise CheckpointError(
+                    f"--resume: no checkpoint in {self.ckpt.root} could be read ({detail}); nothing was "
+                    "changed. Restore a readable checkpoint, or start a new run (another run.dir)")
+            self.console.warn(f"{self.ckpt.root} holds no checkpoint yet: starting the run from step 0")
             self._reinitialise()
             return
+        if failed:
+            moved = on_rank0(lambda: [str(self.ckpt.set_aside(p)) for p, _ in failed])
+            for (p, why), to in zip(failed, moved):
+                self.console.warn(f"checkpoint {p.name} is unreadable ({why}); moved it to {to}")
         self.console(f"resumed from {info.path} (step {self.step})")
 
     def _load_checkpoint(self, path: Path, full: bool) -> None:
