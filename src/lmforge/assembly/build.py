@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from lmforge.checkpoint.run_dir import mark_job, open_run_dir, restarted_job_owns
+from lmforge.checkpoint.run_dir import RunLock, mark_job, open_run_dir, restarted_job_owns
 from lmforge.checkpoint.runs import (
     check_rebuildable,
     load_model,
@@ -80,6 +80,12 @@ class Run:
     resumed: bool = False  # train: the run dir holds an earlier run to continue
     step: int = 0  # eval/generate: the step the weights were saved at
     weights_from: Path | None = None  # eval/generate: the checkpoint (or HF dir) of the weights
+    lock: RunLock | None = None  # train, rank 0: the run dir's lock, held until `release()`
+
+    def release(self) -> None:
+        """Give up the run dir's lock (the trainer does at the end of fit)."""
+        if self.lock is not None:
+            self.lock.release()
 
     @property
     def run_dir(self) -> Path:
@@ -189,16 +195,49 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
     check_layout(cfg, dims, objective, custom)
     if world.world_size > 1:
         dims.build_mesh(device.type)
-    resumed = False
+    resumed, lock = False, None
     if purpose == "train":
         run_dir = Path(cfg.run.dir)
         # torchrun --max-restarts: a restarted job continues from the last checkpoint by itself, but
         # only a run this job started (a first attempt refused for a foreign run dir must stay refused).
         resume = resume or on_rank0(lambda: restarted_job_owns(run_dir))
-        resumed = on_rank0(lambda: open_run_dir(run_dir, resume=resume, overwrite=cfg.run.overwrite, say=say))
+        locks: list[RunLock] = []  # rank 0's, kept here: the lock is a file descriptor, not broadcast
+
+        def open_dir() -> bool:
+            resumed, lock = open_run_dir(run_dir, resume=resume, overwrite=cfg.run.overwrite, say=say,
+                                         inputs=_input_paths(cfg))
+            locks.append(lock)
+            return resumed
+
+        resumed = on_rank0(open_dir)
+        lock = locks[0] if locks else None
         if world.is_main:
             mark_job(run_dir)
+    try:
+        return _training_parts(
+            cfg,
+            purpose,
+            world,
+            device,
+            model,
+            train_data,
+            eval_data,
+            tokenizer,
+            objective,
+            dims,
+            resumed,
+            lock,
+            say,
+        )
+    except BaseException:
+        if lock is not None:  # a run that could not be assembled leaves its run dir free
+            lock.release()
+        raise
 
+
+def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, dims,
+                    resumed, lock, say) -> Run:
+    custom = model is not None
     data, tokenizer, train_src, val_src = _training_data(cfg, train_data, eval_data, tokenizer, say)
     if not custom:
         vocab = tokenizer.vocab_size if tokenizer is not None else int(max(s.max() for s in train_src)) + 1
@@ -261,7 +300,15 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         token_bytes=_token_bytes(tokenizer),
         custom_model=custom,
         resumed=resumed,
+        lock=lock,
     )
+
+
+def _input_paths(cfg: Config) -> tuple[Path, ...]:
+    """Files and dirs the run reads: overwriting the run dir must never delete one of them."""
+    paths = [Path(s) for s in cfg.data.sources if s != "builtin:python"]
+    paths += [Path(p) for p in (cfg.model.init_from, cfg.data.tokenizer.path) if p]
+    return tuple(paths)
 
 
 def _training_data(cfg, train_data, eval_data, tokenizer, say):

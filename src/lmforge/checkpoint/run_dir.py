@@ -1,10 +1,12 @@
-"""The run directory's life cycle: new, resumed, or refused because it holds another run."""
+"""The run directory's life cycle: new, resumed, or refused because it holds another run or another
+process trains in it."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import socket
+import time
 from pathlib import Path
 
 from lmforge.errors import LmforgeError
@@ -16,6 +18,46 @@ RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "curves.png", "checkpoints", "t
 
 
 JOB_MARKER = ".torchrun_job"
+LOCK_FILE = ".lock"
+
+
+class RunLock:
+    """An exclusive lock on a run dir for the life of the process that trains in it.
+
+    `fcntl.flock` on <run.dir>/.lock: the kernel drops it when the holder exits, however it exits
+    (kill -9 included), so there are no stale locks; the file itself only tells who holds it.
+    """
+
+    def __init__(self, fd: int | None) -> None:
+        self._fd = fd
+
+    @classmethod
+    def acquire(cls, run_dir: Path) -> RunLock:
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): unlocked, as before
+            return cls(None)
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise LmforgeError(f"run.dir {run_dir} is in use: {holder} trains in it; wait for it to finish "
+                               "(or stop it), or choose another run.dir") from None
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} (since {stamp})\n".encode(), 0)
+        return cls(fd)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)  # a free run dir names no holder
+            os.close(self._fd)  # closing the descriptor releases the flock
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.release()
 
 
 def _job_id() -> str | None:
@@ -49,33 +91,43 @@ def holds_run(run_dir: Path) -> bool:
     return any((run_dir / name).exists() for name in RUN_ARTIFACTS)
 
 
-def open_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, say=print) -> bool:
-    """Make `run_dir` ready. Returns True when an earlier run in it is to be resumed.
+def open_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, say=print,
+                 inputs: tuple[Path, ...] = ()) -> tuple[bool, RunLock]:
+    """Make `run_dir` ready and lock it. Returns (an earlier run in it is to be resumed, the lock).
 
     A dir that already holds a run is refused unless resuming or overwriting, so that a typo in a
-    command never destroys a week of training.
+    command never destroys a week of training. Everything is checked before anything is written:
+    overwriting refuses to delete an artifact that is, or holds, one of the run's `inputs` (data
+    sources, weights to start from, a tokenizer), and happens only once this process holds the lock.
     """
     if run_dir.exists() and not run_dir.is_dir():
         raise LmforgeError(f"run.dir {run_dir} exists and is not a directory; choose another run.dir")
     existing = holds_run(run_dir)
-    if resume:
-        if not existing:
-            say(f"[yellow]nothing to resume in {run_dir}: starting a new run[/yellow]")
-        run_dir.mkdir(parents=True, exist_ok=True)
-        return existing
-    if existing:
-        if not overwrite:
-            found = ", ".join(n for n in RUN_ARTIFACTS if (run_dir / n).exists())
-            raise LmforgeError(
-                f"run.dir {run_dir} already holds a run ({found}); pass --resume to continue it, "
-                "--set run.overwrite=true to replace it, or choose another run.dir"
-            )
+    if existing and not resume and not overwrite:
+        found = ", ".join(n for n in RUN_ARTIFACTS if (run_dir / n).exists())
+        raise LmforgeError(
+            f"run.dir {run_dir} already holds a run ({found}); pass --resume to continue it, "
+            "--set run.overwrite=true to replace it, or choose another run.dir"
+        )
+    replace = existing and not resume
+    if replace:
+        for name in RUN_ARTIFACTS:
+            target = (run_dir / name).resolve()
+            for inp in inputs:
+                inp = inp.resolve()
+                if inp == target or target in inp.parents:
+                    raise LmforgeError(f"run.overwrite would delete {run_dir / name}, which holds {inp}, an "
+                                       "input of this run; copy it elsewhere or choose another run.dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock.acquire(run_dir)
+    if resume and not existing:
+        say(f"[yellow]nothing to resume in {run_dir}: starting a new run[/yellow]")
+    if replace:
         say(f"[yellow]run.overwrite: replacing the run in {run_dir}[/yellow]")
         for name in RUN_ARTIFACTS:
             target = run_dir / name
-            if target.is_dir():
+            if target.is_dir() and not target.is_symlink():
                 shutil.rmtree(target)
-            elif target.exists():
+            elif target.exists() or target.is_symlink():
                 target.unlink()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return False
+    return existing and resume, lock

@@ -168,7 +168,9 @@ class Trainer:
         self._first_compiled_step = True
         if run.resumed:
             self._restore()
-        if self.world.is_main:  # only now: a refused resume must leave the old run's config intact
+        # A resumed run that already reached train.max_steps has nothing to do and changes nothing.
+        self.complete = run.resumed and self.step >= self.cfg.train.max_steps
+        if self.world.is_main and not self.complete:  # a refused resume leaves the old config intact
             save_config(self.cfg, run.run_dir / "config.yaml")
         n_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = (
@@ -204,6 +206,8 @@ class Trainer:
         """Train to `train.max_steps` (or a stop request); returns the final metrics: step, train_loss
         (the last step's) and the final validation's loss, ppl, tokens, bpb."""
         tc, final = self.cfg.train, None
+        if self.complete:
+            return self._completed()
         old_handlers = self._install_signal_handlers()
         self._emit("on_train_start")
         try:
@@ -232,8 +236,33 @@ class Trainer:
                      **(self._last_val[1] if evaluated_now else self.validate())}
         finally:
             self._restore_signal_handlers(old_handlers)
-            self._emit("on_train_end", final)
+            try:
+                self._emit("on_train_end", final)
+            finally:
+                self._release()
         return final
+
+    def _release(self) -> None:
+        """The run dir is free for another process (the loop is over)."""
+        self.run.release()
+
+    def _completed(self) -> dict[str, Any]:
+        """fit() of a resumed run that already reached train.max_steps: its recorded final metrics."""
+        from lmforge.metrics.loggers import read_metrics
+
+        self.console.warn(f"the run in {self.run_dir} is complete (step {self.step} of train.max_steps="
+                          f"{self.cfg.train.max_steps}); nothing to do. Raise train.max_steps to train on.")
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        val = [r for r in records if r.get("step") == self.step and "val_loss" in r]
+        train = [r["loss"] for r in records if "loss" in r and "event" not in r]
+        out: dict[str, Any] = {"step": self.step, "train_loss": train[-1] if train else math.nan}
+        if val:
+            v = val[-1]
+            out.update(loss=v["val_loss"], ppl=v["val_ppl"])
+            if "val_bpb" in v:
+                out["bpb"] = v["val_bpb"]
+        self._release()
+        return out
 
     # -- pieces of the loop -------------------------------------------------------------------
     def _train_step(self) -> StepResult:

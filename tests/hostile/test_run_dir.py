@@ -1,0 +1,75 @@
+"""Shared run dirs: one process trains in a run dir at a time (the lock dies with its holder, kill -9
+included), a finished run resumed again changes nothing, and run.overwrite never deletes an input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from treehash import tree_hash
+
+from lmforge.errors import LmforgeError
+from lmforge.metrics.loggers import read_metrics
+from lmforge.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "debug" / "tiny.yaml"
+CORPUS = REPO / "tests" / "data" / "pydoc_topics.jsonl"
+
+
+def test_a_second_trainer_in_the_same_run_dir_is_refused(tiny_cfg, tmp_path):
+    first = Trainer(tiny_cfg("train.max_steps=3"))
+    before = tree_hash(tmp_path / "run")
+    with pytest.raises(LmforgeError, match=rf"run.dir {tmp_path / 'run'} is in use: pid {os.getpid()} on "):
+        Trainer(tiny_cfg("train.max_steps=3"), resume=True)
+    assert tree_hash(tmp_path / "run") == before
+    first.fit()  # ends by freeing the run dir
+    Trainer(tiny_cfg("train.max_steps=4"), resume=True).fit()
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_the_lock_of_a_killed_process_is_free(tmp_path, shared_data_dir):
+    """kill -9 of a trainer leaves no stale lock: --resume works right after."""
+    base = [sys.executable, "-m", "lmforge", "train", "-c", str(TINY), "--set", f"run.dir={tmp_path / 'run'}",
+            "--set", f"data.dir={shared_data_dir}", "--set", f"data.sources=[{CORPUS}]", "--set",
+            "data.max_chars=null", "--set", "logging.progress=none", "--set", "checkpoint.every=1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.Popen(base + ["--set", "train.max_steps=400"], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    ckpts = tmp_path / "run" / "checkpoints"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (ckpts.is_dir() and any(ckpts.glob("step_*"))):
+        time.sleep(0.2)
+    second = subprocess.run(base + ["--set", "train.max_steps=400", "--resume"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 2 and f"pid {proc.pid} on" in second.stderr and "is in use" in second.stderr
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    done = subprocess.run(base + ["--set", "train.max_steps=3", "--resume"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_resuming_a_finished_run_changes_nothing(tiny_cfg, tmp_path, capsys):
+    final = Trainer(tiny_cfg("train.max_steps=4", "train.eval_every=2")).fit()
+    before = tree_hash(tmp_path / "run")
+    for _ in range(3):
+        again = Trainer(tiny_cfg("train.max_steps=4", "train.eval_every=2"), resume=True).fit()
+        assert again == {k: v for k, v in final.items() if k != "tokens"}  # tokens: not in metrics.jsonl
+    assert tree_hash(tmp_path / "run") == before
+    assert "is complete (step 4 of train.max_steps=4); nothing to do" in capsys.readouterr().err
+
+
+def test_overwrite_never_deletes_an_input(tiny_cfg, tmp_path):
+    Trainer(tiny_cfg("train.max_steps=2")).fit()
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
+    before = tree_hash(tmp_path / "run")
+    with pytest.raises(LmforgeError, match=r"run.overwrite would delete .*checkpoints, which holds .*step_00000002, "
+                                           "an input of this run"):
+        Trainer(tiny_cfg("train.max_steps=2", "run.overwrite=true", f"model.init_from={ckpt}"))
+    assert tree_hash(tmp_path / "run") == before
