@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# the largest English-language web populations (US covers all of +1: Canada, the Caribbean) and
+# the two largest EU languages; numbers of every other country are still found when written
+# with + and a country code, and each added region costs throughput and look-alike surface
+DEFAULT_PHONE_REGIONS = ("US", "GB", "IN", "DE", "FR")
 
 
 class _Step(BaseModel):
@@ -100,6 +105,26 @@ class PiiStep(_Step):
         default_factory=lambda: ["email", "phone", "ipv4", "ipv6", "credit_card", "ssn", "iban", "secret"],
         description="PII types to redact, each replaced by a typed placeholder such as <EMAIL>.",
     )
+    phone_regions: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_PHONE_REGIONS),
+        description="Regions whose national phone formats (no +country code) are redacted, as ISO "
+        "3166-1 alpha-2 codes; numbers written with + and a country code are redacted for any region.",
+    )
+
+    @field_validator("phone_regions")
+    @classmethod
+    def _known_regions(cls, regions: list[str]) -> list[str]:
+        import phonenumbers  # here, not at the top: loading a config stays light
+
+        regions = [r.upper() for r in regions]
+        bad = [r for r in regions if r not in phonenumbers.SUPPORTED_REGIONS]
+        if bad:
+            hint = " (the United Kingdom is GB)" if "UK" in bad else ""
+            raise ValueError(
+                f"unknown phone region(s) {', '.join(map(repr, bad))}{hint}: use ISO 3166-1 alpha-2 codes "
+                "such as US, GB, DE, FR, IN"
+            )
+        return list(dict.fromkeys(regions))
 
 
 class LanguageStep(_Step):

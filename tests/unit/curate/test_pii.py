@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+from pydantic import ValidationError
 
 from lmforge.config.curate import PiiStep
 from lmforge.data.curate.doc import Doc
-from lmforge.data.curate.steps.pii import Step, iban_ok, luhn_ok, redact
+from lmforge.data.curate.steps.pii import Step, iban_ok, luhn_ok, phone_spans, redact
 
 ALL = frozenset(PiiStep().types)
 
@@ -15,15 +18,33 @@ POSITIVES = [
     ("john.doe@example.com", "<EMAIL>", "email"),
     ("Contact: jane_smith+news@mail.co.uk.", "Contact: <EMAIL>.", "email"),
     ("write to <ops-team@sub.example-corp.io>", "write to <<EMAIL>>", "email"),
-    # phone
+    # phone (US numbers in area code 202: 555 is no area code, see NEGATIVES)
     ("+44 20 7946 0958", "<PHONE>", "phone"),
-    ("call +1 (555) 123-4567 today", "call <PHONE> today", "phone"),
-    ("(555) 123-4567", "<PHONE>", "phone"),
-    ("tel: 555-123-4567.", "tel: <PHONE>.", "phone"),
-    ("555.123.4567", "<PHONE>", "phone"),
+    ("call +1 (202) 555-0143 today", "call <PHONE> today", "phone"),
+    ("(202) 555-0143", "<PHONE>", "phone"),
+    ("tel: 202-555-0143.", "tel: <PHONE>.", "phone"),
+    ("202.555.0143", "<PHONE>", "phone"),
     ("1-800-555-0199", "<PHONE>", "phone"),
     ("Berlin office +49-30-1234567", "Berlin office <PHONE>", "phone"),
     ("+33 1 23 45 67 89", "<PHONE>", "phone"),
+    ("+12025550143", "<PHONE>", "phone"),
+    ("+1 202 555 0143 ext. 12, then", "<PHONE>, then", "phone"),
+    ("(416) 555-0199", "<PHONE>", "phone"),  # Canada, through the US region (+1 plan)
+    ("+61 2 9876 5432", "<PHONE>", "phone"),  # any country when written with +
+    # national formats of the default phone_regions (US, GB, IN, DE, FR)
+    ("London office 020 7946 0958.", "London office <PHONE>.", "phone"),
+    ("call 0207 946 0958", "call <PHONE>", "phone"),  # grouped the common wrong way
+    ("0044 20 7946 0958", "<PHONE>", "phone"),  # international prefix dialled from the UK
+    ("Tel. 030 1234567", "Tel. <PHONE>", "phone"),
+    ("Tel.: (030) 12345678", "Tel.: <PHONE>", "phone"),
+    ("Tel. 089/12345678", "Tel. <PHONE>", "phone"),
+    ("Handy 0171 1234567", "Handy <PHONE>", "phone"),
+    ("+49 (0)30 1234567", "<PHONE>", "phone"),
+    ("Paris : 01 42 68 53 00", "Paris : <PHONE>", "phone"),
+    ("portable 06.12.34.56.78", "portable <PHONE>", "phone"),
+    ("mobile 98765 43210", "mobile <PHONE>", "phone"),
+    ("+91 98765 43210", "<PHONE>", "phone"),
+    ("Delhi 011 2345 6789", "Delhi <PHONE>", "phone"),
     # IPv4 / IPv6: one placeholder, counted per version
     ("ping 8.8.8.8", "ping <IP_ADDRESS>", "ipv4"),
     ("server at 93.184.216.34:8080", "server at <IP_ADDRESS>:8080", "ipv4"),
@@ -89,6 +110,15 @@ NEGATIVES = [
     "4111 1111 1111 1112", "1234567890123456", "0000 0000 0000 0000", "3704 0044 0532 0130 01",
     # IBAN look-alikes: wrong check digits, unknown country
     "DE89 3704 0044 0532 0130 01", "XX89370400440532013000",
+    # phone look-alikes: area code 555 was never assigned, a fictional number identifies no one (as
+    # 192.0.2.1); 07700 900xxx is Ofcom's drama range; bare digit runs are ids and timestamps
+    "(555) 123-4567", "call +1 (555) 123-4567", "555-123-4567", "555.123.4567", "+44 7700 900123",
+    "2025550143", "9876543210", "'{:,}'.format(1234567890)",
+    "2024-01-15", "3.14159265", "0.123456789", "3.141592653589793", "15.01.2024", "01/15/2024",
+    "2024-01-15 10:30:45", "1 234 567 890", "10 000 000", "1,234,567,890", "pp. 123-4567",
+    "1990-2000 and 2001-2010", "id 1234-5678-9012", "ISSN 0317-8471", "0-306-40615-2",
+    "978-0-306-40615-7", "ISBN 0-306-40615-3", "Steuernummer 21/815/08150", "255.255.255.0", "+0 123 456 789",
+    "numbers 01 02 03 04 05 06 07", "4006381333931",
     # e-mail look-alikes
     "user@localhost", "icon@2x.png", "@property", "name @ example",
     # secret look-alikes
@@ -118,7 +148,7 @@ def test_negative_unchanged(text):
 
 def test_mixed_document_and_counts():
     text = (
-        "Mail bob@corp.example.org or call (555) 123-4567 / +44 20 7946 0958. Server 8.8.4.4 and "
+        "Mail bob@corp.example.org or call (202) 555-0143 / +44 20 7946 0958. Server 8.8.4.4 and "
         "2606:4700:4700::1111 (v1.2.3.4, released 2023-01-15, costs $1,234.56). Card 4111 1111 1111 1111, "
         "SSN 123-45-6789, IBAN GB82WEST12345698765432, key AKIAIOSFODNN7EXAMPLE."
     )
@@ -156,3 +186,51 @@ def test_checksums():
     assert iban_ok("DE89370400440532013000") and not iban_ok("DE89370400440532013001")
     assert not iban_ok("DE8937040044053201300")  # wrong length for DE
     assert ALL == {"email", "phone", "ipv4", "ipv6", "credit_card", "ssn", "iban", "secret"}
+
+
+@pytest.mark.parametrize(
+    "text,where",
+    [("020 7946 0958", "GB"), ("030 1234567", "DE"), ("01 42 68 53 00", "FR"), ("98765 43210", "IN")],
+)
+def test_national_formats_only_for_configured_regions(text, where):
+    others = [r for r in ("US", "GB", "DE", "FR", "IN") if r != where]
+    assert redact(f"call {text} now", {"phone"}, phone_regions=[where]) == "call <PHONE> now"
+    # read in a region whose plan it does not fit, it stays
+    stepped = Step(PiiStep(phone_regions=["US"])).apply(Doc("d", f"call {text} now"))[0]
+    assert stepped.text == f"call {text} now"
+    # with "+" and the country code, every region (and none) finds it
+    cc = {"GB": "+44", "DE": "+49", "FR": "+33", "IN": "+91"}[where]
+    intl = f"call {cc} {text.lstrip('0')} now"
+    for regions in (others, ["US"], []):
+        assert redact(intl, {"phone"}, phone_regions=regions) == "call <PHONE> now", (intl, regions)
+
+
+def test_phone_matches_of_several_regions_merge_into_one():
+    counts = Counter()
+    # every region finds the +44 number, GB and IN both read 020 7946 0958 nationally
+    text = "a +44 20 7946 0958 b 020 7946 0958 c"
+    assert redact(text, {"phone"}, counts, ["US", "GB", "IN", "DE", "FR"]) == "a <PHONE> b <PHONE> c"
+    assert counts == {"phone": 2}
+    assert phone_spans(text, ["GB", "IN"]) == [(2, 18), (21, 34)]
+
+
+def test_ssn_shape_is_no_phone_when_ssn_is_off():
+    assert redact("SSN 078-05-1120, tel 030 1234567", {"phone"}) == "SSN 078-05-1120, tel <PHONE>"
+
+
+def test_phone_in_long_text_is_found_past_the_prefilter():
+    filler = "Plain prose with numbers like 3.14, 2024-01-15 and version 1.2.3. " * 2000
+    text = filler + "Ring 020 7946 0958 or +49 30 1234567." + filler
+    out = redact(text, {"phone"})
+    assert out == filler + "Ring <PHONE> or <PHONE>." + filler
+
+
+def test_phone_regions_validated():
+    assert PiiStep().phone_regions == ["US", "GB", "IN", "DE", "FR"]
+    assert PiiStep(phone_regions=["gb", "US", "GB"]).phone_regions == ["GB", "US"]
+    assert PiiStep(phone_regions=[]).phone_regions == []
+    with pytest.raises(ValidationError, match=r"unknown phone region\(s\) 'UK' \(the United Kingdom is GB\)"
+                       r".*ISO 3166-1 alpha-2 codes such as US, GB"):
+        PiiStep(phone_regions=["UK"])
+    with pytest.raises(ValidationError, match="'XX', 'EU'"):
+        PiiStep(phone_regions=["US", "XX", "EU"])

@@ -3,7 +3,8 @@
 Placeholders, by config type:
 
     email        <EMAIL>        user.name+tag@example.co.uk
-    phone        <PHONE>        +44 20 7946 0958, (555) 123-4567, 555-123-4567, 555.123.4567
+    phone        <PHONE>        +44 20 7946 0958, (202) 555-0143, 020 7946 0958: libphonenumber-valid
+                                numbers, national formats only of the configured `phone_regions`
     ipv4, ipv6   <IP_ADDRESS>   one placeholder for both versions (counted separately)
     credit_card  <CREDIT_CARD>  13-19 digits, Luhn-checked, known IIN prefix, card-like grouping
     ssn          <SSN>          AAA-GG-SSSS outside the never-issued ranges
@@ -16,7 +17,8 @@ match is validated (checksums, value ranges, context) before it is replaced, bec
 damage good text: version numbers, dates, prices, timestamps, ISBNs, hashes, UUIDs and C++/Python
 `::` must survive. Only *globally routable* IP addresses are redacted (as datatrove does): private,
 loopback, link-local and documentation ranges (10.x, 127.0.0.1, 192.168.x, 2001:db8::, ::1) identify
-no one, and tutorials are full of them.
+no one, and tutorials are full of them. Likewise only numbers valid in a numbering plan are phones:
+the fictional (555) 123-4567 (area code 555 was never assigned) is left alone.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ import ipaddress
 import math
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import phonenumbers
+
+from lmforge.config.curate import DEFAULT_PHONE_REGIONS
 from lmforge.data.curate.doc import Doc
 from lmforge.data.curate.step import MapStep
 
@@ -94,17 +99,112 @@ def _ipv6_ok(m: re.Match) -> bool:
 
 # --- phone numbers ---------------------------------------------------------------------------------
 
-_PHONE_INTL_RE = re.compile(
-    r"(?<![\w+])\+[1-9]\d{0,2}(?:[ .\-]?(?:\(\d{1,4}\)|\d{1,5})){1,7}(?![\w]|[.\-]\d)"
+# VALID, not POSSIBLE: the number must fit its region's numbering plan (area codes, lengths), which
+# keeps most digit look-alikes and the fictional 555 area code out; not STRICT_GROUPING: people group
+# digits their own way ("0207 946 0958" for 020 7946 0958) and a missed phone is a leak.
+_PHONE_LENIENCY = phonenumbers.Leniency.VALID
+# the separators libphonenumber accepts between digit blocks (phonenumberutil._VALID_PUNCTUATION)
+_PHONE_SEPS = (
+    "\\-x\u2010-\u2015\u2212\u30fc\uff0d-\uff0f \u00a0\u00ad\u200b\u2060\u3000()\uff08\uff09"
+    "\uff3b\uff3d.\\[\\]/~\u2053\u223c\uff5e"
 )
-_PHONE_US_RE = re.compile(
-    r"(?<![\w+.\-/])(?:1[ .\-])?(?:\(\d{3}\)[ ]?\d{3}-\d{4}|\d{3}(?P<sep>[.\-])\d{3}(?P=sep)\d{4})"
-    r"(?![\w\-/]|\.\d)"
+# PhoneNumberMatcher is pure Python and slow, so it only reads the text around runs of >= 7 digits
+# joined by those separators (at most 4 in a row, its own limit). Shorter valid numbers exist (a few
+# old lines in small German, Austrian or Italian towns, tiny island plans) but are rare and look like
+# any other short number: an accepted miss.
+_PHONE_RUN_RE = re.compile(f"\\d(?:[{_PHONE_SEPS}]{{0,4}}\\d){{6,}}")
+_PHONE_MARGIN = 32  # room for a leading "+" or "(0)" and a trailing extension around a run
+# shapes that some region's plan accepts but that are, in text, something else (a comma is no phone
+# separator: 1,234,567 and 3,14 never get here)
+_PHONE_SHAPE_REJECT_RE = re.compile(
+    r"[1-9]\d?([ \u00a0.])\d{3}(?:\1\d{3})+"  # 1 234 567 890, 12.345.678; but 612 345 678 is Spanish
+    r"|\d{1,3}(?:\.\d{1,3}){3}"  # dotted quad: an address or version number the IP types left
+    r"|\d{3}-\d{2}-\d{4}"  # SSN shape: the ssn type's call, not a German number
+    r"|\d+\.\d+"  # a decimal
+    r"|[^/]*/[^/]*/.*"  # two slashes: a date, a path, a file or tax number
 )
+# 2024-01-15, 15.01.2024, 01/15/2024: common, and never worth the matcher's time
+_DATE_RE = re.compile(r"\d{4}([\-./])\d\d?\1\d\d?|\d\d?([\-./])\d\d?\2\d{4}")
+_ISBN_SHAPE_RE = re.compile(r"\d+(?:-\d+){2,3}-\d")  # the check digit is a group of its own
+_ID_CONTEXT_RE = re.compile(r"(?i)\b(?:isbn(?:-?1[03])?|issn|doi|arxiv|pmid|oid)\s*[:#]?\s*$")
 
 
-def _phone_intl_ok(m: re.Match) -> bool:
-    return 8 <= sum(c.isdigit() for c in m.group()) <= 15
+def _isbn(raw: str) -> bool:
+    """A hyphenated ISBN-10 or ISBN-13 with a valid check digit."""
+    if not _ISBN_SHAPE_RE.fullmatch(raw):
+        return False
+    d = [int(c) for c in raw if c != "-"]
+    if len(d) == 10:
+        return sum((10 - i) * c for i, c in enumerate(d)) % 11 == 0
+    return len(d) == 13 and sum(c * (3 if i % 2 else 1) for i, c in enumerate(d)) % 10 == 0
+
+
+def _phone_ok(text: str, start: int, end: int) -> bool:
+    raw = text[start:end]
+    if not _PHONE_RUN_RE.search(raw):  # a fragment at a window's edge, or too short to be sure
+        return False
+    if raw[0] != "+":
+        # bare digits are ids, timestamps and order numbers far more often than phones; the matcher
+        # takes the "(" of f(1234567890) with them
+        if raw.strip("()[]").isdigit() or _PHONE_SHAPE_REJECT_RE.fullmatch(raw) or _isbn(raw):
+            return False
+    return not _ID_CONTEXT_RE.search(text, max(0, start - 16), start)
+
+
+def _not_phone_run(text: str, start: int, end: int) -> bool:
+    """A digit run that is, as a whole, bare digits, a date or another shape _phone_ok rejects."""
+    if start and text[start - 1] in "+(":
+        return False
+    run = text[start:end]
+    return run.isdigit() or bool(_DATE_RE.fullmatch(run) or _PHONE_SHAPE_REJECT_RE.fullmatch(run))
+
+
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for s, e in sorted(spans):
+        if merged and s < merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    return merged
+
+
+def phone_spans(text: str, regions: Sequence[str]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping (start, end) of the valid phone numbers in `text`.
+
+    Numbers written with "+" and a country code are found whatever the regions; national formats
+    only for `regions` (none: international format only).
+    """
+    runs = [m.span() for m in _PHONE_RUN_RE.finditer(text)]
+    found = []
+    for i, (s, e) in enumerate(runs):
+        if _not_phone_run(text, s, e):
+            continue
+        # one run per window, never part of a neighbour (whose tail could pass for a number), and a
+        # short window: the matcher's time grows with every digit group it is shown
+        ws = max(runs[i - 1][1] if i else 0, s - _PHONE_MARGIN)
+        we = min(runs[i + 1][0] if i + 1 < len(runs) else len(text), e + _PHONE_MARGIN)
+        chunk = text[ws:we]
+        # after "+" the country code is written: any region reads it the same, so read it once
+        for region in (None,) if text[s - 1 : s] == "+" else regions or (None,):
+            for m in phonenumbers.PhoneNumberMatcher(chunk, region, leniency=_PHONE_LENIENCY):
+                if _phone_ok(text, ws + m.start, ws + m.end):
+                    found.append((ws + m.start, ws + m.end))
+    # regions read "+44 20 7946 0958" alike, or one region a longer stretch than another: one phone
+    return _merge(found)
+
+
+def _redact_phones(text: str, regions: Sequence[str], counts: Counter) -> str:
+    spans = phone_spans(text, regions)
+    if not spans:
+        return text
+    counts["phone"] += len(spans)
+    parts, pos = [], 0
+    for s, e in spans:
+        parts += [text[pos:s], PLACEHOLDERS["phone"]]
+        pos = e
+    parts.append(text[pos:])
+    return "".join(parts)
 
 
 # --- credit cards ------------------------------------------------------------------------------------
@@ -314,17 +414,26 @@ _DETECTORS = [
     _Detector("ssn", _SSN_RE, _ssn_ok),
     _Detector("ipv6", _IPV6_RE, _ipv6_ok, needs=lambda t: "::" in t or t.count(":") >= 7),
     _Detector("ipv4", _IPV4_RE, _ipv4_ok),
-    _Detector("phone", _PHONE_INTL_RE, _phone_intl_ok),
-    _Detector("phone", _PHONE_US_RE),
+    # phones last (_redact_phones): every other type's digits are placeholders by then
 ]
 
 
-def redact(text: str, types: set[str] | frozenset[str], counts: Counter | None = None) -> str:
-    """`text` with the PII of the given types replaced by placeholders; matches added to `counts`."""
+def redact(
+    text: str,
+    types: set[str] | frozenset[str],
+    counts: Counter | None = None,
+    phone_regions: Sequence[str] = DEFAULT_PHONE_REGIONS,
+) -> str:
+    """`text` with the PII of the given types replaced by placeholders; matches added to `counts`.
+
+    `phone_regions`: ISO 3166-1 alpha-2 codes whose national phone formats are recognised.
+    """
     counts = Counter() if counts is None else counts
     for det in _DETECTORS:
         if det.kind in types and det.needs(text):
             text = det.redact(text, counts)
+    if "phone" in types:
+        text = _redact_phones(text, phone_regions, counts)
     return text
 
 
@@ -336,10 +445,11 @@ class Step(MapStep):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.types = frozenset(cfg.types)
+        self.phone_regions = tuple(cfg.phone_regions)
         self._counts: Counter = Counter()
 
     def apply(self, doc: Doc) -> tuple[Doc | None, str | None]:
-        text = redact(doc.text, self.types, self._counts)
+        text = redact(doc.text, self.types, self._counts, self.phone_regions)
         if text == doc.text:
             return doc, None
         return Doc(doc.id, text, doc.meta), None
