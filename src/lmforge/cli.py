@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable, Iterator
 
 from lmforge.errors import ConfigError, LmforgeDeprecationWarning, LmforgeError
+from lmforge.utils.io import check_replaceable
 
 
 def _config(args: argparse.Namespace):
@@ -72,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # Quote through YAML so any prompt text survives as a string.
         import json
 
-        overrides.append(f"generate.prompt={json.dumps(args.prompt)}")
+        overrides.append(f"generate.prompt={json.dumps(args.prompt, ensure_ascii=False)}")
     console = Console(highlight=False)
     for i, text in enumerate(generate_text(_run_path(args), overrides, weights=args.weights)):
         if i:
@@ -111,6 +112,7 @@ def cmd_plot_schedule(args: argparse.Namespace) -> int:
     from lmforge.tools.plots import plot_schedule, schedule_curve
 
     cfg = _config(args)
+    check_replaceable(args.out)  # before any work
     curve = schedule_curve(cfg, world_size=args.world_size)
     out = plot_schedule(curve, args.out, title=f"{cfg.run.name}: {cfg.schedule.name} schedule")
     console = Console(highlight=False)
@@ -133,6 +135,8 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
     from lmforge.tools.lr_finder import lr_find
 
     console = Console(highlight=False)
+    if args.out:
+        check_replaceable(args.out)  # before a sweep of minutes
     result = lr_find(_config(args), args.min_lr, args.max_lr, args.steps, args.out,
                      say=lambda m: console.print(m, markup=False))
     table = Table(title="lmforge lr-find", show_header=True)
@@ -256,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"lmforge {args.verb}: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the file system said no (read-only, permissions, full disk): not a bug
+        where = f" {e.filename}" if e.filename else ""
+        print(f"lmforge {args.verb}: error: cannot use{where}: {e.strerror or e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -147,9 +147,16 @@ def param_shapes(model: nn.Module) -> dict[str, list[int]]:
 
 def read_meta(path: Path) -> dict[str, Any]:
     try:
-        return json.loads((path / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"checkpoint {path} is unreadable: {e}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or meta["step"] < 0:
+        raise CheckpointError(f"checkpoint {path} is unreadable: its meta.json is not an object with a step "
+                              "(a checkpoint written by lmforge has one)")
+    shapes = meta.get("param_shapes", {})
+    if not isinstance(shapes, dict) or not all(isinstance(v, list) for v in shapes.values()):
+        raise CheckpointError(f"checkpoint {path} is unreadable: its meta.json param_shapes are malformed")
+    return meta
 
 
 def check_shapes(path: Path, meta: dict[str, Any], model: nn.Module) -> None:

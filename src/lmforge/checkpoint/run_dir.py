@@ -115,9 +115,10 @@ def open_run_dir(run_dir: Path, *, resume: bool, overwrite: bool, say=print,
             target = (run_dir / name).resolve()
             for inp in inputs:
                 inp = inp.resolve()
-                if inp == target or target in inp.parents:
-                    raise LmforgeError(f"run.overwrite would delete {run_dir / name}, which holds {inp}, an "
-                                       "input of this run; copy it elsewhere or choose another run.dir")
+                if inp == target or target in inp.parents or inp in target.parents:
+                    raise LmforgeError(f"run.overwrite would delete {run_dir / name}, which is part of "
+                                       f"{inp}, an input of this run; copy it elsewhere or choose another "
+                                       "run.dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock.acquire(run_dir)
     if resume and not existing:

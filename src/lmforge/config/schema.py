@@ -132,7 +132,7 @@ class ModelConfig(Section):
     def _apply_preset(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("preset") is not None:
             name = data["preset"]
-            if name not in PRESETS:
+            if not isinstance(name, str) or name not in PRESETS:
                 raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
             data = {**PRESETS[name], **data}
         return data

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache
 
 
@@ -32,16 +33,16 @@ def filter_logits(
 ) -> torch.Tensor:
     """float32 scores (B, V): logits / temperature with the tokens that top-k / top-p drop set to -inf."""
     if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 to scale logits, got {temperature}")
+        raise LmforgeError(f"temperature must be > 0 to scale logits, got {temperature}")
     scores = logits.float() / temperature  # (B, V)
     if top_k is not None:
         if top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
+            raise LmforgeError(f"top_k must be >= 1, got {top_k}")
         kth = torch.topk(scores, min(top_k, scores.size(-1)), dim=-1).values[..., -1:]  # (B, 1)
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:
         if top_p <= 0:
-            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+            raise LmforgeError(f"top_p must lie in (0, 1], got {top_p}")
         sorted_scores, sorted_idx = torch.sort(scores, dim=-1)  # ascending
         cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # (B, V)
         # Drop the least likely tokens while their total mass stays <= 1 - top_p; the most likely
@@ -76,9 +77,9 @@ def generate(
     """
     max_len = model.cfg.max_seq_len
     if not prompt_ids:
-        raise ValueError("generate needs a non-empty prompt (at least one token id, e.g. a BOS token)")
+        raise LmforgeError("generate needs a non-empty prompt (at least one token id, e.g. a BOS token)")
     if len(prompt_ids) >= max_len:
-        raise ValueError(
+        raise LmforgeError(
             f"prompt of {len(prompt_ids)} tokens leaves no room to generate: model.max_seq_len={max_len}; "
             "shorten the prompt"
         )

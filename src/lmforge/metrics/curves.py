@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 from lmforge.metrics.loggers import read_metrics
+from lmforge.utils.io import check_replaceable
 
 
 def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike, title: str = "") -> Path | None:
@@ -59,7 +60,11 @@ def save_figure(fig, out_path: str | os.PathLike) -> Path:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    out = Path(out_path)
+    try:
+        out = check_replaceable(out_path)
+    except BaseException:
+        plt.close(fig)
+        raise
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".png", dir=out.parent)
     os.close(fd)

@@ -128,14 +128,17 @@ class Trainer:
         self.console = console or Console(cfg.logging.progress, enabled=World.from_env().is_main)
         self.run = build_run(cfg, "train", model=model, train_data=train_data, eval_data=eval_data,
                              tokenizer=tokenizer, objective=objective, resume=resume, say=self.console)
+        try:
+            self._setup(callbacks)
+        except BaseException:
+            self.run.release()  # a refused resume leaves the run dir free and its lock file as it was
+            raise
+
+    def _setup(self, callbacks: Sequence[Callback]) -> None:
         run = self.run
         self.cfg, self.world, self.device, self.dims = run.cfg, run.world, run.device, run.dims
-        self.model, self.parallel, self.optimizer, self.precision = (
-            run.model,
-            run.parallel,
-            run.optimizer,
-            run.precision,
-        )
+        self.model, self.parallel = run.model, run.parallel
+        self.optimizer, self.precision = run.optimizer, run.precision
         self.progress, self.control = Progress(), Control()
         sc = self.cfg.stability
         self.guard = NonFiniteGuard(sc.max_nonfinite)

@@ -34,8 +34,21 @@ def disk_error(e: OSError, what: str) -> BaseException:
     return e
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def check_replaceable(path: str | os.PathLike) -> Path:
+    """`path`, if writing a file there replaces nothing but a regular file: a rename over a device, a
+    pipe or a directory (e.g. -o /dev/null as root) would swap that out of the file system."""
     path = Path(path)
+    if (path.exists() or path.is_symlink()) and not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file (a device, pipe or socket)"
+        raise LmforgeError(f"{path} exists and is {kind}; refusing to replace it: give the path of a new or "
+                           "regular file")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise LmforgeError(f"{path.parent} is not a directory; give a path inside a directory")
+    return path
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    path = check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

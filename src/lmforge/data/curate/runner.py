@@ -452,6 +452,20 @@ def _input_identity(src: str) -> dict:
 OUTPUTS = ("work", "data", "removed.jsonl", "report.json", "report.md", "plots", "fingerprint.json")
 
 
+def _refuse_deleting_inputs(root: Path, settings: dict) -> None:
+    """--overwrite deletes the earlier run's outputs: never one that is, or holds, an input."""
+    for src in settings.get("inputs", []):
+        if "path" not in src:
+            continue
+        inp = Path(src["path"])
+        for name in OUTPUTS:
+            out = (root / name).resolve()
+            if inp == out or out in inp.parents:
+                raise DataError(f"--overwrite would delete {root / name}, which holds the input "
+                                f"{src['source']!r}; copy the input elsewhere or choose another "
+                                "curate.output_dir")
+
+
 def claim_output_dir(root: Path, settings: dict, overwrite: bool) -> bool:
     """Record the fingerprint in `root`; True when resuming an earlier run of the same settings."""
     fp = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
@@ -466,6 +480,7 @@ def claim_output_dir(root: Path, settings: dict, overwrite: bool) -> bool:
             raise DataError(f"output dir {root} holds a curate run with different settings "
                             f"({', '.join(differ) or 'format'} differ); choose another curate.output_dir "
                             "or pass --overwrite to replace it")
+        _refuse_deleting_inputs(root, settings)
         for name in OUTPUTS:
             p = root / name
             if p.is_dir():

@@ -11,6 +11,7 @@ config_to_hf, model_type_for, import_names, import_tensor, hf_name and export_te
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -59,9 +60,27 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     if not file.is_file():
         raise LmforgeError(f"{path} is not a Hugging Face model directory: it has no config.json")
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
+        cfg = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LmforgeError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LmforgeError(f"{file} holds a JSON {type(cfg).__name__}; a model config is a JSON object")
+    return cfg
+
+
+@contextlib.contextmanager
+def _safetensors(file: str) -> Iterator[Any]:
+    """safe_open with a damaged file (truncated, a garbage header) as one clear error."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, framework="pt") as f:
+            yield f
+    except LmforgeError:
+        raise
+    except Exception as e:  # SafetensorError, OSError, and what a broken header makes the reader raise
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise LmforgeError(f"{file} is not a readable safetensors file: {reason}") from None
 
 
 def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None) -> ModelConfig:
@@ -74,7 +93,15 @@ def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None
     if hf_cfg.get("quantization_config"):
         unsupported("quantization_config", hf_cfg["quantization_config"].get("quant_method"),
                     "unquantized weights")
-    kwargs = family.config_from_hf(hf_cfg)
+    try:
+        kwargs = family.config_from_hf(hf_cfg)
+    except KeyError as e:
+        raise LmforgeError(f"config.json has no {e.args[0]!r}, which a {hf_cfg.get('model_type')} config "
+                           "needs") from None
+    except (TypeError, ValueError) as e:  # a value of the wrong kind (a string for a size, ...)
+        if isinstance(e, LmforgeError):
+            raise
+        raise LmforgeError(f"config.json has a value lmforge cannot read: {e}") from None
     if max_seq_len is not None:
         if kwargs["pos_embedding"] == "learned" and max_seq_len != kwargs["max_seq_len"]:
             raise LmforgeError(
@@ -134,17 +161,20 @@ def weight_files(path: str | os.PathLike) -> dict[str, list[str]]:
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise LmforgeError(f"{index} is not a valid safetensors index: {e!r}") from None
         files: dict[str, list[str]] = {}
+        if not isinstance(weight_map, dict):
+            raise LmforgeError(f"{index}: weight_map must map tensor names to shard files")
         for name, file in weight_map.items():
-            files.setdefault(str(root / file), []).append(name)
+            shard = root / str(file)
+            if shard.resolve().parent != root.resolve():  # "../x" or an absolute path: outside the model dir
+                raise LmforgeError(f"{index} lists shard {file!r}, which is not a file of {root}")
+            files.setdefault(str(shard), []).append(name)
         absent = [f for f in files if not Path(f).is_file()]
         if absent:
             raise LmforgeError(f"{index} lists shard files that do not exist: {', '.join(absent)}")
         return files
     single = root / SINGLE
     if single.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as f:
+        with _safetensors(str(single)) as f:
             return {str(single): list(f.keys())}
     if any((root / n).exists() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         raise LmforgeError(
@@ -157,10 +187,8 @@ def weight_files(path: str | os.PathLike) -> dict[str, list[str]]:
 
 def iter_hf_tensors(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) one at a time, read lazily (memory-mapped) from the safetensors files."""
-    from safetensors import safe_open
-
     for file, names in files.items():
-        with safe_open(file, framework="pt") as f:
+        with _safetensors(file) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
