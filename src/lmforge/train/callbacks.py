@@ -79,7 +79,8 @@ class MetricsLogging(Callback):
                 f"{run.ramp.ramp_tokens:,} tokens)" if run.ramp.ramp_tokens else "")
         trainer.console(
             f"model {n_params / 1e6:.2f}M params, {trainer.flops_per_token / 1e6:.1f} MFLOP/token, "
-            f"precision {run.precision.name}, device {run.device}, {full:,} tokens/step{ramp}"
+            f"precision {run.precision.name}, device {run.device}, {full:,} tokens/step{ramp}; MFU against "
+            f"{trainer.peak_flops / 1e12:.3g} TFLOP/s ({trainer.peak_source})"
         )
         trainer.console.start(total=tc.max_steps, completed=trainer.step)
 

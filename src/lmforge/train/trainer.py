@@ -35,7 +35,7 @@ from lmforge.engine.objectives import Objective
 from lmforge.engine.step import StepResult, Verdict
 from lmforge.errors import CheckpointError, CheckpointMismatchError, ConfigError, LmforgeError
 from lmforge.metrics.console import Console
-from lmforge.metrics.throughput import measure_peak_flops
+from lmforge.metrics.throughput import peak_flops
 from lmforge.models.flops import flops_per_token
 from lmforge.parallel.coord import any_rank, on_rank0
 from lmforge.parallel.init import abandon, shutdown
@@ -179,7 +179,7 @@ class Trainer:
         self.flops_per_token = (
             6 * n_params if run.custom_model else flops_per_token(self.cfg.model, self.cfg.seq_len)
         )
-        self.peak_flops = measure_peak_flops(self.device, self.precision.dtype)
+        self.peak_flops, self.peak_source = peak_flops(self.device, self.precision.dtype)
 
     # -- what callbacks read and ask ------------------------------------------------------------
     step = property(lambda self: self.progress.step)
