@@ -4,6 +4,7 @@ included), a finished run resumed again changes nothing, and run.overwrite never
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,3 +75,22 @@ def test_overwrite_never_deletes_an_input(tiny_cfg, tmp_path):
                                            r".*step_00000002, an input of this run"):
         Trainer(tiny_cfg("train.max_steps=2", "run.overwrite=true", f"model.init_from={ckpt}"))
     assert tree_hash(tmp_path / "run") == before
+
+
+def test_a_file_system_refusal_is_a_clear_error(tmp_path, shared_data_dir, monkeypatch, capsys):
+    """A read-only run dir (root writes past permissions, so the refusal is simulated where lmforge
+    writes its files): one line naming the path, exit 2, no traceback."""
+    from lmforge.cli import main
+    from lmforge.utils import io
+
+    def refuse(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(io, "atomic_write_bytes", refuse)
+    rc = main(["train", "-c", str(TINY), "--set", f"run.dir={tmp_path / 'run'}", "--set",
+               f"data.dir={tmp_path / 'data'}", "--set", f"data.sources=[{CORPUS}]", "--set",
+               "data.max_chars=null", "--set", "logging.progress=none", "--set", "train.max_steps=2"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(r"lmforge train: error: cannot use /\S+: Permission denied", last), last

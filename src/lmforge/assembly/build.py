@@ -201,6 +201,12 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         # torchrun --max-restarts: a restarted job continues from the last checkpoint by itself, but
         # only a run this job started (a first attempt refused for a foreign run dir must stay refused).
         resume = resume or on_rank0(lambda: restarted_job_owns(run_dir))
+        if train_data is None:  # the sources must exist before run.overwrite deletes the old run
+            missing = [src for src in cfg.data.sources if src != "builtin:python" and not Path(src).exists()]
+            if missing:
+                where = Path(missing[0]).resolve()
+                raise DataError(f"data source {missing[0]!r} does not exist (resolved: {where}); give a "
+                                "file, a folder or 'builtin:python'")
         locks: list[RunLock] = []  # rank 0's, kept here: the lock is a file descriptor, not broadcast
 
         def open_dir() -> bool:
