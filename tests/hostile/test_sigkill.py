@@ -30,7 +30,9 @@ def command(run: Path, data: Path) -> list[str]:
 
 
 def curve(run: Path) -> list[dict]:
-    return [{k: r[k] for k in FIELDS if k in r} for r in read_metrics(run / "metrics.jsonl") if "event" not in r]
+    return [
+        {k: r[k] for k in FIELDS if k in r} for r in read_metrics(run / "metrics.jsonl") if "event" not in r
+    ]
 
 
 @pytest.mark.slow
@@ -52,8 +54,9 @@ def test_twenty_random_kills_resume_bit_identically(tmp_path, shared_data_dir):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=60)
         kills += 1
-    final = subprocess.run(command(run, shared_data_dir) + ["--resume"], env=env, capture_output=True, text=True,
-                           timeout=600)
+    final = subprocess.run(
+        command(run, shared_data_dir) + ["--resume"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert final.returncode == 0, final.stderr
     assert kills == KILLS
     assert curve(run) == curve(tmp_path / "straight")

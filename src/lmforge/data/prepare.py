@@ -8,14 +8,18 @@ A data dir is reused when its fingerprint (a hash of every setting that decides 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from lmforge._version import __version__
 from lmforge.config.schema import Config, DataConfig
@@ -24,6 +28,7 @@ from lmforge.data.sources import (
     BUILTIN_PYTHON,
     SourceStats,
     builtin_python_identity,
+    check_source,
     iter_documents,
     walk_files,
 )
@@ -35,6 +40,26 @@ SPLITS = ("train", "val")
 TOKENIZER_FILE = "tokenizer.json"
 _BATCH_DOCS = 1000  # documents per encode_batch call
 _BATCH_CHARS = 16_000_000  # ... or fewer, so a chunk of huge documents stays small in memory
+# `tokenizers` needs ~110 bytes of memory per character of one string it encodes (~90 to train on it),
+# so a 20 MB document encoded whole took 3.6 GB, a 60 MB one 9.4 GB. A document longer than
+# _LONG_DOC_CHARS is therefore encoded, and fed to the tokenizer trainer, in pieces of at most
+# _PIECE_CHARS characters whose ids are concatenated. Shorter documents are encoded whole, exactly as
+# before: the longest file of the stdlib (the golden corpus) has 229k chars, and a source file or an
+# article is far shorter still.
+_LONG_DOC_CHARS = 1_000_000
+# Small pieces: the trainer works on as many at once as there are cores, and its time grows with the
+# square of the length of a run without whitespace (5 MB with no space took 90 s in 100k-char pieces,
+# 7 s in these, and more than 10 minutes whole).
+_PIECE_CHARS = 10_000
+_CUT_WINDOW = 1_000  # a cut moves back at most this far to reach whitespace; else it is a hard cut
+# One encode call holds every piece's encoding until it returns: 4M chars of pieces per call take
+# ~450 MB, as much as a normal batch of _BATCH_CHARS, and keep the cores busy.
+_CALL_CHARS = 4_000_000
+# A cut goes before an ASCII whitespace character that follows a non-space (Python's \s covers every
+# character the pre-tokenizer's \s does, so its \S errs on the safe side): byte-level pre-tokenizers
+# (GPT-2's regex) always end a pre-token there and look only ahead, so a byte-level BPE gives the very
+# ids it would give the whole document. Matched on the reversed window, so the first match is the last.
+_CUT_REVERSED = re.compile(r"[ \t\n\r\f\v](?=\S)")
 
 
 @dataclass
@@ -142,7 +167,13 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
     chunk: list[tuple[str, str]] = []
     chars = 0
     for i, doc in enumerate(iter_documents(d, stats)):
-        chunk.append((split_of(i, seed, d.val_fraction), doc))
+        split = split_of(i, seed, d.val_fraction)
+        if len(doc) > _LONG_DOC_CHARS:
+            _write_chunk(tok, chunk, writers)  # first the documents before it, to keep the order
+            chunk, chars = [], 0
+            writers[split].add(_encode_long(tok, doc))
+            continue
+        chunk.append((split, doc))
         chars += len(doc)
         if len(chunk) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
             _write_chunk(tok, chunk, writers)
@@ -172,7 +203,10 @@ def _train_texts(d: DataConfig, seed: int, stats: SourceStats, fed: list[int]) -
             continue  # the tokenizer must not see validation text, or val loss would flatter it
         doc = doc[: budget - fed[0]]
         fed[0] += len(doc)
-        yield doc
+        if len(doc) > _LONG_DOC_CHARS:
+            yield from _pieces(doc)  # the trainer's word counts, hence the tokenizer, stay the same
+        else:
+            yield doc
         if fed[0] >= budget:
             return
 
@@ -183,6 +217,35 @@ def _write_chunk(tok: Tokenizer, chunk: list[tuple[str, str]], writers: dict[str
     for (split, _), ids in zip(chunk, tok.encode_batch([doc for _, doc in chunk])):
         ids.append(tok.eos_id)  # every document ends with EOS, so packed windows see where it ended
         writers[split].add(ids)
+
+
+def _encode_long(tok: Tokenizer, doc: str) -> np.ndarray:
+    """Ids of a document longer than _LONG_DOC_CHARS, EOS included, encoded some pieces at a time."""
+    parts = []
+    it = _pieces(doc)
+    while batch := list(itertools.islice(it, _CALL_CHARS // _PIECE_CHARS)):
+        # uint32 holds any id (vocab_size <= 1M) in 4 bytes; a Python list would take ~36 per id
+        parts.extend(np.asarray(ids, dtype=np.uint32) for ids in tok.encode_batch(batch))
+    parts.append(np.asarray([tok.eos_id], dtype=np.uint32))
+    return np.concatenate(parts)
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """`text` in consecutive pieces of at most _PIECE_CHARS characters.
+
+    Each cut is the last one within _CUT_WINDOW characters before the limit that falls before a
+    whitespace character following a non-space (see _CUT_REVERSED); when that window has none, the
+    cut is at the limit.
+    """
+    start = 0
+    while len(text) - start > _PIECE_CHARS:
+        limit = start + _PIECE_CHARS
+        lo = max(start + 1, limit - _CUT_WINDOW)
+        m = _CUT_REVERSED.search(text[lo:limit + 1][::-1])
+        cut = limit - m.start() if m else limit
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
 
 
 def _too_small(d: DataConfig, stats: SourceStats) -> DataError:
@@ -223,14 +286,20 @@ def _source_identity(src: str) -> dict:
     """Resolved path + total size + newest mtime: changes when the text a source holds changes."""
     if src == BUILTIN_PYTHON:
         return builtin_python_identity()
+    check_source(src)
     path = Path(src)
-    if not path.exists():
-        raise DataError(f"data source {src!r} does not exist (resolved: {path.resolve()}); "
-                        f"give a file, a folder or {BUILTIN_PYTHON!r}")
     files = list(walk_files(path)) if path.is_dir() else [path]
-    st = [f.stat() for f in files]
+    st = [_stat(f) for f in files]
     return {"source": src, "path": str(path.resolve()), "files": len(files),
             "bytes": sum(s.st_size for s in st), "mtime_ns": max((s.st_mtime_ns for s in st), default=0)}
+
+
+def _stat(path: Path) -> os.stat_result:
+    try:
+        return path.stat()
+    except OSError as e:  # removed (or its folder made unreadable) since the walk listed it
+        raise DataError(f"cannot read {path} ({e.strerror}); make it a readable file or move it out of "
+                        "data.sources") from None
 
 
 def _file_sha256(path: Path) -> str:

@@ -1,18 +1,23 @@
 """Documents from `data.sources`: files, folders, JSONL files and the text that ships with Python.
 
 Everything streams: one document is in memory at a time, and the order is fixed (sorted walks) so two
-runs over the same sources yield the same documents in the same order.
+runs over the same sources yield the same documents in the same order. Only regular files are ever
+opened: a device (/dev/zero), FIFO or socket would be read forever or block, so naming one is an error
+and a folder walk skips them (and links to them, dangling links and links that loop back).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import sys
 import sysconfig
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from lmforge.config.schema import DataConfig
 from lmforge.errors import DataError
@@ -44,8 +49,10 @@ class SourceStats:
     skipped_bad_utf8: int = 0
     skipped_bad_json: int = 0
     skipped_other_ext: int = 0  # files in folders whose extension is not read
+    skipped_not_regular: int = 0  # FIFOs, devices, sockets, dangling or looping links in folders
     bad_utf8_examples: list[str] = field(default_factory=list)
     bad_json_examples: list[str] = field(default_factory=list)
+    not_regular_examples: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         """One line for the console: what was read and every non-zero skip count."""
@@ -55,6 +62,7 @@ class SourceStats:
             ("bad UTF-8", self.skipped_bad_utf8, self.bad_utf8_examples),
             ("bad JSON", self.skipped_bad_json, self.bad_json_examples),
             ("other extension", self.skipped_other_ext, []),
+            ("non-regular", self.skipped_not_regular, self.not_regular_examples),
         ):
             if n:
                 eg = f" (e.g. {', '.join(examples[:2])})" if examples else ""
@@ -70,29 +78,31 @@ class SourceStats:
         if len(examples) < MAX_EXAMPLES:
             examples.append(where)
 
+    def _not_regular(self, path: Path, what: str) -> None:
+        self.skipped_not_regular += 1
+        self._note(self.not_regular_examples, f"{path}: {what}")
+
 
 def iter_documents(cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
     """Yield every document of `cfg.sources` in a fixed order, updating `stats` as it goes.
 
     Stops once `cfg.max_chars` characters were yielded (the last document is cut to fit exactly).
-    Raises DataError for a missing path, and for bad UTF-8 / bad JSON when the matching `on_bad_*`
-    setting is "fail".
+    Raises DataError for a missing path or one that is not a file or folder, for a file that cannot
+    be read, and for bad UTF-8 / bad JSON when the matching `on_bad_*` setting is "fail".
     """
-    for src in cfg.sources:  # fail on a missing path before yielding anything
-        if src != BUILTIN_PYTHON and not Path(src).exists():
-            raise DataError(f"data source {src!r} does not exist (resolved: {Path(src).resolve()}); "
-                            f"give a file, a folder or {BUILTIN_PYTHON!r}")
+    for src in cfg.sources:  # fail on a bad path before yielding anything
+        check_source(src)
     budget = cfg.max_chars
     for src in cfg.sources:
         stats.sources.append(src)
         for doc in _iter_source(src, cfg, stats):
-            if not doc.strip():
+            if not doc or doc.isspace():  # as `not doc.strip()`, without copying a huge document
                 stats.skipped_empty += 1
                 continue
             if budget is not None and len(doc) >= budget - stats.chars:
                 doc = doc[: budget - stats.chars]
                 stats.truncated = True
-                if not doc.strip():
+                if not doc or doc.isspace():
                     return
             stats.documents += 1
             stats.chars += len(doc)
@@ -101,13 +111,47 @@ def iter_documents(cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
                 return
 
 
+def check_source(src: str) -> None:
+    """DataError unless `src` is builtin:python, a folder or a regular file (links are followed)."""
+    if src == BUILTIN_PYTHON:
+        return
+    path = Path(src)
+    hint = f"give a file, a folder or {BUILTIN_PYTHON!r}"
+    try:
+        kind = special_kind(path)
+    except FileNotFoundError:
+        raise DataError(f"data source {src!r} does not exist (resolved: {path.resolve()}); {hint}") from None
+    except OSError as e:  # a link loop, a folder on the way that cannot be searched
+        raise DataError(f"data source {src!r} cannot be opened ({e.strerror}); {hint}") from None
+    if kind is not None:
+        raise DataError(f"data source {src!r} is {kind}, not a regular file or a folder: reading it would "
+                        f"never end or would block; {hint}")
+
+
+def special_kind(path: Path) -> str | None:
+    """What `path` is ("a FIFO (named pipe)", ...) unless a regular file or a folder (then None).
+
+    Links are followed; OSError when `path` cannot be looked at (FileNotFoundError when missing).
+    """
+    mode = os.stat(path).st_mode
+    return None if stat.S_ISDIR(mode) or stat.S_ISREG(mode) else _file_kind(mode)
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
 def _iter_source(src: str, cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
     if src == BUILTIN_PYTHON:
         yield from _iter_builtin_python(cfg, stats)
         return
     path = Path(src)
     if path.is_dir():
-        for f in walk_files(path):
+        for f in walk_files(path, on_skip=stats._not_regular):
             if f.suffix.lower() in TEXT_EXTENSIONS + JSONL_EXTENSIONS + PARQUET_EXTENSIONS:
                 yield from _iter_file(f, cfg, stats)
             else:
@@ -116,18 +160,55 @@ def _iter_source(src: str, cfg: DataConfig, stats: SourceStats) -> Iterator[str]
         yield from _iter_file(path, cfg, stats)  # a file named explicitly is read whatever its extension
 
 
-def walk_files(root: Path, skip_dirs: Collection[str] = ()) -> Iterator[Path]:
-    """Files under `root` in sorted path order, hidden entries (.git, editor temp files) left out."""
-    with os.scandir(root) as it:
-        entries = sorted(it, key=lambda e: e.name)
+def walk_files(root: Path, skip_dirs: Collection[str] = (),
+               on_skip: Callable[[Path, str], object] | None = None) -> Iterator[Path]:
+    """Regular files under `root` in sorted path order, hidden entries (.git, editor temp files) left out.
+
+    Links are followed. Whatever is not a regular file or a folder (FIFO, device, socket, dangling
+    link) and links back to a folder above (a loop) are never opened: `on_skip(path, what)` hears
+    of each. Raises DataError for a folder that cannot be listed.
+    """
+    try:
+        top = os.stat(root)
+    except OSError as e:
+        raise DataError(f"cannot open folder {root} ({e.strerror}); make it readable or leave it "
+                        "out") from None
+    yield from _walk(Path(root), skip_dirs, on_skip, frozenset({(top.st_dev, top.st_ino)}))
+
+
+def _walk(dir: Path, skip_dirs: Collection[str], on_skip: Callable[[Path, str], object] | None,
+          above: frozenset[tuple[int, int]]) -> Iterator[Path]:
+    """`walk_files` below `dir`; `above` holds (device, inode) of `dir` and every folder above it."""
+    try:
+        with os.scandir(dir) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as e:  # no permission, or removed since its parent was listed
+        raise DataError(f"cannot list folder {dir} ({e.strerror}); make it readable or move it out of "
+                        "the data source") from None
+    skip = on_skip or (lambda path, what: None)
     for e in entries:
         if e.name.startswith("."):
             continue
-        if e.is_dir():
-            if e.name not in skip_dirs:
-                yield from walk_files(Path(e.path), skip_dirs)
+        path = Path(e.path)
+        try:  # both follow links; is_file() of a plain entry needs no system call
+            st = None if e.is_file() else e.stat()
+        except OSError as err:  # dangling link, link loop, or gone since the listing
+            skip(path, "a link loop" if err.errno == errno.ELOOP else
+                 "a dangling link" if isinstance(err, FileNotFoundError) and e.is_symlink() else
+                 f"cannot be opened: {err.strerror}")
+            continue
+        if st is None:
+            yield path
+        elif stat.S_ISDIR(st.st_mode):
+            if e.name in skip_dirs:
+                continue
+            key = (st.st_dev, st.st_ino)
+            if key in above:
+                skip(path, "a link back to a folder above it")
+                continue
+            yield from _walk(path, skip_dirs, on_skip, above | {key})
         else:
-            yield Path(e.path)
+            skip(path, _file_kind(st.st_mode))
 
 
 def _iter_file(path: Path, cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
@@ -137,10 +218,38 @@ def _iter_file(path: Path, cfg: DataConfig, stats: SourceStats) -> Iterator[str]
     if path.suffix.lower() in PARQUET_EXTENSIONS:
         yield from _iter_parquet(path, cfg, stats)
         return
-    text = _decode(path.read_bytes(), str(path), 0, cfg, stats)
+    try:
+        with _open_regular(path) as f:
+            data = f.read()
+    except OSError as e:
+        raise _unreadable(path, e) from None
+    text = _decode(data, str(path), 0, cfg, stats)
+    del data  # the bytes are not needed while the text is being used
     stats.files += 1
     if text is not None:
         yield text
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """`path` opened for reading; OSError unless it is a regular file.
+
+    The check is on the opened file itself, so a file swapped for a FIFO since the walk saw it cannot
+    block (O_NONBLOCK makes opening a FIFO return at once; it changes nothing for regular files).
+    """
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(f"it is {_file_kind(mode)}, not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _unreadable(path: Path, e: OSError) -> DataError:
+    why = "it disappeared while being read" if isinstance(e, FileNotFoundError) else (e.strerror or str(e))
+    return DataError(f"cannot read {path}: {why}; make it a readable file or move it out of data.sources")
 
 
 def _decode(data: bytes, where: str, base_offset: int, cfg: DataConfig, stats: SourceStats) -> str | None:
@@ -159,30 +268,43 @@ def _decode(data: bytes, where: str, base_offset: int, cfg: DataConfig, stats: S
 def _iter_jsonl(path: Path, cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
     """One document per line; UTF-8 and JSON are checked line by line so a big file streams."""
     stats.files += 1
-    offset = 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            start, offset = offset, offset + len(raw)
-            line = _decode(raw, f"{path}:{lineno}", start, cfg, stats)
-            if line is None or not line.strip():
-                continue  # blank lines are allowed in JSONL files (a trailing newline, say)
-            try:
-                record = json.loads(line)
-                problem = None
-            except json.JSONDecodeError as e:
-                problem = f"malformed JSON ({e.msg} at column {e.colno})"
-            if problem is None:
-                if not isinstance(record, dict) or cfg.text_key not in record:
-                    problem = f"record has no {cfg.text_key!r} key (set data.text_key to the text field)"
-                elif not isinstance(record[cfg.text_key], str):
-                    problem = f"{cfg.text_key!r} is a {type(record[cfg.text_key]).__name__}, not a string"
-            if problem is not None:
-                if cfg.on_bad_json == "fail":
-                    raise DataError(f"{path}:{lineno}: {problem}; fix the line or set data.on_bad_json=skip")
-                stats.skipped_bad_json += 1
-                stats._note(stats.bad_json_examples, f"{path}:{lineno}")
-                continue
-            yield record[cfg.text_key]
+    offset = lineno = 0
+    try:  # only the file raises OSError here (a consumer's exceptions never enter this generator)
+        with _open_regular(path) as f:
+            while raw := f.readline():  # not enumerate(f): it keeps the last line alive
+                lineno += 1
+                start, offset = offset, offset + len(raw)
+                text = _jsonl_text(raw, f"{path}:{lineno}", start, cfg, stats)
+                del raw  # while a huge line's text is in use, its bytes need not be
+                if text is not None:
+                    yield text
+    except OSError as e:
+        raise _unreadable(path, e) from None
+
+
+def _jsonl_text(raw: bytes, where: str, start: int, cfg: DataConfig, stats: SourceStats) -> str | None:
+    """The text of one JSONL line; None for a blank line, or a bad one when on_bad_* is "skip"."""
+    line = _decode(raw, where, start, cfg, stats)
+    if not line or line.isspace():
+        return None  # blank lines are allowed in JSONL files (a trailing newline, say)
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        return _bad_json(where, f"malformed JSON ({e.msg} at column {e.colno})", cfg, stats)
+    if not isinstance(record, dict) or cfg.text_key not in record:
+        return _bad_json(where, f"record has no {cfg.text_key!r} key (set data.text_key to the text field)",
+                         cfg, stats)
+    if not isinstance(record[cfg.text_key], str):
+        return _bad_json(where, f"{cfg.text_key!r} is a {type(record[cfg.text_key]).__name__}, not a string",
+                         cfg, stats)
+    return record[cfg.text_key]
+
+
+def _bad_json(where: str, problem: str, cfg: DataConfig, stats: SourceStats) -> None:
+    if cfg.on_bad_json == "fail":
+        raise DataError(f"{where}: {problem}; fix the line or set data.on_bad_json=skip")
+    stats.skipped_bad_json += 1
+    stats._note(stats.bad_json_examples, where)
 
 
 def _iter_parquet(path: Path, cfg: DataConfig, stats: SourceStats) -> Iterator[str]:

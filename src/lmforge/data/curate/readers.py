@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lmforge.data.curate.doc import Doc
-from lmforge.data.sources import BUILTIN_PYTHON, python_stdlib_files, walk_files
+from lmforge.data.sources import BUILTIN_PYTHON, python_stdlib_files, special_kind, walk_files
 from lmforge.errors import DataError
 
 HF_PREFIX = "hf:"
@@ -108,7 +108,7 @@ class Piece:
 
 
 def check_inputs(inputs: list[str]) -> None:
-    """DataError for a missing input, before anything is read."""
+    """DataError for a missing input, or one that is neither a file nor a folder, before reading any."""
     if not inputs:
         raise DataError("curate.inputs is empty; give folders, files, 'hf:<dir>' or 'builtin:python'")
     for src in inputs:
@@ -118,6 +118,10 @@ def check_inputs(inputs: list[str]) -> None:
         if not path.exists():
             raise DataError(f"curate input {src!r} does not exist (resolved: {path.resolve()}); give a "
                             f"folder, a file, 'hf:<dir saved with save_to_disk>' or {BUILTIN_PYTHON!r}")
+        kind = special_kind(path)
+        if kind is not None:  # /dev/zero would be read forever, a FIFO would block
+            raise DataError(f"curate input {src!r} is {kind}, not a regular file or a folder; give a folder, "
+                            f"a file, 'hf:<dir saved with save_to_disk>' or {BUILTIN_PYTHON!r}")
 
 
 def plan_pieces(inputs: list[str], text_key: str = "text") -> tuple[list[Piece], int]:
@@ -125,6 +129,7 @@ def plan_pieces(inputs: list[str], text_key: str = "text") -> tuple[list[Piece],
     check_inputs(inputs)
     pieces: list[Piece] = []
     ignored = 0
+    specials: list[Path] = []  # FIFOs, devices, broken links in folders: never opened, counted as ignored
     for src in inputs:
         if src == BUILTIN_PYTHON:
             n = len(_pydoc_topics())
@@ -137,7 +142,7 @@ def plan_pieces(inputs: list[str], text_key: str = "text") -> tuple[list[Piece],
                 pieces.append(Piece("arrow", str(f), 0, _arrow_rows(f), src))
         elif Path(src).is_dir():
             texts: list[str] = []
-            for f in walk_files(Path(src)):
+            for f in walk_files(Path(src), on_skip=lambda path, what: specials.append(path)):
                 ext = f.suffix.lower()
                 if ext in TEXT_EXTENSIONS:
                     texts.append(str(f))
@@ -155,7 +160,7 @@ def plan_pieces(inputs: list[str], text_key: str = "text") -> tuple[list[Piece],
                 pieces.append(_file_piece(p, src))
             else:  # a file named explicitly is read as text whatever its extension
                 _add_text_files(pieces, [str(p)], src)
-    return pieces, ignored
+    return pieces, ignored + len(specials)
 
 
 def plan_units(pieces: list[Piece], docs_per_shard: int) -> list[list[Piece]]:
