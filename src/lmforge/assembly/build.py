@@ -34,6 +34,7 @@ from lmforge.checkpoint.runs import (
 from lmforge.config.schema import Config
 from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.data.memory import token_stream
+from lmforge.data.sft import prepare_sft
 from lmforge.engine.loss import logits_of
 from lmforge.engine.objectives import Objective, TokenObjective, build_objective
 from lmforge.engine.precision import Precision, resolve_precision
@@ -72,8 +73,8 @@ class Run:
     hooks: list[StepHook] = field(default_factory=list)  # the optimizer's extra work after each update
     schedule: LRSchedule | None = None
     ramp: BatchRamp | None = None
-    train_loader: TokenLoader | None = None
-    val_loader: TokenLoader | None = None
+    train_loader: Any = None  # TokenLoader, or ChatLoader for fine-tuning
+    val_loader: Any = None
     eval_batches: int | None = None  # batches per evaluation (None: the whole split)
     token_bytes: torch.Tensor | None = None  # UTF-8 bytes per token id (bits per byte)
     custom_model: bool = False  # the model came from the caller, not from cfg.model
@@ -202,7 +203,8 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         # only a run this job started (a first attempt refused for a foreign run dir must stay refused).
         resume = resume or on_rank0(lambda: restarted_job_owns(run_dir))
         if train_data is None:  # the sources must exist before run.overwrite deletes the old run
-            missing = [src for src in cfg.data.sources if src != "builtin:python" and not Path(src).exists()]
+            sources = [*cfg.sft.data, *cfg.sft.val_data] if cfg.objective.name == "sft" else cfg.data.sources
+            missing = [src for src in sources if src != "builtin:python" and not Path(src).exists()]
             if missing:
                 where = Path(missing[0]).resolve()
                 raise DataError(f"data source {missing[0]!r} does not exist (resolved: {where}); give a "
@@ -244,10 +246,25 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
 def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, dims,
                     resumed, lock, say) -> Run:
     custom = model is not None
-    data, tokenizer, train_src, val_src = _training_data(cfg, train_data, eval_data, tokenizer, say)
+    sft = cfg.objective.name == "sft"
+    if sft:
+        if train_data is not None:
+            raise ConfigError("objective sft reads its conversations from sft.data; train_data= is for "
+                              "pretraining documents")
+        data = rank0_first(lambda: prepare_sft(cfg, console=say))
+        tokenizer, train_src, val_src = data.tokenizer, None, None
+    else:
+        data, tokenizer, train_src, val_src = _training_data(cfg, train_data, eval_data, tokenizer, say)
+    source_vocab = cfg.model.vocab_size
     if not custom:
         vocab = tokenizer.vocab_size if tokenizer is not None else int(max(s.max() for s in train_src)) + 1
-        model_cfg = cfg.model.model_copy(update={"vocab_size": resolve_vocab_size(cfg, vocab)})
+        if sft and cfg.model.init_from and source_vocab is not None and vocab > source_vocab:
+            vocab_size = 64 * math.ceil(vocab / 64)  # the template's tokens need rows: grown after loading
+            say(f"the chat template adds {vocab - data.meta['base_vocab']} tokens: vocabulary "
+                f"{source_vocab} -> {vocab_size}")
+        else:
+            vocab_size = resolve_vocab_size(cfg, vocab)
+        model_cfg = cfg.model.model_copy(update={"vocab_size": vocab_size})
         cfg = cfg.model_copy(update={"model": model_cfg})
 
     seed_everything(cfg.run.seed)  # the same seed on every rank: replicas start equal
@@ -256,11 +273,18 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         vocab = _check_custom_model(model, tokenizer, train_src, device)
     else:
         from lmforge.models import build_model
+        from lmforge.models.resize import init_token_rows, resize_vocab
 
-        model = build_model(cfg.model, device=device)
+        grow = sft and source_vocab is not None and cfg.model.vocab_size > source_vocab
+        model = build_model(cfg.model.model_copy(update={"vocab_size": source_vocab}) if grow else cfg.model,
+                            device=device)
         if not resumed and cfg.model.init_from:
             load_weights(cfg.model.init_from, model)
             say(f"initialised the weights from {cfg.model.init_from}")
+        if grow:
+            resize_vocab(model, cfg.model.vocab_size)
+        if sft and not resumed and cfg.model.init_from:
+            init_token_rows(model, data.meta["added_tokens"], data.meta["base_vocab"])
         vocab = cfg.model.vocab_size
     objective.check_model(model)
     precision = Precision(on_rank0(lambda: resolve_precision(cfg.train.precision, device, model,
@@ -274,12 +298,15 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     schedule = LRSchedule(
         cfg.schedule, optimizer, cfg.optim.lr, tc.max_steps, ramp.total_tokens(tc.max_steps)
     )
-    train_loader = TokenLoader(train_src, cfg.seq_len, tc.micro_batch_size, seed=cfg.run.seed,
-                               rank=dims.dp_rank, world_size=dims.dp_size)
     # Every rank must run the same number of evaluation batches (their forwards are collective);
     # a pipeline splits each one into its micro-batches.
     val_rows = tc.micro_batch_size * (dims.microbatches(tc.grad_accum_steps) if dims.pp > 1 else 1)
     val_loader = None
+    if sft:
+        train_loader, val_loader = _chat_loaders(cfg, data, dims, world, val_rows)
+    else:
+        train_loader = TokenLoader(train_src, cfg.seq_len, tc.micro_batch_size, seed=cfg.run.seed,
+                                   rank=dims.dp_rank, world_size=dims.dp_size)
     if val_src is not None:
         val_loader = TokenLoader(val_src, cfg.seq_len, val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
                                  world_size=dims.dp_size, shuffle=False, drop_last=world.world_size > 1)
@@ -310,9 +337,25 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     )
 
 
+def _chat_loaders(cfg: Config, data, dims: ParallelDims, world: World, val_rows: int):
+    from lmforge.data.chat_loader import ChatLoader
+
+    tc, s = cfg.train, cfg.sft
+    pad = data.tokenizer.eos_id
+    train = ChatLoader(data.split("train"), cfg.seq_len, tc.micro_batch_size, packing=s.packing,
+                       seed=cfg.run.seed, rank=dims.dp_rank, world_size=dims.dp_size, pad_id=pad)
+    val_split = data.split("val")
+    val = None
+    if len(val_split):
+        val = ChatLoader(val_split, cfg.seq_len, val_rows, packing=s.packing, seed=cfg.run.seed,
+                         rank=dims.dp_rank, world_size=dims.dp_size, shuffle=False,
+                         drop_last=world.world_size > 1, pad_id=pad)
+    return train, val
+
+
 def _input_paths(cfg: Config) -> tuple[Path, ...]:
     """Files and dirs the run reads: overwriting the run dir must never delete one of them."""
-    paths = [Path(s) for s in cfg.data.sources if s != "builtin:python"]
+    paths = [Path(s) for s in [*cfg.data.sources, *cfg.sft.data, *cfg.sft.val_data] if s != "builtin:python"]
     paths += [Path(p) for p in (cfg.model.init_from, cfg.data.tokenizer.path) if p]
     return tuple(paths)
 

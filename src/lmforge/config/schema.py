@@ -317,9 +317,65 @@ class TrainConfig(Section):
 class ObjectiveConfig(Section):
     """What a training step minimises. Each objective declares the batches it takes."""
 
-    name: Literal["causal_lm"] = Field(
-        "causal_lm", description="causal_lm: next-token prediction over every target token (pretraining)."
+    name: Literal["causal_lm", "sft"] = Field(
+        "causal_lm", description="causal_lm: next-token prediction over every target token (pretraining); "
+        "sft: supervised fine-tuning on the chat data of the sft section (loss on the tokens sft.loss_on "
+        "picks)."
     )
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning data: conversations, their chat template, which tokens carry the loss."""
+
+    data: list[str] = Field(
+        default_factory=list, description="Chat data: .jsonl / .parquet files, folders of them, or a saved "
+        "`datasets` dir (messages, prompt/completion, Alpaca or ShareGPT records)."
+    )
+    val_data: list[str] = Field(
+        default_factory=list, description="Held-out chat data (empty: sft.val_fraction of sft.data)."
+    )
+    val_fraction: float = Field(
+        0.05, ge=0.0, lt=1.0, description="Fraction of the conversations held out for validation."
+    )
+    format: Literal["auto", "messages", "prompt_completion", "alpaca", "sharegpt"] = Field(
+        "auto", description="Record shape (auto: told apart record by record)."
+    )
+    template: str = Field(
+        "auto", description="Chat template: auto (the tokenizer's own from tokenizer_config.json, else "
+        "chatml), chatml (lmforge's, adds <|im_start|>/<|im_end|> to the tokenizer), or a .jinja file."
+    )
+    loss_on: Literal["assistant", "last", "all"] = Field(
+        "assistant", description="Tokens that carry the loss: every assistant turn (for prompt/completion "
+        "records, the completion only), the last assistant turn, or every token."
+    )
+    packing: bool = Field(
+        True, description="Pack several conversations per sequence (best-fit decreasing; attention never "
+        "crosses a conversation, positions restart); false: one per sequence, padded."
+    )
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="A conversation longer than train.seq_len: keep its start, or drop it."
+    )
+    on_bad_record: Literal["skip", "fail"] = Field(
+        "skip", description="A malformed record: skip and count it, or stop with its file and line."
+    )
+
+
+class FinetuneConfig(Section):
+    """Which weights train: all of them, or low-rank adapters on a frozen (optionally 4-bit) base."""
+
+    method: Literal["full", "lora", "dora", "qlora"] = Field(
+        "full", description="full: every weight; lora: low-rank adapters, base frozen; dora: weight-"
+        "decomposed LoRA; qlora: LoRA on a base quantised to NF4 with double quantisation."
+    )
+    r: int = Field(8, ge=1, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA alpha: the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the input of the adapter path.")
+    rslora: bool = Field(False, description="Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023).")
+    targets: list[str] = Field(
+        default_factory=lambda: ["all-linear"], description="Linear layers that get adapters: all-linear, "
+        "names (wq, w_down), globs (layers.*.attn.wq) or Hugging Face names (q_proj, down_proj)."
+    )
+    quant_blocksize: int = Field(64, ge=16, description="qlora: weights per NF4 quantisation block.")
 
 
 class CheckpointConfig(Section):
@@ -449,6 +505,10 @@ class Config(Section):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="Training objective.")
+    sft: SFTConfig = Field(default_factory=SFTConfig,
+                           description="Supervised fine-tuning data (objective sft).")
+    finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
+                                     description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
     stability: StabilityConfig = Field(default_factory=StabilityConfig,
                                        description="Non-finite guard, loss-spike recovery, early stopping.")

@@ -55,3 +55,52 @@ class TokenBatch:
     @property
     def rows(self) -> int:
         return self.input_ids.size(0)
+
+
+@dataclass(frozen=True)
+class ChatBatch:
+    """Fine-tuning rows: `input_ids`, `targets` (B, T) as in TokenBatch, and for packed rows
+    `position_ids` (B, T), restarting at 0 with each conversation, and `segment_ids` (B, T), the
+    conversation each position belongs to (-1 for padding): attention never crosses a segment.
+    Unpacked rows hold one right-padded conversation each and need neither (causal attention never
+    reaches the padding after a token). `real_tokens` counts the positions that are not padding."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
+    real_tokens: int = 0
+
+    def __iter__(self):
+        return iter((self.input_ids, self.targets))
+
+    @classmethod
+    def cat(cls, batches: list[ChatBatch]) -> ChatBatch:
+        packed = batches[0].segment_ids is not None
+        width = max(b.input_ids.size(1) for b in batches)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.size(1)), value=v)  # noqa: E731
+        return cls(
+            torch.cat([pad(b.input_ids, 0) for b in batches]),
+            torch.cat([pad(b.targets, IGNORE_INDEX) for b in batches]),
+            torch.cat([pad(b.position_ids, 0) for b in batches]) if packed else None,
+            torch.cat([pad(b.segment_ids, -1) for b in batches]) if packed else None,
+            sum(b.real_tokens for b in batches),
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> ChatBatch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return ChatBatch(move(self.input_ids), move(self.targets), move(self.position_ids),
+                         move(self.segment_ids), self.real_tokens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) input tokens: what throughput counts."""
+        return self.real_tokens
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.size(0)

@@ -132,6 +132,33 @@ class Tokenizer:
         """Token ids of each text, encoded in parallel by the Rust side."""
         return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
 
+    def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and character offsets of a rendered chat: here special tokens written in the text (the
+        template's `<|im_start|>`...) ARE special tokens, as transformers' apply_chat_template encodes
+        them. Message contents are checked for special-token text before rendering (`special_tokens`)."""
+        self._tok.encode_special_tokens = False
+        try:
+            enc = self._tok.encode(text, add_special_tokens=False)
+        finally:
+            self._tok.encode_special_tokens = True
+        return enc.ids, enc.offsets
+
+    def special_tokens(self) -> list[str]:
+        """The text of every special (added, control) token."""
+        return [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+
+    def add_special_tokens(self, tokens: Iterable[str]) -> list[int]:
+        """Add control tokens the vocabulary lacks (a chat template's); returns the ids of all `tokens`."""
+        from tokenizers import AddedToken
+
+        missing = [t for t in tokens if self._tok.token_to_id(t) is None]
+        if missing:
+            self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+        return [self._tok.token_to_id(t) for t in tokens]
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; special tokens are kept so that decode(encode(s)) == s."""
         return self._tok.decode(list(ids), skip_special_tokens=False)

@@ -194,13 +194,14 @@ class Transformer(nn.Module):
         return self.rope_cos[position_ids], self.rope_sin[position_ids]  # each (B, T, head_dim)
 
     def _mask(
-        self, start: int, T: int, device: torch.device, attention_mask: torch.Tensor | None = None
+        self, start: int, T: int, device: torch.device, attention_mask: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
-        """Boolean (T, start + T) or, with padding, (B, 1, T, start + T) mask; None where SDPA's
-        is_causal (or no mask) is exact."""
+        """Boolean (T, start + T) or, with padding or segments, (B, 1, T, start + T) mask; None where
+        SDPA's is_causal (or no mask) is exact."""
         window = self.cfg.sliding_window
         window_binds = window is not None and start + T > window
-        if attention_mask is None and not window_binds and (start == 0 or T == 1):
+        if attention_mask is None and segment_ids is None and not window_binds and (start == 0 or T == 1):
             return None
         q_pos = torch.arange(start, start + T, device=device)[:, None]  # (T, 1)
         k_pos = torch.arange(start + T, device=device)[None, :]  # (1, S)
@@ -208,6 +209,10 @@ class Transformer(nn.Module):
         if window_binds:
             # Mistral: query i sees keys j with i - window < j <= i.
             mask &= k_pos > q_pos - window
+        if segment_ids is not None:
+            # Packed rows: a query sees the keys of its own segment only (block-diagonal causal).
+            same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+            return (mask[None] & same)[:, None]  # (B, 1, T, T)
         if attention_mask is None:
             return mask  # (T, S)
         # Padding keys are never attended. A query with no real key left (a pad before the first
@@ -225,6 +230,7 @@ class Transformer(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
+        segment_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size) in the model's dtype.
 
@@ -234,6 +240,9 @@ class Transformer(nn.Module):
         attention_mask: (B, S) of 1 (real token) / 0 (padding) over every key position, S = T without
         a cache and cache.pos + T with one, as in transformers. Padding keys are never attended; the
         logits at padding positions are meaningless (but finite).
+        segment_ids: (B, T) ints, for rows that pack several sequences: a position attends only to
+        earlier positions with the same id (pass position_ids restarting per sequence with it). Not
+        with a cache or an attention_mask.
         head: replaces the output projection: called as head(hidden (B, T, d_model) after the final
         norm, output weight (vocab_size, d_model)) and its result returned instead of the logits, so a
         loss can consume the projection chunk by chunk without the whole logits tensor existing.
@@ -264,8 +273,11 @@ class Transformer(nn.Module):
         if position_ids is not None:
             if position_ids.shape[-1] != T or position_ids.dim() != 2:
                 raise ValueError(f"position_ids has shape {tuple(position_ids.shape)}; expected {(B, T)}")
-            seq_len = int(position_ids.max()) + 1
-            if seq_len > self.cfg.max_seq_len or int(position_ids.min()) < 0:
+            # Checking the values reads them on the host: a sync per forward, and a graph break under
+            # torch.compile, where the caller (the fine-tuning loader) guarantees them instead.
+            compiling = torch.compiler.is_compiling()
+            seq_len = end if compiling else int(position_ids.max()) + 1
+            if not compiling and (seq_len > self.cfg.max_seq_len or int(position_ids.min()) < 0):
                 raise ValueError(
                     f"position_ids must lie in [0, model.max_seq_len={self.cfg.max_seq_len}), "
                     f"got up to {seq_len - 1}"
@@ -283,7 +295,11 @@ class Transformer(nn.Module):
         rope = None
         if self.cfg.pos_embedding == "rope":
             rope = self._rope(start, end, position_ids, seq_len)
-        mask = self._mask(start, T, input_ids.device, attention_mask)
+        if segment_ids is not None and (cache is not None or attention_mask is not None
+                                        or tuple(segment_ids.shape) != (B, T)):
+            raise ValueError(f"segment_ids must be (batch, positions) = {(B, T)}, without a cache or an "
+                             "attention_mask")
+        mask = self._mask(start, T, input_ids.device, attention_mask, segment_ids)
         # named_children: a pipeline stage holds its blocks in a ModuleDict keyed by layer index.
         for name, layer in self.layers.named_children():
             x = layer(x, rope, mask, None if cache is None else cache.layer(int(name)))

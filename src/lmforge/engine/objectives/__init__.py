@@ -5,8 +5,9 @@ from __future__ import annotations
 from lmforge.config.schema import Config
 from lmforge.engine.objectives.base import Objective, ObjectiveModule, ObjectiveOutput, TokenObjective
 from lmforge.engine.objectives.causal_lm import CausalLM
+from lmforge.engine.objectives.sft import SFT
 
-OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM}
+OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -14,5 +15,6 @@ def build_objective(cfg: Config) -> Objective:
     return OBJECTIVES[cfg.objective.name].from_config(cfg)
 
 
-__all__ = ["OBJECTIVES", "CausalLM", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
+__all__ = ["OBJECTIVES", "SFT", "CausalLM",
+           "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
            "build_objective"]

@@ -1,0 +1,215 @@
+"""`ChatLoader`: fine-tuning batches from prepared SFT examples, resumable exactly.
+
+With packing, the examples are put into rows of seq_len tokens once, by best-fit decreasing (longest
+first, each into the fullest row it still fits; TRL's "bfd" strategy, which this reproduces row for
+row), and the rows are then the units an epoch shuffles. Without packing each example is a unit, and a
+batch is padded to its longest example. Epoch e visits the units in randperm order seeded with
+seed * 1000003 + e; rank r of W takes every W-th unit (the order trimmed to a multiple of W), as the
+TokenLoader does with windows.
+
+Targets: position i of an example predicts its token i + 1 where that token carries the loss; the
+last position of each example predicts nothing, so no row ever learns one conversation from another.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict, deque
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from lmforge.data.batch import IGNORE_INDEX, ChatBatch
+from lmforge.data.sft import SFTSplit
+from lmforge.errors import DataError
+
+_SEED_STRIDE = 1000003
+_CHECKED = ("seq_len", "seed", "units", "shuffle", "drop_last", "packing")
+
+
+def pack_bfd(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
+    """Rows of example indices whose lengths sum to at most seq_len, by best-fit decreasing.
+
+    Longest first (ties in index order); each goes into the row with the least room that still fits
+    it (of equally full rows, the one filled first), or starts a new row. Every length must be in
+    [1, seq_len]."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    rows: list[list[int]] = []
+    room_of: list[int] = []
+    by_room: dict[int, deque[int]] = defaultdict(deque)  # room left -> rows with it, oldest first
+    rooms: list[int] = []  # sorted distinct rooms that some row has (> 0)
+    for i in order:
+        n = int(lengths[i])
+        if not 1 <= n <= seq_len:
+            raise ValueError(f"example {i} has {n} tokens; packing needs 1..{seq_len}")
+        k = bisect.bisect_left(rooms, n)
+        if k < len(rooms):
+            room = rooms[k]
+            row = by_room[room].popleft()
+            if not by_room[room]:
+                rooms.pop(k)
+        else:
+            row, room = len(rows), seq_len
+            rows.append([])
+            room_of.append(seq_len)
+        rows[row].append(int(i))
+        room -= n
+        room_of[row] = room
+        if room > 0:
+            if not by_room[room]:
+                bisect.insort(rooms, room)
+            by_room[room].append(row)
+    return rows
+
+
+class ChatLoader:
+    """`ChatBatch`es from one split of prepared SFT examples; Stateful like TokenLoader."""
+
+    def __init__(
+        self,
+        split: SFTSplit,
+        seq_len: int,
+        batch_size: int,
+        *,
+        packing: bool = True,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = True,
+        pad_id: int = 0,
+    ) -> None:
+        if seq_len < 2 or batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"bad loader settings: seq_len={seq_len}, batch_size={batch_size}, "
+                f"rank={rank}, world_size={world_size}"
+            )
+        self.split, self.seq_len, self.batch_size, self.seed = split, seq_len, batch_size, seed
+        self.rank, self.world_size, self.shuffle, self.drop_last = rank, world_size, shuffle, drop_last
+        self.packing, self.pad_id = packing, pad_id
+        lengths = split.lengths
+        if len(lengths) and int(lengths.max()) > seq_len:
+            raise DataError(
+                f"an example has {int(lengths.max())} tokens, more than seq_len={seq_len}: the "
+                "data was prepared for a longer train.seq_len; prepare it again"
+            )
+        self.units: list[list[int]] = (
+            pack_bfd(lengths, seq_len) if packing else [[i] for i in range(len(split))]
+        )
+        self._per_rank = len(self.units) // world_size
+        need = world_size * (batch_size if drop_last else 1)
+        if len(self.units) < need:
+            what = "packed rows" if packing else "conversations"
+            raise DataError(
+                f"the split has {len(split):,} conversations ({len(self.units):,} {what}); "
+                f"batch_size={batch_size} on world_size={world_size} needs at least {need}: use "
+                "more data or a smaller batch"
+            )
+        full, rest = divmod(self._per_rank, batch_size)
+        self.batches_per_epoch = full + (1 if rest and not drop_last else 0)
+        self._epoch = self._cursor = 0
+        self._order: tuple[int, np.ndarray] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def next_batch(self) -> ChatBatch:
+        b = self.batch_size
+        units = self._rank_units(self._epoch)[self._cursor * b : (self._cursor + 1) * b]
+        self._cursor += 1
+        if self._cursor == self.batches_per_epoch:
+            self._epoch, self._cursor = self._epoch + 1, 0
+        return self.collate([self.units[int(u)] for u in units])
+
+    def __iter__(self) -> Iterator[ChatBatch]:
+        while True:
+            yield self.next_batch()
+
+    def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[ChatBatch]:
+        """One sequential pass over this rank's units; the loader's state is untouched."""
+        units = self._rank_slice(np.arange(len(self.units)))
+        stop = len(units) if not self.drop_last else len(units) // self.batch_size * self.batch_size
+        for k, i in enumerate(range(0, stop, self.batch_size)):
+            if max_batches is not None and k >= max_batches:
+                return
+            yield self.collate([self.units[int(u)] for u in units[i : i + self.batch_size]])
+
+    def collate(self, rows: list[list[int]]) -> ChatBatch:
+        """The batch of `rows`, each a list of example indices (one per row without packing)."""
+        width = self.seq_len if self.packing else max(int(self.split.lengths[r[0]]) for r in rows)
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        targets = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
+        pos = np.zeros((len(rows), width), dtype=np.int64)
+        seg = np.full((len(rows), width), -1, dtype=np.int64)
+        real = 0
+        for r, row in enumerate(rows):
+            at = 0
+            for s, i in enumerate(row):
+                x, m = self.split.example(i)
+                n = len(x)
+                ids[r, at : at + n] = x
+                targets[r, at : at + n - 1] = np.where(m[1:], x[1:], IGNORE_INDEX)
+                pos[r, at : at + n] = np.arange(n)
+                seg[r, at : at + n] = s
+                at += n
+            real += at
+        t = torch.from_numpy
+        if not self.packing:
+            return ChatBatch(t(ids), t(targets), real_tokens=real)
+        return ChatBatch(t(ids), t(targets), t(pos), t(seg), real)
+
+    def state_dict(self) -> dict[str, int]:
+        return {
+            "epoch": self._epoch,
+            "cursor": self._cursor,
+            "seq_len": self.seq_len,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "units": len(self.units),
+            "shuffle": int(self.shuffle),
+            "drop_last": int(self.drop_last),
+            "packing": int(self.packing),
+        }
+
+    def load_state_dict(self, sd: dict) -> None:
+        missing = [k for k in ("epoch", "cursor", "world_size", "batch_size", *_CHECKED) if k not in sd]
+        if missing:
+            raise DataError(
+                f"data loader state lacks {', '.join(missing)}; it is not a ChatLoader state "
+                "(was the run trained with another objective?)"
+            )
+        mine = self.state_dict()
+        differ = [f"{k} {int(sd[k])} -> {mine[k]}" for k in _CHECKED if int(sd[k]) != mine[k]]
+        if differ:
+            raise DataError(
+                f"cannot resume the data loader: {'; '.join(differ)} (checkpoint -> now); "
+                "resume with the same data, seq_len, packing and seed"
+            )
+        global_units = int(sd["cursor"]) * int(sd["batch_size"]) * int(sd["world_size"])
+        cursor, rem = divmod(global_units, self.batch_size * self.world_size)
+        epoch = int(sd["epoch"])
+        if rem or cursor > self.batches_per_epoch or epoch < 0:
+            raise DataError(
+                f"cannot resume the data loader saved on world_size={sd['world_size']} x batch_size="
+                f"{sd['batch_size']} on world_size={self.world_size} x batch_size={self.batch_size}: "
+                "that position is not a whole number of global batches here; resume on the old layout"
+            )
+        if cursor == self.batches_per_epoch:
+            epoch, cursor = epoch + 1, 0
+        self._epoch, self._cursor = epoch, cursor
+
+    def _rank_slice(self, order: np.ndarray) -> np.ndarray:
+        return order[: self._per_rank * self.world_size][self.rank :: self.world_size]
+
+    def _rank_units(self, epoch: int) -> np.ndarray:
+        if self._order is None or self._order[0] != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * _SEED_STRIDE + epoch)
+                order = torch.randperm(len(self.units), generator=g).numpy()
+            else:
+                order = np.arange(len(self.units))
+            self._order = (epoch, self._rank_slice(order))
+        return self._order[1]

@@ -1,0 +1,378 @@
+"""Conversations -> token ids and the tokens that carry the loss -> a prepared SFT data dir.
+
+An example is the ids of one rendered conversation and a label mask over them (1 where the loss is
+taken, as the labels of transformers / TRL: the token is predicted from the ones before it). The
+template decides the text; `sft.loss_on` which characters count (see chat_template); a token counts
+when its characters overlap a counted span, which is what transformers' `return_assistant_tokens_mask`
+gives (the tokens from the one holding the span's first character to the one holding its last).
+
+The prepared dir holds, per split, the concatenated ids (int32), masks (uint8) and example offsets
+(int64) as .npy files (never pickled), the tokenizer (with the template's control tokens), the template
+and meta.json, written last, in a sibling that is renamed into place, and reused when its fingerprint
+matches, like `prepare`'s token shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lmforge._version import __version__
+from lmforge.config.schema import Config
+from lmforge.data.chat import ChatStats, Conversation, read_conversations
+from lmforge.data.chat_template import CHATML_TOKENS, ChatTemplate, TemplateError
+from lmforge.data.prepare import TOKENIZER_FILE, data_dir, split_of
+from lmforge.data.shards import read_meta, write_meta
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.errors import DataError
+
+FORMAT = 1
+KIND = "sft"
+TEMPLATE_FILE = "chat_template.jinja"
+SPLITS = ("train", "val")
+
+
+@dataclass
+class Example:
+    ids: np.ndarray  # int32 (n,)
+    mask: np.ndarray  # bool (n,): the loss is taken on ids[i] (predicted from ids[:i])
+
+
+def label_mask(conv: Conversation, template: ChatTemplate, tok: Tokenizer, loss_on: str) -> Example:
+    """The ids of `conv` rendered by `template` and the mask of the tokens `loss_on` picks."""
+    text, spans = template.assistant_spans(conv.messages)
+    ids, offsets = tok.encode_chat(text)
+    n = len(ids)
+    if loss_on == "all":
+        return Example(np.asarray(ids, dtype=np.int32), np.ones(n, dtype=bool))
+    assistant_turns = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant"]
+    if len(spans) != len(assistant_turns):
+        raise TemplateError(
+            f"{template.name} marks {len(spans)} assistant spans in a conversation with "
+            f"{len(assistant_turns)} assistant turns; fix its {{% generation %}} blocks"
+        )
+    if conv.completion_start is not None:  # prompt/completion: the completion only (as TRL)
+        spans = [s for s, k in zip(spans, assistant_turns) if k >= conv.completion_start]
+    if loss_on == "last":
+        spans = spans[-1:]
+    starts = np.fromiter((a for a, _ in offsets), dtype=np.int64, count=n)
+    ends = np.fromiter((b for _, b in offsets), dtype=np.int64, count=n)
+    mask = np.zeros(n, dtype=bool)
+    for a, b in spans:
+        mask |= (starts < b) & (ends > a) & (ends > starts)
+    return Example(np.asarray(ids, dtype=np.int32), mask)
+
+
+def check_contents(conv: Conversation, specials: list[str]) -> None:
+    """A message may not contain a control token's text: it would be encoded as the token itself and
+    could forge a turn (an injected `<|im_start|>assistant`)."""
+    for i, m in enumerate(conv.messages):
+        for s in specials:
+            if s and s in m["content"]:
+                raise DataError(f"message {i} ({m['role']}) contains the control token {s!r}")
+
+
+def fit(example: Example, seq_len: int, overlong: str) -> Example | None:
+    """`example` cut to seq_len tokens (overlong=truncate), or None when it does not fit (drop) or
+    keeps no loss token."""
+    if len(example.ids) > seq_len:
+        if overlong == "drop":
+            return None
+        example = Example(example.ids[:seq_len], example.mask[:seq_len])
+    return example if example.mask[1:].any() else None  # mask[0] is never predicted
+
+
+# -- the prepared dir ---------------------------------------------------------------------------------
+@dataclass
+class SFTSplit:
+    """One split's examples, in the order they were read."""
+
+    ids: np.ndarray  # int32, all examples back to back
+    mask: np.ndarray  # uint8, the same length
+    offsets: np.ndarray  # int64 (examples + 1,)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.ids[a:b], self.mask[a:b].astype(bool)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @classmethod
+    def of(cls, examples: list[Example]) -> SFTSplit:
+        lengths = np.asarray([len(e.ids) for e in examples], dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        ids = np.concatenate([e.ids for e in examples]) if examples else np.zeros(0, np.int32)
+        mask = (
+            np.concatenate([e.mask for e in examples]).astype(np.uint8) if examples else np.zeros(0, np.uint8)
+        )
+        return cls(ids.astype(np.int32), mask, offsets)
+
+
+@dataclass
+class PreparedSFT:
+    dir: Path
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    meta: dict
+
+    def split(self, name: str) -> SFTSplit:
+        if name not in self.meta["splits"]:
+            raise DataError(f"unknown split {name!r}; valid splits: {', '.join(self.meta['splits'])}")
+        arrays = [
+            np.load(self.dir / f"{name}_{part}.npy", allow_pickle=False, mmap_mode="r")
+            for part in ("ids", "mask", "offsets")
+        ]
+        return SFTSplit(*arrays)
+
+
+def load_template(dir: Path, meta: dict) -> ChatTemplate:
+    t = meta["template"]
+    return ChatTemplate(
+        (dir / TEMPLATE_FILE).read_text(encoding="utf-8"),
+        t.get("special_tokens") or {},
+        name=t.get("name", "chat template"),
+        end_of_turn=t.get("end_of_turn"),
+    )
+
+
+def load_prepared_sft(dir: str | Path) -> PreparedSFT:
+    dir = Path(dir)
+    meta = read_meta(dir)
+    if meta is None or meta.get("kind") != KIND:
+        raise DataError(
+            f"{dir} holds no prepared SFT data; run `lmforge sft` (or prepare) with an sft config"
+        )
+    tok = Tokenizer.load(dir / TOKENIZER_FILE, eos_id=meta["eos_id"])
+    return PreparedSFT(dir, tok, load_template(dir, meta), meta)
+
+
+def resolve_template(cfg: Config, tok_path: Path | None, tok: Tokenizer) -> ChatTemplate:
+    """The template `sft.template` names, with the special tokens it may use; adds ChatML's control
+    tokens to `tok` when it is chosen."""
+    choice = cfg.sft.template
+    config = _tokenizer_config(tok_path)
+    if choice == "auto":
+        choice = "tokenizer" if isinstance(config.get("chat_template"), str) else "chatml"
+    if choice == "chatml":
+        tok.add_special_tokens(CHATML_TOKENS)
+        return ChatTemplate.chatml()
+    specials = {
+        k: _token_text(v) for k, v in config.items() if k.endswith("_token") and _token_text(v) is not None
+    }
+    if choice == "tokenizer":
+        source = config.get("chat_template")
+        if not isinstance(source, str):
+            raise DataError(
+                f"sft.template=tokenizer: {tok_path} has no chat_template in its tokenizer_config.json"
+            )
+        name = f"the chat template of {tok_path.parent / 'tokenizer_config.json'}"
+        end = specials.get("eos_token")
+    else:
+        path = Path(choice)
+        if not path.is_file():
+            raise DataError(f"sft.template={choice!r}: no such file; give auto, chatml or a .jinja file")
+        source, name, end = (
+            path.read_text(encoding="utf-8"),
+            f"the chat template {path}",
+            specials.get("eos_token"),
+        )
+    return ChatTemplate(source, specials, name=name, end_of_turn=end)
+
+
+def _tokenizer_config(tok_path: Path | None) -> dict:
+    if tok_path is None:
+        return {}
+    path = tok_path.parent / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not valid JSON ({e})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _token_text(v) -> str | None:
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None
+
+
+def _settings(cfg: Config, tok_file: Path) -> dict:
+    s = cfg.sft
+    files = []
+    for src in [*s.data, *s.val_data]:
+        p = Path(src)
+        for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
+            if f.is_file():
+                st = f.stat()
+                files.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    tok_hash = hashlib.sha256(tok_file.read_bytes()).hexdigest() if tok_file.is_file() else None
+    template = Path(s.template)
+    return {
+        "format": FORMAT,
+        "data": s.data,
+        "val_data": s.val_data,
+        "val_fraction": s.val_fraction,
+        "record_format": s.format,
+        "template": s.template,
+        "template_hash": hashlib.sha256(template.read_bytes()).hexdigest() if template.is_file() else None,
+        "loss_on": s.loss_on,
+        "overlong": s.overlong,
+        "on_bad_record": s.on_bad_record,
+        "seq_len": cfg.seq_len,
+        "seed": cfg.run.seed,
+        "tokenizer": tok_hash,
+        "files": files,
+    }
+
+
+def prepare_sft(cfg: Config, console: Callable[[str], object] = print) -> PreparedSFT:
+    """Prepare (or reuse) the SFT examples `cfg` describes in the run's data dir."""
+    if not cfg.sft.data:
+        raise DataError(
+            "objective sft needs chat data: set sft.data to .jsonl / .parquet files or a saved datasets dir"
+        )
+    tok_path = Path(cfg.data.tokenizer.path) if cfg.data.tokenizer.path else None
+    if tok_path is None:
+        raise DataError(
+            "sft needs the tokenizer of the model it fine-tunes: set model.init_from (its "
+            "tokenizer is used) or data.tokenizer.path"
+        )
+    if tok_path.is_dir():
+        tok_path = tok_path / TOKENIZER_FILE
+    out = data_dir(cfg)
+    settings = _settings(cfg, tok_path)
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    if out.exists():
+        meta = read_meta(out)
+        if meta is not None and meta.get("fingerprint") == fingerprint and meta.get("kind") == KIND:
+            console(f"reusing prepared SFT data in {out}")
+            return load_prepared_sft(out)
+        if meta is not None or any(out.iterdir()):
+            raise DataError(
+                f"data dir {out} holds other data (prepared with other settings or for "
+                "pretraining); choose another data.dir or delete it to prepare again"
+            )
+    t0 = time.perf_counter()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-sft-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        meta = _build(cfg, tok_path, tmp, console)
+        meta.update(fingerprint=fingerprint, settings=settings, seconds=round(time.perf_counter() - t0, 2))
+        write_meta(tmp, meta)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for name, sp in meta["splits"].items():
+        console(
+            f"sft {name}: {sp['examples']:,} conversations, {sp['tokens']:,} tokens, "
+            f"{sp['loss_tokens']:,} with loss"
+        )
+    return load_prepared_sft(out)
+
+
+def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], object]) -> dict:
+    s = cfg.sft
+    tok = Tokenizer.load(tok_path)
+    base_vocab = tok.vocab_size
+    template = resolve_template(cfg, tok_path, tok)
+    specials = tok.special_tokens()
+    stats = ChatStats()
+    examples: dict[str, list[Example]] = {"train": [], "val": []}
+    counts = {"truncated": 0, "dropped_overlong": 0, "no_loss_tokens": 0, "bad_content": 0}
+    bad_examples: list[str] = []
+
+    def add(conv: Conversation, split: str) -> None:
+        try:
+            check_contents(conv, specials)
+            ex = label_mask(conv, template, tok, s.loss_on)
+        except DataError as e:
+            if isinstance(e, TemplateError) or s.on_bad_record == "fail":
+                raise DataError(f"{conv.where}: {e}") from None
+            counts["bad_content"] += 1
+            if len(bad_examples) < 5:
+                bad_examples.append(f"{conv.where}: {e}")
+            return
+        fitted = fit(ex, cfg.seq_len, s.overlong)
+        if fitted is None:
+            counts["dropped_overlong" if len(ex.ids) > cfg.seq_len else "no_loss_tokens"] += 1
+            return
+        counts["truncated"] += len(fitted.ids) < len(ex.ids)
+        examples[split].append(fitted)
+
+    if s.val_data:
+        for conv in read_conversations(s.data, s.format, s.on_bad_record, stats):
+            add(conv, "train")
+        for conv in read_conversations(s.val_data, s.format, s.on_bad_record, stats):
+            add(conv, "val")
+    else:
+        for i, conv in enumerate(read_conversations(s.data, s.format, s.on_bad_record, stats)):
+            add(conv, split_of(i, cfg.run.seed, s.val_fraction) if s.val_fraction > 0 else "train")
+    console(stats.summary())
+    if any(counts.values()):
+        console(
+            "sft examples: "
+            + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in counts.items() if v)
+            + (f" (e.g. {bad_examples[0]})" if bad_examples else "")
+            + f"; conversations longer than train.seq_len={cfg.seq_len} are "
+            + ("cut to it" if s.overlong == "truncate" else "dropped")
+        )
+    if not examples["train"]:
+        raise DataError(
+            f"no usable training conversation in sft.data ({stats.summary()}); check the records "
+            "and sft.format"
+        )
+    tok.save(dir / TOKENIZER_FILE)
+    (dir / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+    splits = {}
+    for name, exs in examples.items():
+        split = SFTSplit.of(exs)
+        for part, arr in (("ids", split.ids), ("mask", split.mask), ("offsets", split.offsets)):
+            np.save(dir / f"{name}_{part}.npy", arr, allow_pickle=False)
+        splits[name] = {
+            "examples": len(split),
+            "tokens": int(split.offsets[-1]),
+            "loss_tokens": int(sum(e.mask[1:].sum() for e in exs)),
+        }
+    return {
+        "kind": KIND,
+        "format": FORMAT,
+        "lmforge_version": __version__,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        # The template's control tokens the tokenizer did not have: the model needs rows for them.
+        "base_vocab": base_vocab,
+        "added_tokens": list(range(base_vocab, tok.vocab_size)),
+        "template": {
+            "name": template.name,
+            "special_tokens": template.special_tokens,
+            "end_of_turn": template.end_of_turn,
+        },
+        "splits": splits,
+        "stats": {
+            "files": stats.files,
+            "records": stats.records,
+            "skipped_records": stats.skipped,
+            "skipped_examples": stats.examples,
+            **counts,
+        },
+    }
