@@ -56,9 +56,59 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
-    from lmforge.eval.entry import evaluate
+def cmd_sft(args: argparse.Namespace) -> int:
+    from lmforge.train.trainer import train
 
+    cfg = _config(args)
+    if "name" in cfg.objective.model_fields_set and cfg.objective.name != "sft":
+        raise ConfigError(f"lmforge sft fine-tunes (objective sft), but the config sets objective.name="
+                          f"{cfg.objective.name}; remove it or use lmforge train")
+    train(cfg.model_copy(update={"objective": cfg.objective.model_copy(update={"name": "sft"})}),
+          resume=args.resume)
+    return 0
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    from lmforge.data.instruct_tasks import generate, split_disjoint, task_names, write_jsonl
+
+    if args.list:
+        print("\n".join(task_names()))
+        return 0
+    for path in (args.out, args.test_out):
+        if path:
+            check_replaceable(path)
+    tasks = args.tasks.split(",") if args.tasks else None
+    if args.test_out:
+        split = split_disjoint(tasks, args.n, args.n_test, args.seed, args.difficulty, args.system)
+        write_jsonl(split.train, args.out, overwrite=args.overwrite)
+        write_jsonl(split.test, args.test_out, overwrite=args.overwrite)
+        print(f"wrote {len(split.train):,} training records to {args.out} and {len(split.test):,} held-out "
+              f"records to {args.test_out} ({split.n_dropped:,} test prompts also in train were dropped)")
+    else:
+        n = write_jsonl(generate(tasks, args.n, args.seed, args.difficulty, args.system), args.out,
+                        overwrite=args.overwrite)
+        print(f"wrote {n:,} records to {args.out}")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from lmforge.eval.entry import eval_tasks, evaluate
+
+    if args.tasks:
+        from rich.console import Console
+        from rich.table import Table
+
+        acc = eval_tasks(_run_path(args), args.tasks, args.set, weights=args.weights)
+        table = Table(title=f"exact match on {args.tasks}", show_header=True)
+        table.add_column("task")
+        for col in ("correct", "total", "accuracy"):
+            table.add_column(col, justify="right")
+        for task, (c, n) in acc.items():
+            table.add_row(task, str(c), str(n), f"{c / n:.1%}")
+        c, n = sum(c for c, _ in acc.values()), sum(n for _, n in acc.values())
+        table.add_row("all", str(c), str(n), f"{c / n:.1%}")
+        Console(highlight=False).print(table)
+        return 0
     evaluate(_run_path(args), args.set, weights=args.weights)
     return 0
 
@@ -75,7 +125,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         overrides.append(f"generate.prompt={json.dumps(args.prompt, ensure_ascii=False)}")
     console = Console(highlight=False)
-    for i, text in enumerate(generate_text(_run_path(args), overrides, weights=args.weights)):
+    for i, text in enumerate(generate_text(_run_path(args), overrides, weights=args.weights, chat=args.chat)):
         if i:
             console.rule()
         console.print(text, markup=False)
@@ -90,12 +140,22 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from lmforge.checkpoint.hf_io import export_hf
+    from lmforge.finetune.export import export_adapter, export_run
 
     if args.format != "hf":
         raise LmforgeError(f"--format {args.format!r} is not supported; valid formats: hf")
-    export_hf(args.src, args.out, overwrite=args.overwrite, max_shard_size=int(args.max_shard_gb * 2**30),
-              weights=args.weights)
+    if args.adapter:
+        export_adapter(args.src, args.out, overwrite=args.overwrite, weights=args.weights)
+        return 0
+    export_run(args.src, args.out, overwrite=args.overwrite, max_shard_size=int(args.max_shard_gb * 2**30),
+               weights=args.weights)
+    return 0
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from lmforge.finetune.export import merge_run
+
+    merge_run(args.src, args.out, overwrite=args.overwrite, weights=args.weights)
     return 0
 
 
@@ -164,10 +224,14 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "prepare": (cmd_prepare, "read sources, train the tokenizer, write token shards"),
     "data": (cmd_data, "clean, filter, redact and deduplicate a corpus (the curate section)"),
     "train": (cmd_train, "pretrain a model (prepares data on first use)"),
+    "sft": (cmd_sft, "fine-tune on chat data (objective sft): full, LoRA, DoRA or QLoRA (the finetune "
+            "section)"),
+    "tasks": (cmd_tasks, "write verifiable instruction tasks (arithmetic, strings, recall...) as chat JSONL"),
     "eval": (cmd_eval, "validation loss, perplexity and bits per byte of a run or checkpoint"),
     "generate": (cmd_generate, "sample text from a run or checkpoint"),
     "import": (cmd_import, "convert a Hugging Face Llama, Mistral, Qwen2 or GPT-2 dir to an lmforge run"),
     "export": (cmd_export, "write a run, checkpoint or imported model as a Hugging Face model dir"),
+    "merge": (cmd_merge, "fold a LoRA / DoRA / QLoRA run's adapters into its weights: a new run dir"),
     "config": (cmd_config, "print the resolved config (defaults + file + --set)"),
     "plot-schedule": (cmd_plot_schedule, "draw the learning rate a run will use, step by step, to a PNG"),
     "lr-find": (cmd_lr_find, "learning-rate range test on a fresh model: loss against an exponential lr "
@@ -184,12 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, (_, help_text) in VERBS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        if name in ("import", "export"):
+        if name in ("import", "export", "merge"):
             p.add_argument("src", help="Hugging Face model dir" if name == "import" else
                            "run dir, checkpoint dir or imported model dir")
             p.add_argument("out", help="output dir (must be empty or missing)")
             p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
+            if name == "merge":
+                p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
             if name == "export":
+                p.add_argument("--adapter", action="store_true", help="a LoRA / DoRA / QLoRA run: write its "
+                               "adapters in PEFT's format (out/adapter) and the base they need (out/base)")
                 p.add_argument("--format", default="hf", help="output format (hf)")
                 p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
                 p.add_argument("--max-shard-gb", type=float, default=5.0,
@@ -198,7 +266,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("-c", "--config", help="YAML config file")
         p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                        help="override a config key, e.g. --set train.max_steps=100 (repeatable)")
-        if name == "train":
+        if name == "tasks":
+            p.add_argument("-o", "--out", help="JSONL file to write (training records)")
+            p.add_argument("--n", type=int, default=2000, help="records to write")
+            p.add_argument("--seed", type=int, default=0, help="seed: the same seed writes the same records")
+            p.add_argument("--tasks", help="comma-separated task names (default: all; see --list)")
+            p.add_argument("--difficulty", type=int, default=1,
+                           help="digits / lengths of the tasks (1: easiest)")
+            p.add_argument("--system", help="a system prompt to put in every record")
+            p.add_argument("--test-out", help="also write a held-out file whose prompts train never has")
+            p.add_argument("--n-test", type=int, default=200, help="held-out records to aim for")
+            p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+            p.add_argument("--list", action="store_true", help="print the task names and exit")
+            continue
+        if name in ("train", "sft"):
             p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its "
                            "latest checkpoint")
         if name == "data":
@@ -209,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("path", nargs="?", help="run dir or checkpoint dir (default: run.dir of -c)")
         if name == "generate":
             p.add_argument("--prompt", help="text to continue (same as --set generate.prompt=...)")
+            p.add_argument("--chat", action="store_true", help="the prompt is a user message: render it with "
+                           "the run's chat template and print the assistant's reply")
+        if name == "eval":
+            p.add_argument("--tasks", help="a tasks JSONL (lmforge tasks): exact-match accuracy per task of "
+                           "greedy chat replies, instead of the loss")
         if name == "plot-schedule":
             p.add_argument("-o", "--out", default="schedule.png",
                            help="PNG to write (default: schedule.png in the current dir; the run dir is "

@@ -26,7 +26,6 @@ from torch import nn
 from lmforge.checkpoint.run_dir import RunLock, mark_job, open_run_dir, restarted_job_owns
 from lmforge.checkpoint.runs import (
     check_rebuildable,
-    load_model,
     load_weights,
     resolve_init_from,
     run_tokenizer_file,
@@ -40,6 +39,7 @@ from lmforge.engine.objectives import Objective, TokenObjective, build_objective
 from lmforge.engine.precision import Precision, resolve_precision
 from lmforge.engine.step import StepHook
 from lmforge.errors import ConfigError, DataError, LmforgeError
+from lmforge.finetune.setup import apply_finetune, load_finetuned
 from lmforge.optim.batch_ramp import BatchRamp
 from lmforge.optim.builder import SPECS, build_optimizer
 from lmforge.optim.schedule import LRSchedule
@@ -82,6 +82,7 @@ class Run:
     step: int = 0  # eval/generate: the step the weights were saved at
     weights_from: Path | None = None  # eval/generate: the checkpoint (or HF dir) of the weights
     lock: RunLock | None = None  # train, rank 0: the run dir's lock, held until `release()`
+    template: Any = None  # fine-tuned runs: the ChatTemplate their conversations were rendered with
 
     def release(self) -> None:
         """Give up the run dir's lock (the trainer does at the end of fit)."""
@@ -286,6 +287,8 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         if sft and not resumed and cfg.model.init_from:
             init_token_rows(model, data.meta["added_tokens"], data.meta["base_vocab"])
         vocab = cfg.model.vocab_size
+    if cfg.finetune.method != "full" or sft:
+        say(apply_finetune(model, cfg.finetune, seed=cfg.run.seed).line())
     objective.check_model(model)
     precision = Precision(on_rank0(lambda: resolve_precision(cfg.train.precision, device, model,
                                                              cfg.train.micro_batch_size, cfg.seq_len, vocab)),
@@ -334,6 +337,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         custom_model=custom,
         resumed=resumed,
         lock=lock,
+        template=data.template if sft else None,
     )
 
 
@@ -427,10 +431,12 @@ def _build_inference(cfg, purpose, world, device, weights_from: Path, weights: s
             "was data.dir moved?"
         )
     tokenizer = Tokenizer.load(tok_path)
-    model, step = load_model(cfg, weights_from, weights, device)
+    model, step = load_finetuned(cfg, weights_from, weights, device)
     objective = objective or build_objective(cfg)
     run = Run(cfg=cfg, purpose=purpose, world=world, device=device, model=model, objective=objective,
               precision=Precision("fp32", device), tokenizer=tokenizer, step=step, weights_from=weights_from)
+    if cfg.objective.name == "sft":
+        return _sft_inference(run, cfg, purpose)
     if purpose == "generate":
         return run
     data = prepare(cfg, console=lambda *_: None)
@@ -444,4 +450,27 @@ def _build_inference(cfg, purpose, world, device, weights_from: Path, weights: s
     run.precision = Precision(resolve_precision(cfg.train.precision, device, model, cfg.eval.batch_size,
                                                 cfg.seq_len, cfg.model.vocab_size, backward=False), device)
     run.token_bytes = _token_bytes(tokenizer)
+    return run
+
+
+def _sft_inference(run: Run, cfg: Config, purpose: Purpose) -> Run:
+    """A fine-tuned run: its chat template (and, to evaluate, its prepared conversations)."""
+    from lmforge.data.chat_loader import ChatLoader
+    from lmforge.data.sft import load_prepared_sft
+
+    data = load_prepared_sft(data_dir(cfg))
+    run.template = data.template
+    if purpose == "generate":
+        return run
+    split = data.split(cfg.eval.split)
+    if not len(split):
+        raise DataError(f"eval.split={cfg.eval.split}: the run holds no {cfg.eval.split} conversations (set "
+                        "sft.val_fraction or sft.val_data when fine-tuning, or eval.split=train)")
+    run.val_loader = ChatLoader(split, cfg.seq_len, cfg.eval.batch_size, packing=cfg.sft.packing,
+                                shuffle=False, drop_last=False, pad_id=data.tokenizer.eos_id)
+    run.eval_batches = cfg.eval.max_batches
+    precision = resolve_precision(cfg.train.precision, run.device, run.model, cfg.eval.batch_size,
+                                  cfg.seq_len, cfg.model.vocab_size, backward=False)
+    run.precision = Precision(precision, run.device)
+    run.token_bytes = _token_bytes(run.tokenizer)
     return run

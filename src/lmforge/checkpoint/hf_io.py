@@ -94,9 +94,14 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False, 
 
 
 def export_hf(src: str | Path, out_dir: str | Path, overwrite: bool = False,
-              max_shard_size: int = 5 * 2**30, say=print, weights: str = "model") -> Path:
+              max_shard_size: int = 5 * 2**30, say=print, weights: str = "model", load=load_model,
+              chat_template: str | None = None, end_of_turn: str | None = None) -> Path:
     """Write the model at `src` (run dir, checkpoint dir or imported dir) as a Hugging Face model dir
-    (`weights` 'ema' / 'swa': the weight average kept during training instead of the trained weights)."""
+    (`weights` 'ema' / 'swa': the weight average kept during training instead of the trained weights).
+
+    `load(cfg, checkpoint, weights) -> (Transformer, step)` builds the model (a fine-tuned run's
+    loader merges its adapters); `chat_template` goes into tokenizer_config.json, and generation stops
+    at `end_of_turn` as well as at EOS."""
     from lmforge.models.hf import to_hf
 
     out = Path(out_dir)
@@ -106,14 +111,18 @@ def export_hf(src: str | Path, out_dir: str | Path, overwrite: bool = False,
     if tok_path is None:
         raise LmforgeError(f"the tokenizer of {src} is missing; was data.dir moved?")
     tokenizer = Tokenizer.load(tok_path)
-    model, step = load_model(cfg, ckpt, weights)  # everything read and checked before the output is touched
+    model, step = load(cfg, ckpt, weights)  # everything read and checked before the output is touched
     tokenizer_dir = Path(cfg.data.tokenizer.path).parent if cfg.data.tokenizer.path else None
+    turn_end = tokenizer.token_id(end_of_turn) if end_of_turn else None
 
     def write(tmp: Path) -> None:
         eos = tokenizer.eos_id
+        stops = eos if turn_end is None or turn_end == eos else [eos, turn_end]
         # lmforge's own tokenizers use one end-of-text token for both ends (GPT-2's convention).
-        to_hf(model, tmp, max_shard_size=max_shard_size, bos_token_id=eos, eos_token_id=eos)
-        if tokenizer_dir is not None and (tokenizer_dir / "tokenizer_config.json").is_file():
+        to_hf(model, tmp, max_shard_size=max_shard_size, bos_token_id=eos, eos_token_id=stops)
+        if chat_template is not None:  # a fine-tuned run: its tokenizer (template tokens added) and template
+            tokenizer.save_hf(tmp, model_max_length=cfg.model.max_seq_len, chat_template=chat_template)
+        elif tokenizer_dir is not None and (tokenizer_dir / "tokenizer_config.json").is_file():
             for name in TOKENIZER_FILES:  # the original files: chat template and generation defaults included
                 if (tokenizer_dir / name).is_file():
                     shutil.copy2(tokenizer_dir / name, tmp / name)

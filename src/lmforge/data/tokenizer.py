@@ -110,7 +110,7 @@ class Tokenizer:
         """Write tokenizer.json atomically."""
         atomic_write_text(path, self._tok.to_str(pretty=True))
 
-    def save_hf(self, out_dir: str | Path, model_max_length: int) -> None:
+    def save_hf(self, out_dir: str | Path, model_max_length: int, chat_template: str | None = None) -> None:
         """Write tokenizer.json + tokenizer_config.json that `transformers.AutoTokenizer` loads."""
         out_dir = Path(out_dir)
         self.save(out_dir / "tokenizer.json")
@@ -122,6 +122,8 @@ class Tokenizer:
             "model_max_length": model_max_length,
             "clean_up_tokenization_spaces": False,
         }
+        if chat_template is not None:
+            config["chat_template"] = chat_template
         atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
     def encode(self, text: str) -> list[int]:

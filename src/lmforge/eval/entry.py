@@ -7,7 +7,11 @@ from pathlib import Path
 
 from lmforge.assembly import Run, build_run
 from lmforge.checkpoint.runs import run_config
+from lmforge.data.chat import ChatStats
+from lmforge.data.chat_template import ChatTemplate
 from lmforge.engine.evaluate import evaluate_loss
+from lmforge.errors import DataError
+from lmforge.eval.chat import chat_prompt_ids, stop_ids, task_accuracy
 from lmforge.eval.generate import generate
 from lmforge.utils.io import atomic_write_json
 
@@ -35,13 +39,61 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
 
 
 def generate_text(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
-                  weights: str = "model") -> list[str]:
-    """Continue `generate.prompt` with a run's checkpoint; returns prompt + continuation per sample."""
+                  weights: str = "model", chat: bool = False) -> list[str]:
+    """Continue `generate.prompt` with a run's checkpoint; returns prompt + continuation per sample.
+
+    chat: the prompt is a user message, rendered by the run's chat template (ChatML for a run that
+    was not fine-tuned), and each sample is the assistant's reply, up to its end of turn."""
     run = load_run(path, overrides, weights)
     g = run.cfg.generate
-    prompt_ids = run.tokenizer.encode(g.prompt) if g.prompt else [run.tokenizer.eos_id]
+    if chat:
+        template = chat_template_of(run)
+        prompt_ids = chat_prompt_ids(template, run.tokenizer, [{"role": "user", "content": g.prompt}])
+        stops = stop_ids(template, run.tokenizer)
+    else:
+        prompt_ids = run.tokenizer.encode(g.prompt) if g.prompt else [run.tokenizer.eos_id]
+        stops = {run.tokenizer.eos_id}
     outs = generate(run.model, prompt_ids, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
-                    top_p=g.top_p, num_samples=g.num_samples, seed=g.seed, eos_id=run.tokenizer.eos_id,
+                    top_p=g.top_p, num_samples=g.num_samples, seed=g.seed, eos_id=sorted(stops),
                     device=run.device)
+    if chat:
+        return [run.tokenizer.decode([t for t in ids if t not in stops]) for ids in outs]
     prefix = prompt_ids if g.prompt else []
     return [run.tokenizer.decode(prefix + ids) for ids in outs]
+
+
+def chat_template_of(run: Run) -> ChatTemplate:
+    """The template a run was fine-tuned with; lmforge's ChatML for one that was not."""
+    return run.template if run.template is not None else ChatTemplate.chatml()
+
+
+def eval_tasks(path: str | Path, tasks_file: str | Path, overrides: list[str] | tuple[str, ...] = (),
+               weights: str = "model", max_new_tokens: int = 24, say=print) -> dict[str, tuple[int, int]]:
+    """Exact-match accuracy per task of a run's greedy replies to the records of `tasks_file` (JSONL
+    as `lmforge tasks` writes: messages, task, answer). Written to eval_tasks_step_N.json."""
+    run = load_run(path, overrides, weights)
+    records = _task_records(Path(tasks_file))
+    acc = task_accuracy(run.model, run.tokenizer, chat_template_of(run), records, max_new_tokens,
+                        device=run.device)
+    result = {"step": run.step, "tasks_file": str(tasks_file), "weights": weights,
+              "accuracy": {k: {"correct": c, "total": n, "accuracy": c / n} for k, (c, n) in acc.items()}}
+    suffix = "" if weights == "model" else f"_{weights}"
+    atomic_write_json(run.run_dir / f"eval_tasks_step_{run.step:08d}{suffix}.json", result)
+    return acc
+
+
+def _task_records(path: Path) -> list[dict]:
+    """The records of a tasks JSONL file; a line that is not one is an error naming it."""
+    from lmforge.data.chat import _iter_jsonl, to_conversation
+
+    if path.suffix.lower() != ".jsonl":
+        raise DataError(f"{path}: a tasks file is JSONL (lmforge tasks writes one)")
+    records = []
+    for where, record in _iter_jsonl(path, ChatStats()):
+        to_conversation(record, where, "messages")  # the same checks as training data
+        if not isinstance(record.get("task"), str) or not isinstance(record.get("answer"), str):
+            raise DataError(f"{where}: a task record needs string 'task' and 'answer' keys")
+        records.append(record)
+    if not records:
+        raise DataError(f"{path} holds no task records")
+    return records

@@ -65,12 +65,13 @@ def generate(
     top_p: float | None = None,
     num_samples: int = 1,
     seed: int = 0,
-    eos_id: int | None = None,
+    eos_id: int | list[int] | None = None,
     device: torch.device | str | None = None,
 ) -> list[list[int]]:
     """Continue `prompt_ids`; returns the new tokens of each of `num_samples` samples.
 
-    Samples run as one batch through a KV cache. A sample stops after emitting `eos_id` (which is
+    Samples run as one batch through a KV cache. A sample stops after emitting `eos_id` (or one of a
+    list of them; which is
     included in its output). The total length (prompt + new tokens) is capped at the model's
     max_seq_len. Sampling uses its own generator seeded with `seed` (the global RNG is untouched),
     so the same seed gives the same tokens. The model runs in eval mode; its mode is restored after.
@@ -89,6 +90,8 @@ def generate(
     if steps <= 0:
         return [[] for _ in range(num_samples)]
 
+    stop_set = set() if eos_id is None else {eos_id} if isinstance(eos_id, int) else set(eos_id)
+    stops = torch.as_tensor(sorted(stop_set), dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
     try:
@@ -103,7 +106,7 @@ def generate(
             ids = sample_next(logits, temperature, top_k, top_p, gen)[:, None]  # (N, 1)
             out[:, n - 1] = ids[:, 0]
             if eos_id is not None:
-                done |= ids[:, 0] == eos_id
+                done |= torch.isin(ids[:, 0], stops)
                 if bool(done.all()):
                     break
     finally:
@@ -111,7 +114,8 @@ def generate(
 
     result = []
     for row in out[:, :n].tolist():
-        if eos_id is not None and eos_id in row:
-            row = row[: row.index(eos_id) + 1]
+        cut = next((k for k, t in enumerate(row) if t in stop_set), None)
+        if cut is not None:
+            row = row[: cut + 1]
         result.append(row)
     return result
