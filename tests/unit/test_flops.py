@@ -81,3 +81,29 @@ def test_matmul_flops_match_counted_training_step(kw):
 def test_count_needs_vocab():
     with pytest.raises(ValueError, match="vocab_size"):
         count_params(ModelConfig())
+
+
+@pytest.mark.parametrize("kw", CONFIGS)
+def test_adapter_flops_match_counted_lora_step(kw):
+    # With the base frozen, the matmuls counted in a LoRA step's forward+backward equal
+    # adapter_flops_per_token's matmul part: 4 FLOPs per base weight, 6 per adapter weight.
+    from lmforge.finetune.lora import apply_lora
+    from lmforge.models.flops import adapter_flops_per_token
+
+    c = cfg(**kw)
+    torch.manual_seed(0)
+    m = build_model(c)
+    apply_lora(m, ["all-linear"], r=4, alpha=8.0)
+    trainable = sum(p.numel() for p in m.parameters() if p.requires_grad)
+    B, T = 2, 16
+    x = torch.randint(0, c.vocab_size, (B, T))
+    with FlopCounterMode(display=False) as counter:
+        m(x).sum().backward()
+    attn = 6 * c.n_layers * c.n_heads * c.resolved_head_dim * T
+    counted = counter.get_flop_counts()["Global"]
+    matmul = sum(n for op, n in counted.items() if "scaled_dot_product" not in str(op))
+    # One saving the formula leaves out (under 1/n_layers of the q/k/v share): nothing before block 0
+    # trains, so autograd skips the input gradient of block 0's q/k/v projections and their A's.
+    d, q, kv = c.d_model, c.n_heads * c.resolved_head_dim, c.resolved_kv_heads * c.resolved_head_dim
+    skipped = 2 * (d * q + 2 * d * kv) + 2 * 3 * 4 * d
+    assert matmul > 0 and matmul == (adapter_flops_per_token(c, T, trainable) - attn - skipped) * B * T

@@ -164,8 +164,9 @@ def resolve_template(cfg: Config, tok_path: Path | None, tok: Tokenizer) -> Chat
     tokens to `tok` when it is chosen."""
     choice = cfg.sft.template
     config = _tokenizer_config(tok_path)
+    own = _own_template(tok_path, config)
     if choice == "auto":
-        choice = "tokenizer" if isinstance(config.get("chat_template"), str) else "chatml"
+        choice = "tokenizer" if own is not None else "chatml"
     if choice == "chatml":
         tok.add_special_tokens(CHATML_TOKENS)
         return ChatTemplate.chatml()
@@ -173,12 +174,10 @@ def resolve_template(cfg: Config, tok_path: Path | None, tok: Tokenizer) -> Chat
         k: _token_text(v) for k, v in config.items() if k.endswith("_token") and _token_text(v) is not None
     }
     if choice == "tokenizer":
-        source = config.get("chat_template")
-        if not isinstance(source, str):
-            raise DataError(
-                f"sft.template=tokenizer: {tok_path} has no chat_template in its tokenizer_config.json"
-            )
-        name = f"the chat template of {tok_path.parent / 'tokenizer_config.json'}"
+        if own is None:
+            raise DataError(f"sft.template=tokenizer: {tok_path.parent} has no chat template (chat_template "
+                            "in tokenizer_config.json, or chat_template.jinja)")
+        source, name = own
         end = specials.get("eos_token")
     else:
         path = Path(choice)
@@ -203,6 +202,23 @@ def _tokenizer_config(tok_path: Path | None) -> dict:
     except (OSError, ValueError) as e:
         raise DataError(f"{path}: not valid JSON ({e})") from None
     return config if isinstance(config, dict) else {}
+
+
+def _own_template(tok_path: Path | None, config: dict) -> tuple[str, str] | None:
+    """(source, where) of the template that ships with a tokenizer: chat_template.jinja beside it (as
+    transformers >= 4.50 saves it), else tokenizer_config.json's chat_template (a string, or a list
+    of named templates of which "default" is the one applied)."""
+    if tok_path is None:
+        return None
+    jinja = tok_path.parent / TEMPLATE_FILE
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8"), f"the chat template {jinja}"
+    where = f"the chat template of {tok_path.parent / 'tokenizer_config.json'}"
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return (value, where) if isinstance(value, str) else None
 
 
 def _token_text(v) -> str | None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from lmforge.config.schema import Config, FinetuneConfig
 from lmforge.errors import ConfigError, LmforgeError
-from lmforge.finetune.lora import apply_lora, merge_lora
+from lmforge.finetune.lora import apply_lora, lora_layers, merge_lora
 from lmforge.finetune.nf4 import quantize_model_nf4
 
 
@@ -57,6 +57,11 @@ def apply_finetune(model: nn.Module, cfg: FinetuneConfig, seed: int = 0) -> Fine
     quant = None
     if method == "qlora":
         quant = quantize_model_nf4(model, blocksize=cfg.quant_blocksize, double_quant=True)
+    if cfg.init_adapter:
+        wrapped = _load_adapter(model, cfg)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        total = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+        return FinetuneSummary(method, trainable, total, wrapped, quant)
     wrapped = apply_lora(
         model,
         cfg.targets,
@@ -70,6 +75,23 @@ def apply_finetune(model: nn.Module, cfg: FinetuneConfig, seed: int = 0) -> Fine
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     return FinetuneSummary(method, trainable, total, wrapped, quant)
+
+
+def _load_adapter(model: nn.Module, cfg: FinetuneConfig) -> list[str]:
+    from lmforge.finetune.peft_io import load_peft_adapter, read_adapter_config
+
+    settings = read_adapter_config(cfg.init_adapter)
+    if bool(settings.get("dora")) != (cfg.method == "dora"):
+        kind = "DoRA" if settings.get("dora") else "LoRA"
+        raise ConfigError(
+            f"finetune.init_adapter={cfg.init_adapter} holds {kind} adapters but finetune.method="
+            f"{cfg.method}; set finetune.method={'dora' if settings.get('dora') else 'lora'}"
+        )
+    wrapped = load_peft_adapter(model, cfg.init_adapter)
+    for layer in lora_layers(model).values():  # dropout is a training choice: the config's, not the file's
+        layer.dropout_p = cfg.dropout
+        layer.lora_dropout = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
+    return wrapped
 
 
 def load_finetuned(

@@ -81,6 +81,17 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return float(6 * n_matmul + attn)
 
 
+def adapter_flops_per_token(cfg: ModelConfig, seq_len: int, adapter_params: int) -> float:
+    """Training FLOPs per token with the base frozen and `adapter_params` low-rank adapter weights
+    training (LoRA / DoRA / QLoRA): the base's matmuls need no weight gradients, so they cost 4 FLOPs
+    per weight (2 forward, 2 for the input gradient) instead of 6; the adapters cost the full 6.
+    Dequantising a 4-bit base is overhead, not model FLOPs, and is not counted. Autograd also skips
+    the input gradient of block 0's q/k/v projections (nothing before them trains): under 1/n_layers
+    of their share, left in the count."""
+    n_matmul = count_params(cfg, exclude_embeddings=True) - _non_matmul_params(cfg)
+    return flops_per_token(cfg, seq_len) - 2.0 * n_matmul + 6.0 * adapter_params
+
+
 def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward-only FLOPs per token: a third of `flops_per_token` (2 of its 6 FLOPs per weight)."""
     return flops_per_token(cfg, seq_len) / 3.0

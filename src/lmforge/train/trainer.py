@@ -36,7 +36,7 @@ from lmforge.engine.step import StepResult, Verdict
 from lmforge.errors import CheckpointError, CheckpointMismatchError, ConfigError, LmforgeError
 from lmforge.metrics.console import Console
 from lmforge.metrics.throughput import peak_flops
-from lmforge.models.flops import flops_per_token
+from lmforge.models.flops import adapter_flops_per_token, flops_per_token
 from lmforge.parallel.coord import any_rank, on_rank0
 from lmforge.parallel.init import abandon, shutdown
 from lmforge.parallel.world import World
@@ -176,9 +176,13 @@ class Trainer:
         if self.world.is_main and not self.complete:  # a refused resume leaves the old config intact
             save_config(self.cfg, run.run_dir / "config.yaml")
         n_params = sum(p.numel() for p in self.model.parameters())
-        self.flops_per_token = (
-            6 * n_params if run.custom_model else flops_per_token(self.cfg.model, self.cfg.seq_len)
-        )
+        if run.custom_model:
+            self.flops_per_token = 6 * n_params
+        elif self.cfg.finetune.method != "full":  # a frozen base: no weight gradients but the adapters'
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            self.flops_per_token = adapter_flops_per_token(self.cfg.model, self.cfg.seq_len, trainable)
+        else:
+            self.flops_per_token = flops_per_token(self.cfg.model, self.cfg.seq_len)
         self.peak_flops, self.peak_source = peak_flops(self.device, self.precision.dtype)
 
     # -- what callbacks read and ask ------------------------------------------------------------
