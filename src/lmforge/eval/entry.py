@@ -90,7 +90,10 @@ def _task_records(path: Path) -> list[dict]:
         raise DataError(f"{path}: a tasks file is JSONL (lmforge tasks writes one)")
     records = []
     for where, record in _iter_jsonl(path, ChatStats()):
-        to_conversation(record, where, "messages")  # the same checks as training data
+        try:
+            to_conversation(record, where, "messages")  # the same checks as training data
+        except DataError as e:
+            raise DataError(f"{where}: {e}") from None
         if not isinstance(record.get("task"), str) or not isinstance(record.get("answer"), str):
             raise DataError(f"{where}: a task record needs string 'task' and 'answer' keys")
         records.append(record)
