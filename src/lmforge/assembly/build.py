@@ -208,6 +208,9 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
             missing = [src for src in sources if src != "builtin:python" and not Path(src).exists()]
             if missing:
                 where = Path(missing[0]).resolve()
+                if cfg.objective.name == "sft":
+                    raise DataError(f"sft data {missing[0]!r} does not exist (resolved: {where}); give "
+                                    ".jsonl or .parquet files, folders of them or a saved datasets dir")
                 raise DataError(f"data source {missing[0]!r} does not exist (resolved: {where}); give a "
                                 "file, a folder or 'builtin:python'")
         locks: list[RunLock] = []  # rank 0's, kept here: the lock is a file descriptor, not broadcast

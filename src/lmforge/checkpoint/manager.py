@@ -404,9 +404,15 @@ def load_states(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer |
                 f"checkpoint {path} holds no {weights} weights (it has: model"
                 + "".join(f", {k}" for k in have) + f"); train with averaging.{weights}=true to keep them"
             )
-        # The average is FQN-keyed like the model, so DCP loads it straight into the parameters.
+        # The average is FQN-keyed like the model, so DCP loads it straight into the parameters. It
+        # holds the parameters that trained: with a frozen base (adapters) the rest are the model's.
+        prefix = f"averaging.{weights}."
+        held = {k[len(prefix):] for k in read_metadata(str(path / "state")).state_dict_metadata
+                if k.startswith(prefix)}
         params = dict(model.named_parameters())
-        _dcp_load({"averaging": {weights: params}}, path)
+        if not set(params) <= held:
+            load_states(path, model)
+        _dcp_load({"averaging": {weights: {n: p for n, p in params.items() if n in held}}}, path)
         return int(meta["step"])
     optimizers = _optimizers(optimizer)
     options = _options(int(meta.get("format", 1)))

@@ -16,6 +16,10 @@ class Comm:
         """Target tokens (or pairs, ...) of the step summed over data-parallel ranks."""
         return n
 
+    def sum_counts(self, *ns: int) -> list[int]:
+        """Several counts summed over data-parallel ranks at once (one collective)."""
+        return list(ns)
+
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-batch's backward; `enabled=False` defers the gradient all-reduce."""
         return contextlib.nullcontext()

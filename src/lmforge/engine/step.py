@@ -34,7 +34,7 @@ class Verdict:
 @dataclass
 class StepResult:
     loss: float  # mean loss per target over the whole step
-    tokens: int  # input tokens processed (this rank)
+    tokens: int  # input tokens processed (the whole job: all data-parallel ranks; padding not counted)
     target_tokens: int  # targets that carried a loss (the whole job)
     grad_norm: float  # global gradient norm before clipping
     skipped: bool = False  # the update was not applied (non-finite loss or gradients, or the judge said so)
@@ -93,7 +93,9 @@ def train_step(
     """
     objective = objective or CausalLM()
     batches = [objective.batch_of(b) for b in micro_batches]
-    n_targets = comm.sum_count(sum(objective.num_targets(b) for b in batches))
+    # Real (non-padding) tokens differ between ranks for fine-tuning rows: both counts are the job's.
+    n_targets, n_tokens = comm.sum_counts(sum(objective.num_targets(b) for b in batches),
+                                          sum(b.num_tokens for b in batches))
     denom = max(n_targets, 1)
     run = forward if forward is not None else (lambda b: objective(model, b))
     loss_total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
@@ -108,7 +110,7 @@ def train_step(
         loss_total += loss.detach()
         for k, v in out.metrics.items():
             metric_total[k] = metric_total.get(k, 0.0) + v.detach() / denom
-    result = StepResult(float(comm.mean_loss(loss_total)), sum(b.num_tokens for b in batches), n_targets, 0.0)
+    result = StepResult(float(comm.mean_loss(loss_total)), n_tokens, n_targets, 0.0)
     result.metrics = {k: float(comm.mean_loss(v)) for k, v in metric_total.items()}
     if withheld(result, judge, optimizer):
         return result

@@ -40,6 +40,13 @@ class DistComm(Comm):
         dist.all_reduce(t, group=self.dp_group)
         return int(t.item())
 
+    def sum_counts(self, *ns: int) -> list[int]:
+        if self.dp_group is None:
+            return list(ns)
+        t = torch.tensor(ns, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return t.tolist()
+
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         # DDP (composable replicate) and FSDP2 share this switch; TP and single-stage models
         # have no deferred reduction to skip.

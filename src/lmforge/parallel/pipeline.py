@@ -194,7 +194,7 @@ class Pipeline:
         objective = self.objective
         batch = objective.batch_type.cat([objective.batch_of(b) for b in micro_batches])
         x, y = batch.input_ids, batch.targets
-        n_targets = comm.sum_count(objective.num_targets(batch))
+        n_targets, n_tokens = comm.sum_counts(objective.num_targets(batch), batch.num_tokens)
         self._denom = max(n_targets, 1)
         self._push_table()
         losses: list[torch.Tensor] = []
@@ -204,7 +204,7 @@ class Pipeline:
         self._pull_grad()
         local = (torch.stack([t.detach().float() for t in losses]).sum() if losses
                  else torch.zeros((), device=x.device))
-        result = StepResult(float(comm.mean_loss(local)), x.numel(), n_targets, 0.0)
+        result = StepResult(float(comm.mean_loss(local)), n_tokens, n_targets, 0.0)
         if withheld(result, judge, optimizer):
             return result
         apply_update(optimizer, precision, result, grad_clip, grad_clip_value, group_stats, comm)

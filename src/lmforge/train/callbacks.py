@@ -86,7 +86,7 @@ class MetricsLogging(Callback):
 
     def on_step_end(self, trainer: Trainer, step: int, result: StepResult) -> None:
         self.window.seconds += result.seconds
-        self.window.tokens += result.tokens * trainer.dims.dp_size
+        self.window.tokens += result.tokens
         self.losses.append(result.loss)
         self.norms.append(result.grad_norm)
         if not trainer.is_log_step(step):
@@ -104,7 +104,7 @@ class MetricsLogging(Callback):
             "tokens_seen": trainer.tokens_seen,
         }
         if trainer.run.ramp.ramp_tokens:
-            record["tokens_per_step"] = result.tokens * trainer.dims.dp_size
+            record["tokens_per_step"] = result.tokens
         if trainer.skipped_steps:
             record["skipped_steps"] = trainer.skipped_steps
         record.update(result.metrics)

@@ -318,7 +318,7 @@ class Trainer:
     def _account(self, result: StepResult) -> None:
         """Counters, the non-finite guard and the weight averages after one step."""
         self.progress.step += 1
-        self.progress.tokens_seen += result.tokens * self.dims.dp_size
+        self.progress.tokens_seen += result.tokens
         # With fp16 a gradient overflow is the loss scaler's business (it skips and lowers the scale);
         # only a non-finite loss counts then.
         grad_ok = self.precision.scaler is not None or math.isfinite(result.grad_norm)
