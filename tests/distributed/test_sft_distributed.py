@@ -30,7 +30,9 @@ DDP, FSDP = ("parallel.dp_replicate=2", "parallel.dp_shard=1"), ("parallel.dp_sh
 # The single-process references, by the settings they share with the layouts below.
 REFS = {
     "full": (),
-    "lora": ("finetune.method=lora", "finetune.r=4"),
+    "lora": ("finetune.method=lora", "finetune.r=4"),  # ChatML's new tokens: their rows train too
+    # FSDP shards the token table, which trainable token rows need whole: a template of known tokens.
+    "lora_plain": ("finetune.method=lora", "finetune.r=4", "sft.template={plain}"),
     # One conversation per row, padded to the longest of the rank's rows: each rank pads differently.
     "full_unpacked": ("sft.packing=false",),
 }
@@ -38,7 +40,7 @@ SCENARIOS = {  # name: (reference, layout)
     "ddp_full": ("full", DDP),
     "ddp_lora": ("lora", DDP),
     "fsdp_full": ("full", FSDP),
-    "fsdp_lora": ("lora", FSDP),
+    "fsdp_lora": ("lora_plain", FSDP),
     "ddp_full_unpacked": ("full_unpacked", DDP),
 }
 
@@ -121,11 +123,16 @@ def setup(tmp_path_factory, shared_data_dir):
     train(load_config(TINY, tiny_overrides(base, shared_data_dir, "train.max_steps=8", "checkpoint.every=0",
                                            "train.eval_every=0")))
     write_jsonl(generate(None, 400, seed=1), chat)
+    plain = tmp / "plain.jinja"  # roles as text, replies end with the tokenizer's own EOS
+    plain.write_text("{% for m in messages %}{{ m['role'] + ': ' }}{% if m['role'] == 'assistant' %}"
+                     "{% generation %}{{ m['content'] + eos_token }}{% endgeneration %}\n{% else %}"
+                     "{{ m['content'] + '\n' }}{% endif %}{% endfor %}")
+    extras = {ref: tuple(e.format(plain=plain) for e in extra) for ref, extra in REFS.items()}
     refs = {}
-    for ref, extra in REFS.items():
+    for ref, extra in extras.items():
         refs[ref] = tmp / f"ref_{ref}"
         Trainer(load_config(None, overrides(base, chat, refs[ref], 2 * B, *extra))).fit()
-    scenarios = {name: overrides(base, chat, tmp / name, B, *REFS[ref], *layout)
+    scenarios = {name: overrides(base, chat, tmp / name, B, *extras[ref], *layout)
                  for name, (ref, layout) in SCENARIOS.items()}
     return tmp, refs, launch(2, scenarios, tmp)
 

@@ -163,11 +163,14 @@ def test_crash_and_resume_is_bit_identical(world, tmp_path, method):
 def test_lora_trains_only_its_adapters(world, tmp_path):
     # r=4 on wq (64 -> 64) and v_proj, the Hugging Face name of wv (64 -> 2 kv heads x 16 = 32).
     extra = ("finetune.method=lora", "finetune.r=4", "finetune.targets=[wq, v_proj]")
-    expected = 2 * (4 * (64 + 64) + 4 * (64 + 32))  # 2 layers: A (r, in) + B (out, r) each
+    # 2 layers: A (r, in) + B (out, r) each; and the rows of ChatML's 2 new tokens in the (tied) table.
+    expected = 2 * (4 * (64 + 64) + 4 * (64 + 32)) + 2 * 64
     run = build_run(sft_config(world, tmp_path / "built", *extra), "experiment", say=lambda *_: None)
     trainable = {n: p for n, p in run.model.named_parameters() if p.requires_grad}
-    assert sorted(trainable) == sorted(f"layers.{i}.attn.{m}.lora_{ab}" for i in (0, 1)
-                                       for m in ("wq", "wv") for ab in "AB")
+    rows = "tok_embeddings.parametrizations.weight.0.rows"
+    assert sorted(trainable) == sorted([rows, *(f"layers.{i}.attn.{m}.lora_{ab}" for i in (0, 1)
+                                                for m in ("wq", "wv") for ab in "AB")])
+    assert run.cfg.finetune.train_tokens == list(range(512, 514))
     assert sum(p.numel() for p in trainable.values()) == expected
     in_optimizer = [p for g in run.optimizer.param_groups for p in g["params"]]
     assert {id(p) for p in in_optimizer} == {id(p) for p in trainable.values()}
@@ -187,6 +190,7 @@ def test_lora_trains_only_its_adapters(world, tmp_path):
     base = load_model(base_cfg, base_src)[0].state_dict()
     for name, w in base.items():
         lora_name = name.replace(".wq.weight", ".wq.base.weight").replace(".wv.weight", ".wv.base.weight")
+        lora_name = lora_name.replace("tok_embeddings.weight", "tok_embeddings.parametrizations.weight.original")
         t = tuned[lora_name]
         if name in ("tok_embeddings.weight", "output.weight"):  # grown by the chat template's tokens
             assert t.shape[0] > w.shape[0]
@@ -195,6 +199,9 @@ def test_lora_trains_only_its_adapters(world, tmp_path):
     for name in trainable:
         if name.endswith("lora_B"):
             assert tuned[name].abs().max() > 0  # B starts at zero: the adapters did train
+    # The new tokens' rows trained away from where they started (the mean of the trained rows).
+    start = base["tok_embeddings.weight"][:512].float().mean(0)
+    assert (tuned[rows] - start).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])

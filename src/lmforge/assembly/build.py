@@ -268,8 +268,16 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
                 f"{source_vocab} -> {vocab_size}")
         else:
             vocab_size = resolve_vocab_size(cfg, vocab)
-        model_cfg = cfg.model.model_copy(update={"vocab_size": vocab_size})
-        cfg = cfg.model_copy(update={"model": model_cfg})
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
+    if sft and cfg.finetune.method != "full" and data.meta["added_tokens"]:
+        # The template's new tokens must learn (an adapter run freezes the table): their rows train.
+        tokens = sorted(set(cfg.finetune.train_tokens) | set(data.meta["added_tokens"]))
+        cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"train_tokens": tokens})})
+    if cfg.finetune.train_tokens and (dims.fsdp or dims.tp > 1 or dims.pp > 1):
+        raise ConfigError("finetune.train_tokens (under adapters, the rows of a chat template's new tokens "
+                          "train) needs the whole token table on each rank: one process or DDP, not FSDP, "
+                          "tensor or pipeline parallelism; use a template whose tokens the model has "
+                          "(sft.template) or finetune.method=full")
 
     seed_everything(cfg.run.seed)  # the same seed on every rank: replicas start equal
     if custom:

@@ -376,6 +376,10 @@ class FinetuneConfig(Section):
         "names (wq, w_down), globs (layers.*.attn.wq) or Hugging Face names (q_proj, down_proj)."
     )
     quant_blocksize: int = Field(64, ge=16, description="qlora: weights per NF4 quantisation block.")
+    train_tokens: list[int] = Field(
+        default_factory=list, description="Token ids whose embedding (and untied output) rows train beside "
+        "the adapters (PEFT's trainable_token_indices); a chat template's added tokens are put here."
+    )
     init_adapter: str | None = Field(
         None, description="Start from these adapters (a PEFT adapter dir: adapter_config.json + "
         "adapter_model.safetensors) instead of fresh ones; r, alpha and targets then come from it."

@@ -173,6 +173,8 @@ def resolve_template(cfg: Config, tok_path: Path | None, tok: Tokenizer) -> Chat
     specials = {
         k: _token_text(v) for k, v in config.items() if k.endswith("_token") and _token_text(v) is not None
     }
+    # lmforge's own tokenizers have no tokenizer_config.json: their EOS is the template's eos_token.
+    specials.setdefault("eos_token", tok.hf.id_to_token(tok.eos_id))
     if choice == "tokenizer":
         if own is None:
             raise DataError(f"sft.template=tokenizer: {tok_path.parent} has no chat template (chat_template "

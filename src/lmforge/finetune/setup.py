@@ -17,6 +17,7 @@ from lmforge.config.schema import Config, FinetuneConfig
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.finetune.lora import apply_lora, lora_layers, merge_lora
 from lmforge.finetune.nf4 import quantize_model_nf4
+from lmforge.finetune.token_rows import fold_token_rows, train_token_rows
 
 
 @dataclass
@@ -59,6 +60,7 @@ def apply_finetune(model: nn.Module, cfg: FinetuneConfig, seed: int = 0) -> Fine
         quant = quantize_model_nf4(model, blocksize=cfg.quant_blocksize, double_quant=True)
     if cfg.init_adapter:
         wrapped = _load_adapter(model, cfg)
+        train_token_rows(model, cfg.train_tokens)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         total = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
         return FinetuneSummary(method, trainable, total, wrapped, quant)
@@ -72,6 +74,7 @@ def apply_finetune(model: nn.Module, cfg: FinetuneConfig, seed: int = 0) -> Fine
         dora=method == "dora",
         seed=seed,
     )
+    train_token_rows(model, cfg.train_tokens)  # after apply_lora, which freezes everything else
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     return FinetuneSummary(method, trainable, total, wrapped, quant)
@@ -114,6 +117,7 @@ def merged(model: nn.Module) -> nn.Module:
     from lmforge.finetune.nf4 import NF4Linear
 
     merge_lora(model)
+    fold_token_rows(model)
     for name, m in list(model.named_modules()):
         if isinstance(m, NF4Linear):  # a quantised layer that had no adapter: back to a plain Linear
             parent, _, leaf = name.rpartition(".")
