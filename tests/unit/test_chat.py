@@ -221,3 +221,25 @@ def test_loader_resumes_exactly():
         assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.targets, y.targets)
     with pytest.raises(DataError, match="packing"):
         ChatLoader(split, 40, 2, seed=5, packing=False).load_state_dict(a.state_dict())
+
+
+def test_prepare_sft_reuses_replaces_or_refuses(tmp_path, tok):
+    from lmforge.config.load import load_config
+    from lmforge.data.sft import prepare_sft
+
+    tok.save(tmp_path / "tok.json")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"messages": MSGS}) for _ in range(4)) + "\n")
+    cfg = load_config(None, [f"run.dir={tmp_path / 'run'}", f"data.tokenizer.path={tmp_path / 'tok.json'}",
+                             f"sft.data=[{chat}]", "model.max_seq_len=64"])
+    said: list[str] = []
+    first = prepare_sft(cfg, said.append)
+    assert first.meta["splits"]["train"]["examples"] + first.meta["splits"]["val"]["examples"] == 4
+    assert prepare_sft(cfg, said.append).meta["fingerprint"] == first.meta["fingerprint"]
+    assert "reusing" in said[-1]
+    chat.write_text(chat.read_text() * 2)  # the data changed
+    with pytest.raises(DataError, match="holds other data"):
+        prepare_sft(cfg, said.append)  # not the run's to replace (a resume, or a data.dir of the user's)
+    again = prepare_sft(cfg, said.append, replace=True)
+    assert again.meta["splits"]["train"]["examples"] + again.meta["splits"]["val"]["examples"] == 8
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.startswith(".")]  # nothing left beside

@@ -255,7 +255,9 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         if train_data is not None:
             raise ConfigError("objective sft reads its conversations from sft.data; train_data= is for "
                               "pretraining documents")
-        data = rank0_first(lambda: prepare_sft(cfg, console=say))
+        # A fresh run owns the data dir inside its run dir: changed chat data is prepared again there.
+        own = not resumed and cfg.data.dir is None
+        data = rank0_first(lambda: prepare_sft(cfg, console=say, replace=own))
         tokenizer, train_src, val_src = data.tokenizer, None, None
     else:
         data, tokenizer, train_src, val_src = _training_data(cfg, train_data, eval_data, tokenizer, say)

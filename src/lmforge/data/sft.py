@@ -258,8 +258,10 @@ def _settings(cfg: Config, tok_file: Path) -> dict:
     }
 
 
-def prepare_sft(cfg: Config, console: Callable[[str], object] = print) -> PreparedSFT:
-    """Prepare (or reuse) the SFT examples `cfg` describes in the run's data dir."""
+def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: bool = False) -> PreparedSFT:
+    """Prepare (or reuse) the SFT examples `cfg` describes in the run's data dir. `replace`: an SFT
+    preparation there with other settings is the run's own (a fresh run in its own dir) and is prepared
+    again; otherwise that is an error."""
     if not cfg.sft.data:
         raise DataError(
             "objective sft needs chat data: set sft.data to .jsonl / .parquet files or a saved datasets dir"
@@ -280,7 +282,10 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print) -> Prepar
         if meta is not None and meta.get("fingerprint") == fingerprint and meta.get("kind") == KIND:
             console(f"reusing prepared SFT data in {out}")
             return load_prepared_sft(out)
-        if meta is not None or any(out.iterdir()):
+        stale = replace and meta is not None and meta.get("kind") == KIND
+        if stale:
+            console(f"the sft data or its settings changed since {out} was prepared: preparing it again")
+        elif meta is not None or any(out.iterdir()):
             raise DataError(
                 f"data dir {out} holds other data (prepared with other settings or for "
                 "pretraining); choose another data.dir or delete it to prepare again"
@@ -294,9 +299,15 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print) -> Prepar
         meta = _build(cfg, tok_path, tmp, console)
         meta.update(fingerprint=fingerprint, settings=settings, seconds=round(time.perf_counter() - t0, 2))
         write_meta(tmp, meta)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.rename(tmp, out)
+        if out.exists() and stale:  # the run's own earlier preparation: swapped out only now it is built
+            old = out.with_name(f".{out.name}.old-sft-{os.getpid()}")
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if out.exists():
+                out.rmdir()  # empty (checked above)
+            os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
