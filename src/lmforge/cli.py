@@ -22,7 +22,14 @@ def _config(args: argparse.Namespace):
 def cmd_prepare(args: argparse.Namespace) -> int:
     from lmforge.data import prepare
 
-    prepare(_config(args))
+    cfg = _config(args)
+    if cfg.objective.name == "sft":  # the chat data, with the tokenizer of the model it fine-tunes
+        from lmforge.checkpoint.runs import resolve_init_from
+        from lmforge.data.sft import prepare_sft
+
+        prepare_sft(resolve_init_from(cfg))
+        return 0
+    prepare(cfg)
     return 0
 
 
