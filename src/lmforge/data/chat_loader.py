@@ -36,7 +36,6 @@ def pack_bfd(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
     [1, seq_len]."""
     order = np.argsort(-np.asarray(lengths), kind="stable")
     rows: list[list[int]] = []
-    room_of: list[int] = []
     by_room: dict[int, deque[int]] = defaultdict(deque)  # room left -> rows with it, oldest first
     rooms: list[int] = []  # sorted distinct rooms that some row has (> 0)
     for i in order:
@@ -52,10 +51,8 @@ def pack_bfd(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
         else:
             row, room = len(rows), seq_len
             rows.append([])
-            room_of.append(seq_len)
         rows[row].append(int(i))
         room -= n
-        room_of[row] = room
         if room > 0:
             if not by_room[room]:
                 bisect.insort(rooms, room)

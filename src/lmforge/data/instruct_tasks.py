@@ -16,6 +16,7 @@ naming (stream, seed, i). String seeds go through SHA-512 and the methods used h
 
 from __future__ import annotations
 
+import abc
 import json
 import random
 import string
@@ -33,15 +34,16 @@ EOT_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<|end_of
                "<end_of_turn>")
 
 
-class TaskFamily:
+class TaskFamily(abc.ABC):
     """One kind of task. Subclasses set `name`, `max_difficulty` and implement `make`; `normalize`
     is the family's own (documented, minimal) canonical form of an answer for `score`."""
 
     name: str = ""
     max_difficulty: int = 1
 
+    @abc.abstractmethod
     def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
-        raise NotImplementedError
+        """(prompt, exact answer) of one task at `difficulty`, drawn from `rng` alone."""
 
     def normalize(self, answer: str) -> str:
         return answer
