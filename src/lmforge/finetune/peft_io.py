@@ -13,7 +13,6 @@ safetensors (never pickle) and checked against the model before the model is tou
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -26,7 +25,7 @@ from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
 from lmforge.models.hf import llama
-from lmforge.utils.io import atomic_write_bytes, atomic_write_json
+from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -132,12 +131,7 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
     file = Path(adapter_dir) / CONFIG
     if not file.is_file():
         raise LmforgeError(f"{adapter_dir} is not a PEFT adapter directory: it has no {CONFIG}")
-    try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LmforgeError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise LmforgeError(f"{file} holds a JSON {type(cfg).__name__}; an adapter config is a JSON object")
+    cfg = read_json_object(file, "an adapter config")
 
     def bad(key: str, why: str) -> LmforgeError:
         return LmforgeError(f"{file}: {key}={cfg.get(key)!r} {why}")

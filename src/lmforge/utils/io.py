@@ -74,6 +74,18 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def read_json_object(file: Path, what: str) -> dict[str, Any]:
+    """The JSON object in `file` (`what` names it in errors: "a model config"); LmforgeError when the
+    file is not valid JSON or holds something else."""
+    try:
+        obj = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LmforgeError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise LmforgeError(f"{file} holds a JSON {type(obj).__name__}; {what} is a JSON object")
+    return obj
+
+
 def _unlink(p: str) -> None:
     try:
         os.unlink(p)

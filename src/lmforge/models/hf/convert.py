@@ -28,7 +28,7 @@ from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.models.hf import gpt2, llama
 from lmforge.models.hf.keymap import unsupported
-from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir
+from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 
 if TYPE_CHECKING:  # the model module (torch blocks) loads only when a model is built
     from lmforge.models.transformer import Transformer
@@ -59,13 +59,7 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
     file = Path(path) / "config.json"
     if not file.is_file():
         raise LmforgeError(f"{path} is not a Hugging Face model directory: it has no config.json")
-    try:
-        cfg = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise LmforgeError(f"{file} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise LmforgeError(f"{file} holds a JSON {type(cfg).__name__}; a model config is a JSON object")
-    return cfg
+    return read_json_object(file, "a model config")
 
 
 @contextlib.contextmanager
