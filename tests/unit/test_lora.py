@@ -185,6 +185,66 @@ def test_torch_compile_matches_eager(dora):
     torch.testing.assert_close(compiled(x), m(x), atol=ATOL, rtol=0)
 
 
+def _lora_linear(seed: int = 0, bias: bool = True) -> LoRALinear:
+    torch.manual_seed(seed)
+    base = nn.Linear(24, 40, bias=bias).requires_grad_(False)
+    layer = LoRALinear(base, r=4, alpha=8, init="seeded", generator=torch.Generator().manual_seed(seed))
+    return layer.train()
+
+
+def _run(layer: LoRALinear, x: torch.Tensor, fused: bool, autocast: bool = False):
+    x = x.clone().requires_grad_()
+    layer.lora_A.grad = layer.lora_B.grad = None
+    original = LoRALinear._fusable
+    LoRALinear._fusable = (lambda self: original(self)) if fused else (lambda self: False)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        assert layer._fusable() is fused
+    finally:
+        LoRALinear._fusable = original
+    g = torch.linspace(-1, 1, y.numel()).view_as(y)
+    (y.float() * g).sum().backward()
+    return y, x.grad, layer.lora_A.grad, layer.lora_B.grad
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_function_equals_the_module_graph(bias):
+    """The fused LoRA function (one addmm into the base GEMM, hand-written backward) gives the
+    output, input gradient and A/B gradients of base(x) + s B A x computed op by op (fp32)."""
+    layer = _lora_linear(bias=bias)
+    x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(1))
+    fused, plain = _run(layer, x, True), _run(layer, x, False)
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_fused_function_under_autocast():
+    """Under bf16 autocast the adapter computes in bf16 (as autocast computes any linear layer),
+    keeps float32 gradients on its float32 A and B, and stays within bf16 rounding of fp32."""
+    layer = _lora_linear()
+    x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(1))
+    y16, gx16, ga16, gb16 = _run(layer, x, True, autocast=True)
+    y, gx, ga, gb = _run(layer, x, False)
+    assert y16.dtype == torch.bfloat16 and ga16.dtype == gb16.dtype == torch.float32
+    for a, b in ((y16, y), (gx16, gx), (ga16, ga), (gb16, gb)):
+        scale = float(b.detach().abs().max())
+        torch.testing.assert_close(a.float(), b, atol=3 * 2**-8 * scale, rtol=0)
+
+
+def test_fused_function_is_skipped_where_it_does_not_apply():
+    layer = _lora_linear()
+    assert layer._fusable()
+    layer.lora_dropout, layer.dropout_p = nn.Dropout(0.1), 0.1
+    assert not layer._fusable() and layer.eval()._fusable()
+    layer = _lora_linear()
+    layer.base.register_forward_hook(lambda *a: None)  # as tensor parallelism hooks its layers
+    assert not layer._fusable()
+    layer = _lora_linear()
+    layer.base.bias.requires_grad_(True)
+    assert not layer._fusable()
+
+
 def test_head_path_sees_the_adapted_output_weight():
     # A chunked loss takes the output layer's weight through `head=`: it must include the adapter.
     m = model()

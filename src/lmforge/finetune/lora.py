@@ -132,7 +132,29 @@ class LoRALinear(nn.Module):
         """||W + s B A|| over the input dimension, one value per output row (out,)."""
         return torch.linalg.norm(weight + self.scaling * lora_weight, dim=1)
 
+    def _fusable(self) -> bool:
+        """Whether the fused LoRA function computes this layer: a plain nn.Linear base with a frozen
+        plain-tensor weight that nothing hooks (tensor parallelism hooks the base and shards it into
+        DTensors: it goes through base(x)), no DoRA and no active dropout."""
+        base = self.base
+        return (
+            type(base) is nn.Linear
+            and not base.weight.requires_grad
+            and (base.bias is None or not base.bias.requires_grad)
+            and type(base.weight.data) is torch.Tensor
+            and not (base._forward_hooks or base._forward_pre_hooks)
+            and self.lora_magnitude is None
+            and not (self.training and self.dropout_p > 0)
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.merged and self._fusable():
+            dtype = _compute_dtype(x, self.base.weight)
+            bias = self.base.bias
+            return _LoRALinearFn.apply(
+                x.to(dtype), self.base.weight.to(dtype), None if bias is None else bias.to(dtype),
+                self.lora_A, self.lora_B, self.scaling,
+            )
         result = self.base(x)
         if self.merged:
             return result
@@ -225,6 +247,51 @@ class LoRALinear(nn.Module):
 
 
 # ------------------------------------------------------------------------------------ model level
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear(x, weight) computes in: autocast's where it is on, else the activations'."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return torch.promote_types(x.dtype, weight.dtype)
+
+
+class _LoRALinearFn(torch.autograd.Function):
+    """y = x W^T + b + s (x A^T) B^T for a frozen W, in the dtype of x (the caller casts x, W and b
+    to it; A and B, the trainable float32 masters, are cast here, as autocast would cast them).
+
+    Against base(x) + lora(x) as separate modules (PEFT's graph): the adapter path adds its low-rank
+    product into the base GEMM's output (addmm with beta=1) instead of materialising a (tokens, out)
+    adapter output and adding it, and the backward adds g W into the adapter's share of the input
+    gradient the same way; nothing is kept for the backward but x, W and the (tokens, r) x A^T.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scaling):
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (N, in)
+        a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)  # (r, in), (out, r)
+        u = torch.mm(x2, a.t()).mul_(scaling)  # (N, r): s x A^T
+        y = F.linear(x2, weight, bias)  # (N, out)
+        y.addmm_(u, b.t())
+        ctx.save_for_backward(x2, weight, a, b, u)
+        ctx.scaling, ctx.shape = scaling, shape
+        ctx.dtypes = (lora_a.dtype, lora_b.dtype)
+        return y.view(*shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x2, weight, a, b, u = ctx.saved_tensors
+        g = grad_y.reshape(-1, weight.shape[0])  # (N, out)
+        grad_x = grad_a = grad_b = None
+        gb = torch.mm(g, b).mul_(ctx.scaling)  # (N, r): s g B
+        if ctx.needs_input_grad[3]:
+            grad_a = torch.mm(gb.t(), x2).to(ctx.dtypes[0])  # (r, in)
+        if ctx.needs_input_grad[4]:
+            grad_b = torch.mm(g.t(), u).to(ctx.dtypes[1])  # (out, r)
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(gb, a).addmm_(g, weight).view(ctx.shape)  # s g B A + g W
+        return grad_x, None, None, grad_a, grad_b, None
 
 
 def lora_layers(model: nn.Module) -> dict[str, LoRALinear]:
