@@ -169,34 +169,69 @@ def _examples(seed: int, n: int, vocab: int) -> list[Example]:
     return out
 
 
-def test_packed_forward_and_loss_equal_each_conversation_alone():
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kernel", ["mask", "flex"])
+def test_packed_forward_and_loss_equal_each_conversation_alone(kernel, device):
+    """Packed rows (block-diagonal causal attention, positions restarting) give each conversation the
+    logits, loss and parameter gradients it gets alone, with either packed-attention kernel (fp32,
+    1e-5). On CUDA the flex kernel is the compiled one lmforge trains with; on a CPU flex attention
+    has no backward (the mask kernel is what lmforge uses there): logits and loss only."""
     torch.manual_seed(0)
     model = build_model(
-        ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64)
+        ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
+        device,
     ).eval()
+    model.packed_attention = kernel
+    assert model._packed_kernel(torch.device(device)) == kernel
     split = SFTSplit.of(_examples(0, 9, 64))
     loader = ChatLoader(split, 48, 3, packing=True, shuffle=False)
     assert max(len(r) for r in loader.units) >= 3
-    batch = loader.collate(loader.units[:3])
+    batch = loader.collate(loader.units[:3]).to(torch.device(device))
     objective = SFT()
-    with torch.no_grad():
+    params = [p for p in model.parameters()]
+    backward = not (kernel == "flex" and device == "cpu")
+    with torch.set_grad_enabled(backward):
         packed = model(batch.input_ids, position_ids=batch.position_ids, segment_ids=batch.segment_ids)
         total = objective(model, batch).loss
-        alone_total = torch.zeros(())
+    grads = torch.autograd.grad(total, params) if backward else []
+    alone_total = torch.zeros((), device=device)
+    with torch.no_grad():
         for r, row in enumerate(loader.units[:3]):
             at = 0
             for i in row:
                 x, m = split.example(i)
                 n = len(x)
-                ref = model(torch.as_tensor(x, dtype=torch.long)[None])
+                ref = model(torch.as_tensor(x, dtype=torch.long, device=device)[None])
                 torch.testing.assert_close(packed[r, at : at + n], ref[0], rtol=0, atol=1e-5)
-                one = loader.collate([[i]])
-                alone_total += objective(model, one).loss
                 at += n
+    with torch.set_grad_enabled(backward):
+        for row in loader.units[:3]:
+            for i in row:
+                one = loader.collate([[i]]).to(torch.device(device))
+                alone_total = alone_total + objective(model, one).loss
     torch.testing.assert_close(total, alone_total, rtol=1e-6, atol=1e-5)
+    if backward:
+        for g, ref_g in zip(grads, torch.autograd.grad(alone_total, params)):
+            torch.testing.assert_close(g, ref_g, rtol=0, atol=1e-5)
     assert objective.num_targets(batch) == sum(
         int(split.example(i)[1][1:].sum()) for r in loader.units[:3] for i in r
     )
+
+
+def test_packed_kernel_choice():
+    from lmforge.models.common.attention import packed_kernel
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert packed_kernel("auto", cpu, 0.0, 64) == "mask" and packed_kernel("auto", cuda, 0.0, 64) == "flex"
+    assert packed_kernel("flex", cpu, 0.0, 8) == "flex"  # the reference implementation: any size
+    assert packed_kernel("auto", cuda, 0.1, 64) == "mask"  # flex attention has no dropout
+    assert packed_kernel("auto", cuda, 0.0, 8) == "mask" and packed_kernel("flex", cuda, 0.0, 96) == "mask"
+    assert packed_kernel("mask", cuda, 0.0, 64) == "mask"
+    with pytest.raises(ValueError, match="one of"):
+        packed_kernel("varlen", cuda, 0.0, 64)
 
 
 def test_unpacked_batches_pad_right_and_count_real_tokens():

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config.schema import ModelConfig
-from lmforge.models.common.attention import Attention, KVCache, LayerKV
+from lmforge.models.common.attention import Attention, KVCache, LayerKV, document_block_mask, packed_kernel
 from lmforge.models.common.mlp import MLP
 from lmforge.models.common.norm import RMSNorm, build_norm
 from lmforge.models.common.rope import dynamic_inv_frequencies, rope_angles, rope_tables
@@ -92,6 +92,8 @@ class Transformer(nn.Module):
             )
         super().__init__()
         self.cfg = cfg
+        # How packed rows attend ("auto", "mask" or "flex"; see models/common/attention.py).
+        self.packed_attention = "auto"
         target = torch.get_default_device()
         # Allocate on meta, then materialise: PyTorch's default inits would be wasted work (they
         # are overwritten by init_weights) and would consume the global RNG.
@@ -193,12 +195,16 @@ class Transformer(nn.Module):
             return self.rope_cos[start:end], self.rope_sin[start:end]  # each (T, head_dim)
         return self.rope_cos[position_ids], self.rope_sin[position_ids]  # each (B, T, head_dim)
 
+    def _packed_kernel(self, device: torch.device) -> str:
+        dropout = self.cfg.dropout if self.training else 0.0
+        return packed_kernel(self.packed_attention, device, dropout, self.cfg.resolved_head_dim)
+
     def _mask(
         self, start: int, T: int, device: torch.device, attention_mask: torch.Tensor | None = None,
         segment_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor | None:
+    ):
         """Boolean (T, start + T) or, with padding or segments, (B, 1, T, start + T) mask; None where
-        SDPA's is_causal (or no mask) is exact."""
+        SDPA's is_causal (or no mask) is exact; for segments with the flex kernel, a BlockMask."""
         window = self.cfg.sliding_window
         window_binds = window is not None and start + T > window
         if attention_mask is None and segment_ids is None and not window_binds and (start == 0 or T == 1):
@@ -209,6 +215,8 @@ class Transformer(nn.Module):
         if window_binds:
             # Mistral: query i sees keys j with i - window < j <= i.
             mask &= k_pos > q_pos - window
+        if segment_ids is not None and self._packed_kernel(device) == "flex":
+            return document_block_mask(segment_ids, window if window_binds else None)
         if segment_ids is not None:
             # Packed rows: a query sees the keys of its own segment only (block-diagonal causal).
             same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)

@@ -1,7 +1,11 @@
-"""Multi-head / grouped-query causal self-attention through `F.scaled_dot_product_attention`,
-and the preallocated key/value cache used for generation."""
+"""Multi-head / grouped-query causal self-attention through `F.scaled_dot_product_attention`
+(or, for packed rows on a GPU, flex attention with a block mask), and the preallocated key/value
+cache used for generation."""
 
 from __future__ import annotations
+
+import warnings
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +54,67 @@ class KVCache:
         self.pos = 0
 
 
+# Packed rows (several sequences per row, attention kept within each): how the block-diagonal causal
+# attention is computed. "mask": SDPA with a dense (B, 1, T, T) boolean mask, what the CPU runs
+# fastest. "flex": flex attention with a BlockMask built from the segment ids, which skips the
+# 128 x 128 tiles that are fully masked. Measured on an H100 (bench/packed_attention.py: Llama-1B
+# attention, batch 4 x 2048 packed with log-normal documents, bf16, forward + backward of 16 layers):
+# SDPA + mask 29.5 ms, flex 19.5 ms inside a compiled model (20.6 eager), FlashAttention-2 varlen
+# 25.3 ms (it needs cu_seqlens, a host sync); "auto" takes flex on CUDA and the mask elsewhere.
+PACKED_KERNELS = ("auto", "mask", "flex")
+
+
+def packed_kernel(choice: str, device: torch.device, dropout: float, head_dim: int) -> str:
+    """The kernel `choice` ("auto", "mask" or "flex") resolves to on `device`. Flex attention has no
+    dropout, and its GPU kernel wants a power-of-two head size of at least 16: the mask otherwise."""
+    if choice not in PACKED_KERNELS:
+        raise ValueError(f"packed attention kernel must be one of {PACKED_KERNELS}, got {choice!r}")
+    if choice == "auto":
+        choice = "flex" if device.type == "cuda" else "mask"
+    gpu_sized = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    flex_fits = dropout == 0 and (device.type != "cuda" or gpu_sized)
+    return choice if choice == "mask" or flex_fits else "mask"
+
+
+@cache
+def _compiled_flex():
+    """flex_attention compiled once per process: uncompiled, it materialises every score."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def document_block_mask(segment_ids: torch.Tensor, window: int | None = None):
+    """BlockMask of block-diagonal causal attention for packed rows: query i sees key j when both lie
+    in the same segment and j <= i (and i - j < window with a sliding window). segment_ids (B, T)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (kv_idx <= q_idx)
+        if window is not None:
+            keep = keep & (q_idx - kv_idx < window)
+        return keep
+
+    B, T = segment_ids.shape
+    # Inside a compiled model the builder is traced with it; called eagerly, it is compiled itself.
+    compile_it = not torch.compiler.is_compiling() and segment_ids.device.type == "cuda"
+    return create_block_mask(mask_mod, B, None, T, T, device=segment_ids.device, _compile=compile_it)
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, enable_gqa: bool) -> torch.Tensor:
+    """flex_attention over (B, H, T, D) tensors; compiled where the caller is not (on CUDA)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    if q.device.type == "cuda":
+        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    # Elsewhere (tests of this path on a CPU) the reference implementation, which warns that it is one.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
 class Attention(nn.Module):
     """Causal self-attention with optional RoPE, grouped-query heads and biases.
 
@@ -81,7 +146,8 @@ class Attention(nn.Module):
 
         rope: (cos, sin), each (T, head_dim) or (B, T, head_dim), for the positions of x; None
             without RoPE.
-        mask: boolean (T, S), or (B, 1, T, S) for padded batches, True = attend; None = plain causal
+        mask: boolean (T, S), or (B, 1, T, S) for padded batches, True = attend, or a flex
+            attention BlockMask (packed rows, see `document_block_mask`); None = plain causal
             (top-left aligned, so with a cache it is only right for T == 1 or an empty cache; the
             Transformer builds a mask otherwise).
         kv: this layer's cache view; keys/values of x are written at pos..pos+T-1.
@@ -98,6 +164,10 @@ class Attention(nn.Module):
             k_buf[:, :, pos : pos + T] = k
             v_buf[:, :, pos : pos + T] = v
             k, v = k_buf[:, :, : pos + T], v_buf[:, :, : pos + T]  # (B, Hkv, S, D)
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask
+            out = flex(q, k, v, mask, self.gqa)
+            out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+            return self.wo(out)
         out = F.scaled_dot_product_attention(
             q,
             k,
