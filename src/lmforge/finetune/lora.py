@@ -261,7 +261,8 @@ class _LoRALinearFn(torch.autograd.Function):
     to it; A and B, the trainable float32 masters, are cast here, as autocast would cast them).
 
     Against base(x) + lora(x) as separate modules (PEFT's graph): the adapter path adds its low-rank
-    product into the base GEMM's output (addmm with beta=1) instead of materialising a (tokens, out)
+    product into the base GEMM's output (addmm with beta=1; out of place, as torch.compile makes it
+    anyway, and as FlopCounterMode counts it) instead of materialising a (tokens, out)
     adapter output and adding it, and the backward adds g W into the adapter's share of the input
     gradient the same way; nothing is kept for the backward but x, W and the (tokens, r) x A^T.
     """
@@ -272,8 +273,7 @@ class _LoRALinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])  # (N, in)
         a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)  # (r, in), (out, r)
         u = torch.mm(x2, a.t()).mul_(scaling)  # (N, r): s x A^T
-        y = F.linear(x2, weight, bias)  # (N, out)
-        y.addmm_(u, b.t())
+        y = torch.addmm(F.linear(x2, weight, bias), u, b.t())  # (N, out)
         ctx.save_for_backward(x2, weight, a, b, u)
         ctx.scaling, ctx.shape = scaling, shape
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
@@ -290,7 +290,7 @@ class _LoRALinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[4]:
             grad_b = torch.mm(g.t(), u).to(ctx.dtypes[1])  # (out, r)
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(gb, a).addmm_(g, weight).view(ctx.shape)  # s g B A + g W
+            grad_x = torch.addmm(torch.mm(gb, a), g, weight).view(ctx.shape)  # s g B A + g W
         return grad_x, None, None, grad_a, grad_b, None
 
 
