@@ -10,6 +10,7 @@ with `build_model`, written to a Hugging Face dir with `lmforge.models.hf.to_hf`
 (the max difference is printed). Presets:
 
   cpu  d_model 512, 8 layers, 8 heads, 4 kv heads, d_ff 1408, vocab 8192, batch 4 x 256, fp32, 2 threads
+  demo the model and batch of scripts/sft_demo.sh: d_model 256, 4 layers, d_ff 704, vocab 4096, 16 x 128
   gpu  d_model 2048, 16 layers, 16 heads, 16 kv heads, d_ff 5632, vocab 32000, batch 4 x 2048, bf16 weights
 
 Adapters: r 16, alpha 32, dropout 0 on q/k/v/o/gate/up/down of every block (lmforge:
@@ -25,7 +26,9 @@ Step, both sides: forward, loss (mean over the B x (T-1) next-token targets), ba
 (lr 1e-4, fused=False on CPU, fused=True on CUDA) over the trainable parameters only, zero_grad.
   lmforge  the engine step: `lmforge.engine.step.train_step(model, [TokenBatch(x, y)], opt, precision,
            objective=CausalLM())` (summed loss / target count; no clipping, but it computes the
-           gradient norm it reports); with --compile the model and its loss compiled as one graph.
+           gradient norm it reports); with --compile the model and its loss compiled as one graph;
+           with --loss-chunk-tokens N the chunked output projection + cross-entropy of
+           `train.loss_chunk_tokens` (gradients computed in the forward, N tokens at a time).
   PEFT     `loss = peft_model(input_ids=x, labels=x).loss; loss.backward(); opt.step();
            opt.zero_grad(set_to_none=True); loss.item()`; with --compile, torch.compile(peft_model).
 --method full adds a third side: lmforge with every parameter training (same weights, same engine
@@ -70,6 +73,8 @@ from machine import machine_info, print_markdown_table  # bench/machine.py (on s
 PRESETS = {
     "cpu": dict(d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1408, vocab=8192, batch=4,
                 seq_len=256, dtype=torch.float32),
+    "demo": dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, d_ff=704, vocab=4096, batch=16,
+                 seq_len=128, dtype=torch.float32),
     "gpu": dict(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, d_ff=5632, vocab=32000, batch=4,
                 seq_len=2048, dtype=torch.bfloat16),
 }
@@ -163,7 +168,7 @@ def build_sides(args, p: dict, cfg: ModelConfig, device: torch.device, batches: 
     peft_model.train()
     info["adapted_layers"] = copy_lora_a(ours, peft_model)
 
-    objective = CausalLM()
+    objective = CausalLM(chunk_tokens=args.loss_chunk_tokens)
     precision = Precision("fp32", device)  # no autocast: the weights themselves are in p["dtype"]
 
     def engine_side(model: torch.nn.Module, label: str):
@@ -316,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per side")
     ap.add_argument("--repeats", type=int, default=10, help="timed rounds (one step per side each)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=0,
+                    help="lmforge side: train.loss_chunk_tokens (0: the plain loss over whole logits)")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--json", type=Path, default=None, help="also write the raw results here")
     args = ap.parse_args(argv)

@@ -47,19 +47,31 @@ def _fused_forward(
         t = targets[start:end]  # (C,)
         valid = t != ignore_index  # (C,)
         t_safe = torch.where(valid, t, 0).unsqueeze(1)  # (C, 1); ignored rows gather a real column
-        # fp32 whatever the matmul ran in; log_softmax, not logsumexp: the kernel F.cross_entropy runs,
-        # so the only difference from it in fp32 is the matmuls' blocking
-        logp = torch.log_softmax(torch.mm(h, w.t()).float(), dim=1)  # (C, V)
-        loss = loss - torch.where(valid, logp.gather(1, t_safe).squeeze(1), 0.0).sum()
+        logits = torch.mm(h, w.t()).float()  # (C, V): fp32 whatever the matmul ran in
         if grad_h is None and grad_w is None:
+            # log_softmax: the kernel F.cross_entropy runs, so the only difference from it in fp32 is
+            # the matmuls' blocking
+            picked = torch.log_softmax(logits, dim=1).gather(1, t_safe).squeeze(1)
+            loss = loss - torch.where(valid, picked, 0.0).sum()
             continue
-        # d loss_i / d logits_i = softmax_i - one_hot(t_i), in place: log-probabilities are not needed again
-        g = logp.exp_()  # (C, V)
+        # d loss_i / d logits_i = softmax_i - one_hot(t_i). One softmax pass gives the loss too: the
+        # largest probability of a row is exp(0) / S at its largest logit m, so log S = -log(max p)
+        # (that probability is >= 1 / V: no underflow) and -log p_t = m + log S - logit_t.
+        g = torch.softmax(logits, dim=1)  # (C, V)
+        log_sum = logits.amax(dim=1) - g.amax(dim=1).log()  # (C,): m + log S
+        picked = logits.gather(1, t_safe).squeeze(1)  # (C,)
+        loss = loss + torch.where(valid, log_sum - picked, 0.0).sum()
         g.scatter_add_(1, t_safe, torch.full_like(t_safe, -1.0, dtype=g.dtype))
-        g.masked_fill_(~valid.unsqueeze(1), 0.0)  # fill, not multiply: ignored rows may hold inf or nan
+        # zero the ignored rows (a fill, not a multiply: they may hold inf or nan); in eager only those
+        # rows are touched, when there are any (compiled, the masked fill fuses into the softmax)
+        if torch.compiler.is_compiling():
+            g.masked_fill_(~valid.unsqueeze(1), 0.0)
+        elif not bool(valid.all()):
+            g.index_fill_(0, torch.nonzero(~valid).squeeze(1), 0.0)
         g = g.to(dtype)  # (C, V); the backward matmuls run in the forward's dtype, as autocast's would
         if grad_h is not None:
-            grad_h[start:end] = torch.mm(g, w)  # (C, d)
+            torch.mm(g, w, out=grad_h[start:end]) if grad_h.dtype == dtype else grad_h[start:end].copy_(
+                torch.mm(g, w))  # (C, d)
         if grad_w is not None:
             if dtype == torch.float32:
                 grad_w.addmm_(g.t(), h)  # (V, d); no (V, d) temporary per chunk

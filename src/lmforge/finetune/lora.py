@@ -261,10 +261,11 @@ class _LoRALinearFn(torch.autograd.Function):
     to it; A and B, the trainable float32 masters, are cast here, as autocast would cast them).
 
     Against base(x) + lora(x) as separate modules (PEFT's graph): the adapter path adds its low-rank
-    product into the base GEMM's output (addmm with beta=1; out of place, as torch.compile makes it
-    anyway, and as FlopCounterMode counts it) instead of materialising a (tokens, out)
-    adapter output and adding it, and the backward adds g W into the adapter's share of the input
-    gradient the same way; nothing is kept for the backward but x, W and the (tokens, r) x A^T.
+    product into the base GEMM's output in place (addmm_ with beta=1) instead of materialising a
+    (tokens, out) adapter output and adding it, and the backward adds the adapter's share of the input
+    gradient into g W the same way: no (tokens, out) or (tokens, in) tensor beyond the one returned
+    (on the CPU each fresh one costs page faults and a copy). Nothing is kept for the backward but
+    x, W and the (tokens, r) x A^T.
     """
 
     @staticmethod
@@ -273,7 +274,7 @@ class _LoRALinearFn(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])  # (N, in)
         a, b = lora_a.to(x.dtype), lora_b.to(x.dtype)  # (r, in), (out, r)
         u = torch.mm(x2, a.t()).mul_(scaling)  # (N, r): s x A^T
-        y = torch.addmm(F.linear(x2, weight, bias), u, b.t())  # (N, out)
+        y = F.linear(x2, weight, bias).addmm_(u, b.t())  # (N, out)
         ctx.save_for_backward(x2, weight, a, b, u)
         ctx.scaling, ctx.shape = scaling, shape
         ctx.dtypes = (lora_a.dtype, lora_b.dtype)
@@ -290,7 +291,7 @@ class _LoRALinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[4]:
             grad_b = torch.mm(g.t(), u).to(ctx.dtypes[1])  # (out, r)
         if ctx.needs_input_grad[0]:
-            grad_x = torch.addmm(torch.mm(gb, a), g, weight).view(ctx.shape)  # s g B A + g W
+            grad_x = torch.mm(g, weight).addmm_(gb, a).view(ctx.shape)  # g W + s g B A
         return grad_x, None, None, grad_a, grad_b, None
 
 
