@@ -146,7 +146,8 @@ def test_orpo_odds_ratio_equals_trl():
     sums, n = _ours_sums(logp, completion)
     beta = 0.25
     trl_self = _trainer(beta=beta)
-    trl_losses, chosen_r, rejected_r, _, _ = ORPOTrainer.odds_ratio_loss(trl_self, sums[:P] / n[:P], sums[P:] / n[P:])
+    avg = sums / n
+    trl_losses, chosen_r, rejected_r, _, _ = ORPOTrainer.odds_ratio_loss(trl_self, avg[:P], avg[P:])
     nll = -(sums[:P] / n[:P])
     ours = pair_losses("orpo", sums[:P], sums[P:], chosen_tokens=n[:P], rejected_tokens=n[P:], beta=beta,
                        chosen_nll=nll)

@@ -117,7 +117,8 @@ def pair_losses(
         avg_c, avg_r = per_token(chosen_logps, chosen_tokens), per_token(rejected_logps, rejected_tokens)
         rewards = (beta * avg_c.detach(), beta * avg_r.detach())
         if kind == "simpo":
-            return PairLosses(_smoothed_logistic(beta * (avg_c - avg_r) - simpo_gamma, label_smoothing), *rewards)
+            margin = beta * (avg_c - avg_r) - simpo_gamma
+            return PairLosses(_smoothed_logistic(margin, label_smoothing), *rewards)
         if chosen_nll is None:
             raise ValueError("the orpo loss adds the chosen completion's NLL: give chosen_nll")
         log_odds = (avg_c - avg_r) - (log1mexp(avg_c) - log1mexp(avg_r))
