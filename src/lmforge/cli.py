@@ -76,7 +76,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from lmforge.data.instruct_tasks import generate, split_disjoint, task_names, write_jsonl
+    from lmforge.data.instruct_tasks import generate, pairs_of, split_disjoint, task_names, write_jsonl
 
     if args.list:
         print("\n".join(task_names()))
@@ -85,14 +85,15 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         if path:
             check_replaceable(path)
     tasks = args.tasks.split(",") if args.tasks else None
+    shape = (lambda records: pairs_of(records, args.seed)) if args.pairs else (lambda records: records)
     if args.test_out:
         split = split_disjoint(tasks, args.n, args.n_test, args.seed, args.difficulty, args.system)
-        write_jsonl(split.train, args.out, overwrite=args.overwrite)
-        write_jsonl(split.test, args.test_out, overwrite=args.overwrite)
+        write_jsonl(shape(split.train), args.out, overwrite=args.overwrite)
+        write_jsonl(shape(split.test), args.test_out, overwrite=args.overwrite)
         print(f"wrote {len(split.train):,} training records to {args.out} and {len(split.test):,} held-out "
               f"records to {args.test_out} ({split.n_dropped:,} test prompts also in train were dropped)")
     else:
-        n = write_jsonl(generate(tasks, args.n, args.seed, args.difficulty, args.system), args.out,
+        n = write_jsonl(shape(generate(tasks, args.n, args.seed, args.difficulty, args.system)), args.out,
                         overwrite=args.overwrite)
         print(f"wrote {n:,} records to {args.out}")
     return 0
@@ -285,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--n-test", type=int, default=200, help="held-out records to aim for")
             p.add_argument("--overwrite", action="store_true", help="replace existing output files")
             p.add_argument("--list", action="store_true", help="print the task names and exit")
+            p.add_argument("--pairs", action="store_true", help="write preference pairs (prompt, chosen: the "
+                           "answer, rejected: a wrong answer of the same task) for DPO-style training")
             continue
         if name in ("train", "sft"):
             p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its "

@@ -76,18 +76,18 @@ class BadRecord(DataError):
 
 def to_conversation(record: Any, where: str, fmt: str = "auto") -> Conversation:
     """The conversation of one record, or BadRecord saying what is wrong with it."""
-    if isinstance(record, _Bad):
+    if isinstance(record, BadRow):
         raise BadRecord(record.why)
     if not isinstance(record, dict):
         raise BadRecord(f"a record must be a JSON object, got {type(record).__name__}")
     if fmt == "auto":
         fmt = _detect(record)
     if fmt == "messages":
-        return Conversation(_messages(record.get("messages"), "messages", "role", "content", None), where)
+        msgs = parse_messages(record.get("messages"), "messages", "role", "content", None)
+        return Conversation(msgs, where)
     if fmt == "sharegpt":
-        return Conversation(
-            _messages(record.get("conversations"), "conversations", "from", "value", _SHAREGPT_ROLES), where
-        )
+        msgs = parse_messages(record.get("conversations"), "conversations", "from", "value", _SHAREGPT_ROLES)
+        return Conversation(msgs, where)
     if fmt == "alpaca":
         instruction, output = _text(record, "instruction"), _text(record, "output")
         extra = record.get("input") or ""
@@ -103,8 +103,8 @@ def to_conversation(record: Any, where: str, fmt: str = "auto") -> Conversation:
         if isinstance(prompt, str) and isinstance(completion, str):
             msgs = ({"role": "user", "content": prompt}, {"role": "assistant", "content": completion})
             return Conversation(msgs, where, completion_start=1)
-        head = _messages(prompt, "prompt", "role", "content", None, need_assistant=False)
-        tail = _messages(completion, "completion", "role", "content", None)
+        head = parse_messages(prompt, "prompt", "role", "content", None, need_assistant=False)
+        tail = parse_messages(completion, "completion", "role", "content", None)
         return Conversation(head + tail, where, completion_start=len(head))
     raise BadRecord(f"unknown format {fmt!r}; valid: {', '.join(FORMATS)}")
 
@@ -133,7 +133,7 @@ def _text(record: dict, key: str) -> str:
     return value
 
 
-def _messages(
+def parse_messages(
     turns: Any,
     key: str,
     role_key: str,
@@ -178,7 +178,7 @@ def read_conversations(
     for src in sources:
         check_source(src)
     for src in sources:
-        for _, records in _iter_source(Path(src), stats):
+        for _, records in iter_records(Path(src), stats):
             for where, record in records:
                 try:
                     conv = to_conversation(record, where, fmt)
@@ -193,7 +193,7 @@ def read_conversations(
                 yield conv
 
 
-def _iter_source(path: Path, stats: ChatStats) -> Iterator[tuple[Path, Iterator[tuple[str, Any]]]]:
+def iter_records(path: Path, stats: ChatStats) -> Iterator[tuple[Path, Iterator[tuple[str, Any]]]]:
     if path.is_dir():
         if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
             yield from ((f, _iter_arrow(f, stats)) for f in _dataset_files(path))
@@ -231,19 +231,19 @@ def _iter_jsonl(path: Path, stats: ChatStats) -> Iterator[tuple[str, Any]]:
                 try:
                     line = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    yield where, _Bad(f"not valid UTF-8 at byte {e.start} of the line")
+                    yield where, BadRow(f"not valid UTF-8 at byte {e.start} of the line")
                     continue
                 if line.isspace():
                     continue
                 try:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as e:
-                    yield where, _Bad(f"malformed JSON ({e.msg} at column {e.colno})")
+                    yield where, BadRow(f"malformed JSON ({e.msg} at column {e.colno})")
     except OSError as e:
         raise _unreadable(path, e) from None
 
 
-class _Bad(dict):
+class BadRow(dict):
     """A line that could not be parsed: to_conversation rejects it with its reason (a dict subclass
     is never mistaken for a record: _detect finds none of the keys)."""
 

@@ -337,9 +337,46 @@ def generate(tasks: Sequence[str] | None, n: int, seed: int, difficulty: int | d
     return _records(tasks, n, seed, difficulty, system, stream="train")
 
 
+def wrong_answer(name: str, rng: random.Random, difficulty: int, answer: str) -> str:
+    """A wrong answer in the family's own format: the answer of another instance of the same task
+    (drawn from `rng`) that differs from `answer` after the family's normalisation, so it would score
+    0. A plausible near miss, which is what a preference pair should contrast, not random noise."""
+    family = TASKS[name]
+    right = family.normalize(answer)
+    for _ in range(64):
+        candidate = family.make(rng, difficulty)[1]
+        if family.normalize(candidate) != right:
+            return candidate
+    raise LmforgeError(f"task {name!r} gave {answer!r} for 64 instances: no wrong answer to pair it with")
+
+
+def pairs_of(records: Sequence[dict], seed: int) -> list[dict]:
+    """Preference records in TRL's conversational shape from task records (`generate`,
+    `split_disjoint`): {"prompt": [system?, user], "chosen": [assistant: the exact answer], "rejected":
+    [assistant: a wrong answer of the same task, see `wrong_answer`], "task", "answer", "difficulty"}.
+    The wrong answer of a record depends on (seed, its prompt) alone."""
+    out = []
+    for rec in records:
+        prompt, answer = rec["messages"][:-1], rec["messages"][-1]
+        key = json.dumps(prompt, sort_keys=True)
+        rng = random.Random(f"lmforge.instruct_tasks/rejected/{seed}/{key}")
+        wrong = wrong_answer(rec["task"], rng, rec["difficulty"], rec["answer"])
+        rejected = [{"role": "assistant", "content": wrong}]
+        out.append({"prompt": prompt, "chosen": [answer], "rejected": rejected, "task": rec["task"],
+                    "answer": rec["answer"], "difficulty": rec["difficulty"]})
+    return out
+
+
+def generate_pairs(tasks: Sequence[str] | None, n: int, seed: int, difficulty: int | dict[str, int] = 1,
+                   system: str | None = None) -> list[dict]:
+    """`n` preference records (see `pairs_of`) with the prompts and answers of `generate(...)` with the
+    same arguments, so pairs and SFT data from one seed share prompts."""
+    return pairs_of(generate(tasks, n, seed, difficulty, system), seed)
+
+
 def prompt_of(record: dict) -> str:
-    """The user prompt of a record."""
-    return next(m["content"] for m in record["messages"] if m["role"] == "user")
+    """The user prompt of a record (an SFT record's messages or a preference record's prompt)."""
+    return next(m["content"] for m in record.get("messages") or record["prompt"] if m["role"] == "user")
 
 
 @dataclass
