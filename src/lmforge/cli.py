@@ -23,7 +23,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from lmforge.data import prepare
 
     cfg = _config(args)
-    if cfg.objective.name == "sft":  # the chat data, with the tokenizer of the model it fine-tunes
+    if cfg.objective.name in ("sft", "dpo"):  # chat data, with the tokenizer of the model it fine-tunes
         from lmforge.checkpoint.runs import resolve_init_from
         from lmforge.data.sft import prepare_sft
 
@@ -63,16 +63,25 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_sft(args: argparse.Namespace) -> int:
+def _train_objective(args: argparse.Namespace, name: str) -> int:
+    """`lmforge train` with objective `name` (what the verb means), refusing a config naming another."""
     from lmforge.train.trainer import train
 
     cfg = _config(args)
-    if "name" in cfg.objective.model_fields_set and cfg.objective.name != "sft":
-        raise ConfigError(f"lmforge sft fine-tunes (objective sft), but the config sets objective.name="
+    if "name" in cfg.objective.model_fields_set and cfg.objective.name != name:
+        raise ConfigError(f"lmforge {args.verb} trains objective {name}, but the config sets objective.name="
                           f"{cfg.objective.name}; remove it or use lmforge train")
-    train(cfg.model_copy(update={"objective": cfg.objective.model_copy(update={"name": "sft"})}),
+    train(cfg.model_copy(update={"objective": cfg.objective.model_copy(update={"name": name})}),
           resume=args.resume)
     return 0
+
+
+def cmd_sft(args: argparse.Namespace) -> int:
+    return _train_objective(args, "sft")
+
+
+def cmd_dpo(args: argparse.Namespace) -> int:
+    return _train_objective(args, "dpo")
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
@@ -232,6 +241,8 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "prepare": (cmd_prepare, "read sources, train the tokenizer, write token shards"),
     "data": (cmd_data, "clean, filter, redact and deduplicate a corpus (the curate section)"),
     "train": (cmd_train, "pretrain a model (prepares data on first use)"),
+    "dpo": (cmd_dpo, "preference optimisation on chosen/rejected pairs (objective dpo: DPO, IPO, SimPO, "
+                     "ORPO, ... by preference.loss), full or with adapters"),
     "sft": (cmd_sft, "fine-tune on chat data (objective sft): full, LoRA, DoRA or QLoRA (the finetune "
             "section)"),
     "tasks": (cmd_tasks, "write verifiable instruction tasks (arithmetic, strings, recall...) as chat JSONL"),
@@ -289,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--pairs", action="store_true", help="write preference pairs (prompt, chosen: the "
                            "answer, rejected: a wrong answer of the same task) for DPO-style training")
             continue
-        if name in ("train", "sft"):
+        if name in ("train", "sft", "dpo"):
             p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its "
                            "latest checkpoint")
         if name == "data":

@@ -382,3 +382,25 @@ def test_broken_adapter_files(saved):
         load_peft_adapter(model(), saved)
     with pytest.raises(LmforgeError, match="has no adapter_config.json"):
         load_peft_adapter(model(), saved / "missing")
+
+
+def test_adapters_disabled_gives_the_base_model_back():
+    from lmforge.finetune.lora import adapters_disabled, merge_lora
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    want = base(x).detach()
+    model = torch.nn.Sequential(*base)  # the same layers, wrapped in place below
+    apply_lora(model, ["0", "2"], r=2, alpha=4.0, init="seeded", seed=1)
+    adapted = model(x).detach()
+    assert not torch.allclose(adapted, want)
+    with adapters_disabled(model):
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    torch.testing.assert_close(model(x), adapted, rtol=0, atol=0)  # back on after the block
+    with pytest.raises(RuntimeError), adapters_disabled(model):
+        raise RuntimeError("inside")
+    torch.testing.assert_close(model(x), adapted, rtol=0, atol=0)  # restored after an exception too
+    merge_lora(model, reversible=True)
+    with pytest.raises(LmforgeError, match="unmerge first"), adapters_disabled(model):
+        model(x)

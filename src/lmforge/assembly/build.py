@@ -35,7 +35,7 @@ from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.data.memory import token_stream
 from lmforge.data.sft import prepare_sft
 from lmforge.engine.loss import logits_of
-from lmforge.engine.objectives import Objective, TokenObjective, build_objective
+from lmforge.engine.objectives import Objective, Preference, TokenObjective, build_objective
 from lmforge.engine.precision import Precision, resolve_precision
 from lmforge.engine.step import StepHook
 from lmforge.errors import ConfigError, DataError, LmforgeError
@@ -181,6 +181,9 @@ def check_layout(cfg: Config, dims: ParallelDims, objective: Objective, custom_m
 
 
 # -- training and experiments -----------------------------------------------------------------------
+CHAT_OBJECTIVES = ("sft", "dpo")  # objectives over chat data: a template, fine-tuning a given model
+
+
 def _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, resume,
                     say) -> Run:
     # A distributed job: join it (collective timeouts set); check the layout before any work.
@@ -204,12 +207,15 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         # only a run this job started (a first attempt refused for a foreign run dir must stay refused).
         resume = resume or on_rank0(lambda: restarted_job_owns(run_dir))
         if train_data is None:  # the sources must exist before run.overwrite deletes the old run
-            sources = [*cfg.sft.data, *cfg.sft.val_data] if cfg.objective.name == "sft" else cfg.data.sources
+            sources = {"sft": [*cfg.sft.data, *cfg.sft.val_data],
+                       "dpo": [*cfg.preference.data, *cfg.preference.val_data]}.get(cfg.objective.name,
+                                                                                    cfg.data.sources)
             missing = [src for src in sources if src != "builtin:python" and not Path(src).exists()]
             if missing:
                 where = Path(missing[0]).resolve()
-                if cfg.objective.name == "sft":
-                    raise DataError(f"sft data {missing[0]!r} does not exist (resolved: {where}); give "
+                if cfg.objective.name in CHAT_OBJECTIVES:
+                    section = "preference" if cfg.objective.name == "dpo" else "sft"
+                    raise DataError(f"{section} data {missing[0]!r} does not exist (resolved: {where}); give "
                                     ".jsonl or .parquet files, folders of them or a saved datasets dir")
                 raise DataError(f"data source {missing[0]!r} does not exist (resolved: {where}); give a "
                                 "file, a folder or 'builtin:python'")
@@ -250,11 +256,11 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
 def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, dims,
                     resumed, lock, say) -> Run:
     custom = model is not None
-    sft = cfg.objective.name == "sft"
+    sft = cfg.objective.name in CHAT_OBJECTIVES  # chat data, a template, fine-tuning a given model
     if sft:
         if train_data is not None:
-            raise ConfigError("objective sft reads its conversations from sft.data; train_data= is for "
-                              "pretraining documents")
+            raise ConfigError(f"objective {cfg.objective.name} reads its chat data from the config "
+                              "(sft.data / preference.data); train_data= is for pretraining documents")
         # A fresh run owns the data dir inside its run dir: changed chat data is prepared again there.
         own = not resumed and cfg.data.dir is None
         data = rank0_first(lambda: prepare_sft(cfg, console=say, replace=own))
@@ -302,6 +308,8 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         vocab = cfg.model.vocab_size
     if cfg.finetune.method != "full" or sft:
         say(apply_finetune(model, cfg.finetune, seed=cfg.run.seed).line())
+    if isinstance(objective, Preference) and objective.needs_reference and objective.reference is None:
+        objective.reference = _reference(model, cfg, dims, say)
     objective.check_model(model)
     precision = Precision(on_rank0(lambda: resolve_precision(cfg.train.precision, device, model,
                                                              cfg.train.micro_batch_size, cfg.seq_len, vocab)),
@@ -354,25 +362,89 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     )
 
 
-def _chat_loaders(cfg: Config, data, dims: ParallelDims, world: World, val_rows: int):
-    from lmforge.data.chat_loader import ChatLoader
+def _chat_loader(cfg: Config, split, batch_size: int, **kw):
+    """ChatLoader for conversations; PreferenceLoader (batch_size pairs) for objective dpo."""
+    from lmforge.data.chat_loader import ChatLoader, PreferenceLoader
 
-    tc, s = cfg.train, cfg.sft
+    if cfg.objective.name == "dpo":
+        return PreferenceLoader(split, cfg.seq_len, batch_size, **kw)
+    return ChatLoader(split, cfg.seq_len, batch_size, packing=cfg.sft.packing, **kw)
+
+
+def _chat_loaders(cfg: Config, data, dims: ParallelDims, world: World, val_rows: int):
+    tc = cfg.train
     pad = data.tokenizer.eos_id
-    train = ChatLoader(data.split("train"), cfg.seq_len, tc.micro_batch_size, packing=s.packing,
-                       seed=cfg.run.seed, rank=dims.dp_rank, world_size=dims.dp_size, pad_id=pad)
+    train = _chat_loader(cfg, data.split("train"), tc.micro_batch_size, seed=cfg.run.seed, rank=dims.dp_rank,
+                         world_size=dims.dp_size, pad_id=pad)
     val_split = data.split("val")
     val = None
     if len(val_split):
-        val = ChatLoader(val_split, cfg.seq_len, val_rows, packing=s.packing, seed=cfg.run.seed,
-                         rank=dims.dp_rank, world_size=dims.dp_size, shuffle=False,
-                         drop_last=world.world_size > 1, pad_id=pad)
+        val = _chat_loader(cfg, val_split, val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
+                           world_size=dims.dp_size, shuffle=False, drop_last=world.world_size > 1, pad_id=pad)
     return train, val
+
+
+def _reference(model: nn.Module, cfg: Config, dims: ParallelDims, say):
+    """The reference model of preference training, as a function batch -> summed completion
+    log-probs: with adapters, the model itself with its adapters disabled (no extra memory: the
+    frozen base is the model the adapters started from); with full fine-tuning, a frozen copy of the
+    starting weights (one more model in memory; one process or DDP)."""
+    import copy
+
+    from lmforge.engine.objectives.preference import completion_logps
+    from lmforge.finetune.lora import lora_layers
+
+    if lora_layers(model):
+        say("reference model: the base, adapters disabled")
+        return _adapters_off(model)
+    if dims.fsdp or dims.tp > 1 or dims.pp > 1:
+        raise ConfigError("objective dpo with finetune.method=full keeps a frozen copy of the model as its "
+                          "reference, which needs the whole model on each rank (one process or DDP); use "
+                          "LoRA (the reference is the base with adapters off) or a reference-free loss "
+                          "(preference.loss=simpo or orpo)")
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    say("reference model: a frozen copy of the starting weights")
+    return lambda batch: completion_logps(frozen, batch.to(_device_of(frozen)))[0]
+
+
+def _adapters_off(model: nn.Module):
+    from lmforge.engine.objectives.preference import completion_logps
+    from lmforge.finetune.lora import adapters_disabled
+
+    def reference(batch):
+        with adapters_disabled(model):
+            return completion_logps(model, batch.to(_device_of(model)))[0]
+
+    return reference
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    """Where the model computes (a batch handed to the reference may still be on the host)."""
+    return next(model.parameters()).device
+
+
+def _eval_reference(model: nn.Module, cfg: Config, device: torch.device):
+    """The reference model a preference run trained against, to evaluate it: the base with the
+    adapters disabled, or (full fine-tuning) the model.init_from weights loaded afresh."""
+    from lmforge.engine.objectives.preference import completion_logps
+    from lmforge.finetune.lora import lora_layers
+    from lmforge.models import build_model
+
+    if lora_layers(model):
+        return _adapters_off(model)
+    if not cfg.model.init_from:
+        raise ConfigError("evaluating a preference run needs its reference model: the run has no "
+                          "model.init_from to load it from")
+    reference = build_model(cfg.model, device=device).requires_grad_(False)
+    load_weights(cfg.model.init_from, reference)
+    return lambda batch: completion_logps(reference.eval(), batch.to(device))[0]
 
 
 def _input_paths(cfg: Config) -> tuple[Path, ...]:
     """Files and dirs the run reads: overwriting the run dir must never delete one of them."""
-    paths = [Path(s) for s in [*cfg.data.sources, *cfg.sft.data, *cfg.sft.val_data] if s != "builtin:python"]
+    sources = [*cfg.data.sources, *cfg.sft.data, *cfg.sft.val_data, *cfg.preference.data,
+               *cfg.preference.val_data]
+    paths = [Path(s) for s in sources if s != "builtin:python"]
     paths += [Path(p) for p in (cfg.model.init_from, cfg.data.tokenizer.path) if p]
     return tuple(paths)
 
@@ -448,7 +520,7 @@ def _build_inference(cfg, purpose, world, device, weights_from: Path, weights: s
     objective = objective or build_objective(cfg)
     run = Run(cfg=cfg, purpose=purpose, world=world, device=device, model=model, objective=objective,
               precision=Precision("fp32", device), tokenizer=tokenizer, step=step, weights_from=weights_from)
-    if cfg.objective.name == "sft":
+    if cfg.objective.name in CHAT_OBJECTIVES:
         return _sft_inference(run, cfg, purpose)
     if purpose == "generate":
         return run
@@ -467,8 +539,7 @@ def _build_inference(cfg, purpose, world, device, weights_from: Path, weights: s
 
 
 def _sft_inference(run: Run, cfg: Config, purpose: Purpose) -> Run:
-    """A fine-tuned run: its chat template (and, to evaluate, its prepared conversations)."""
-    from lmforge.data.chat_loader import ChatLoader
+    """A fine-tuned run: its chat template (and, to evaluate, its prepared conversations or pairs)."""
     from lmforge.data.sft import load_prepared_sft
 
     data = load_prepared_sft(data_dir(cfg))
@@ -477,10 +548,14 @@ def _sft_inference(run: Run, cfg: Config, purpose: Purpose) -> Run:
         return run
     split = data.split(cfg.eval.split)
     if not len(split):
-        raise DataError(f"eval.split={cfg.eval.split}: the run holds no {cfg.eval.split} conversations (set "
-                        "sft.val_fraction or sft.val_data when fine-tuning, or eval.split=train)")
-    run.val_loader = ChatLoader(split, cfg.seq_len, cfg.eval.batch_size, packing=cfg.sft.packing,
-                                shuffle=False, drop_last=False, pad_id=data.tokenizer.eos_id)
+        section = "preference" if cfg.objective.name == "dpo" else "sft"
+        raise DataError(f"eval.split={cfg.eval.split}: the run holds no {cfg.eval.split} examples (set "
+                        f"{section}.val_fraction or {section}.val_data when fine-tuning, or "
+                        "eval.split=train)")
+    run.val_loader = _chat_loader(cfg, split, cfg.eval.batch_size, shuffle=False, drop_last=False,
+                                  pad_id=data.tokenizer.eos_id)
+    if isinstance(run.objective, Preference) and run.objective.needs_reference:
+        run.objective.reference = _eval_reference(run.model, cfg, run.device)
     run.eval_batches = cfg.eval.max_batches
     precision = resolve_precision(cfg.train.precision, run.device, run.model, cfg.eval.batch_size,
                                   cfg.seq_len, cfg.model.vocab_size, backward=False)

@@ -317,10 +317,11 @@ class TrainConfig(Section):
 class ObjectiveConfig(Section):
     """What a training step minimises. Each objective declares the batches it takes."""
 
-    name: Literal["causal_lm", "sft"] = Field(
+    name: Literal["causal_lm", "sft", "dpo"] = Field(
         "causal_lm", description="causal_lm: next-token prediction over every target token (pretraining); "
         "sft: supervised fine-tuning on the chat data of the sft section (loss on the tokens sft.loss_on "
-        "picks)."
+        "picks); dpo: preference optimisation on the pairs of the preference section (the DPO family, "
+        "SimPO, ORPO: preference.loss)."
     )
 
 
@@ -358,6 +359,30 @@ class SFTConfig(Section):
     on_bad_record: Literal["skip", "fail"] = Field(
         "skip", description="A malformed record: skip and count it, or stop with its file and line."
     )
+
+
+class PreferenceConfig(Section):
+    """Preference optimisation (objective dpo): the pairs and the loss. The chat template, the record
+    checks and what happens to sequences longer than train.seq_len are the sft section's settings."""
+
+    data: list[str] = Field(
+        default_factory=list, description="Preference pairs: .jsonl / .parquet files, folders of them or a "
+        "saved `datasets` dir, in TRL's shapes: prompt/chosen/rejected as strings or message lists, or "
+        "chosen/rejected whole conversations sharing their prompt (`lmforge tasks --pairs` writes some)."
+    )
+    val_data: list[str] = Field(
+        default_factory=list, description="Held-out pairs (empty: preference.val_fraction of the data)."
+    )
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of the pairs held out.")
+    loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = Field(
+        "sigmoid", description="sigmoid: DPO (conservative DPO with label_smoothing > 0); ipo; hinge (SLiC); "
+        "robust: rDPO; simpo and orpo need no reference model. The formulas are TRL's."
+    )
+    beta: float = Field(0.1, gt=0.0, description="Strength of the KL tie to the reference (DPO's beta; IPO's "
+                        "tau; SimPO's and ORPO's beta / lambda).")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="Assumed fraction of flipped labels "
+                                   "(sigmoid: conservative DPO; robust; simpo).")
+    simpo_gamma: float = Field(0.5, ge=0.0, description="SimPO's target reward margin.")
 
 
 class FinetuneConfig(Section):
@@ -515,6 +540,8 @@ class Config(Section):
     objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="Training objective.")
     sft: SFTConfig = Field(default_factory=SFTConfig,
                            description="Supervised fine-tuning data (objective sft).")
+    preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
+                                         description="Preference pairs and loss (objective dpo).")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
                                      description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")

@@ -104,3 +104,60 @@ class ChatBatch:
     @property
     def rows(self) -> int:
         return self.input_ids.size(0)
+
+
+@dataclass(frozen=True)
+class PreferenceBatch:
+    """Preference pairs: `input_ids`, `targets` (2P, T), rows 0..P-1 the chosen sequences and rows
+    P..2P-1 the rejected ones of the same pairs (TRL's concatenated layout: one forward for both),
+    right-padded; targets are IGNORE_INDEX everywhere but the completion tokens. `ref_logps` (2P,)
+    are the reference model's summed completion log-probs when they were computed ahead (else the
+    objective computes them). `real_tokens` counts the positions that are not padding."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    ref_logps: torch.Tensor | None = None
+    real_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.input_ids.size(0) % 2:
+            raise ValueError(f"a preference batch holds chosen and rejected rows: {self.input_ids.size(0)} "
+                             "rows is odd")
+
+    @classmethod
+    def cat(cls, batches: list[PreferenceBatch]) -> PreferenceBatch:
+        width = max(b.input_ids.size(1) for b in batches)
+        pad = lambda t, v: torch.nn.functional.pad(t, (0, width - t.size(1)), value=v)  # noqa: E731
+
+        def halves(get, value):
+            parts = [pad(get(b), value) for b in batches]
+            return torch.cat([p[: p.size(0) // 2] for p in parts] + [p[p.size(0) // 2 :] for p in parts])
+
+        refs = None
+        if all(b.ref_logps is not None for b in batches):
+            refs = torch.cat([b.ref_logps[: b.pairs] for b in batches]
+                             + [b.ref_logps[b.pairs :] for b in batches])
+        return cls(halves(lambda b: b.input_ids, 0), halves(lambda b: b.targets, IGNORE_INDEX), refs,
+                   sum(b.real_tokens for b in batches))
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PreferenceBatch:
+        refs = None if self.ref_logps is None else self.ref_logps.to(device, non_blocking=non_blocking)
+        return PreferenceBatch(self.input_ids.to(device, non_blocking=non_blocking),
+                               self.targets.to(device, non_blocking=non_blocking), refs, self.real_tokens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def pairs(self) -> int:
+        return self.input_ids.size(0) // 2
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (non-padding) input tokens: what throughput counts."""
+        return self.real_tokens
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.size(0)

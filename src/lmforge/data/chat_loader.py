@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from lmforge.data.batch import IGNORE_INDEX, ChatBatch
+from lmforge.data.batch import IGNORE_INDEX, ChatBatch, PreferenceBatch
 from lmforge.data.sft import SFTSplit
 from lmforge.errors import DataError
 
@@ -91,9 +91,7 @@ class ChatLoader:
                 f"an example has {int(lengths.max())} tokens, more than seq_len={seq_len}: the "
                 "data was prepared for a longer train.seq_len; prepare it again"
             )
-        self.units: list[list[int]] = (
-            pack_bfd(lengths, seq_len) if packing else [[i] for i in range(len(split))]
-        )
+        self.units: list[list[int]] = self._make_units(lengths)
         self._per_rank = len(self.units) // world_size
         need = world_size * (batch_size if drop_last else 1)
         if len(self.units) < need:
@@ -107,6 +105,10 @@ class ChatLoader:
         self.batches_per_epoch = full + (1 if rest and not drop_last else 0)
         self._epoch = self._cursor = 0
         self._order: tuple[int, np.ndarray] | None = None
+
+    def _make_units(self, lengths: np.ndarray) -> list[list[int]]:
+        """What an epoch shuffles and a batch row holds: packed rows, or one example each."""
+        return pack_bfd(lengths, self.seq_len) if self.packing else [[i] for i in range(len(lengths))]
 
     @property
     def epoch(self) -> int:
@@ -210,3 +212,33 @@ class ChatLoader:
                 order = np.arange(len(self.units))
             self._order = (epoch, self._rank_slice(order))
         return self._order[1]
+
+
+class PreferenceLoader(ChatLoader):
+    """`PreferenceBatch`es of `batch_size` pairs from a prepared preference split, whose examples are
+    (chosen, rejected) back to back: example 2i is pair i's chosen sequence, 2i+1 its rejected one.
+    A pair is the unit an epoch shuffles; a batch is right-padded to its longest sequence, chosen rows
+    first. Stateful and resumable exactly, as ChatLoader."""
+
+    def __init__(self, split: SFTSplit, seq_len: int, batch_size: int, **kw) -> None:
+        if len(split) % 2:
+            raise DataError(f"a preference split holds chosen/rejected example pairs; it has {len(split)} "
+                            "examples")
+        super().__init__(split, seq_len, batch_size, packing=False, **kw)
+
+    def _make_units(self, lengths: np.ndarray) -> list[list[int]]:
+        return [[i, i + 1] for i in range(0, len(lengths), 2)]
+
+    def collate(self, rows: list[list[int]]) -> PreferenceBatch:  # type: ignore[override]
+        order = [pair[0] for pair in rows] + [pair[1] for pair in rows]  # chosen rows, then rejected
+        width = max(int(self.split.lengths[i]) for i in order)
+        ids = np.full((len(order), width), self.pad_id, dtype=np.int64)
+        targets = np.full((len(order), width), IGNORE_INDEX, dtype=np.int64)
+        real = 0
+        for r, i in enumerate(order):
+            x, m = self.split.example(i)
+            n = len(x)
+            ids[r, :n] = x
+            targets[r, : n - 1] = np.where(m[1:], x[1:], IGNORE_INDEX)
+            real += n
+        return PreferenceBatch(torch.from_numpy(ids), torch.from_numpy(targets), real_tokens=real)

@@ -36,6 +36,18 @@ from lmforge.errors import DataError
 
 FORMAT = 1
 KIND = "sft"
+PREFERENCE_KIND = "preference"  # the same layout: examples 2i and 2i+1 are pair i's chosen and rejected
+
+
+def kind_of(cfg: Config) -> str:
+    """What the run's chat data dir holds: conversations (objective sft) or preference pairs (dpo)."""
+    return PREFERENCE_KIND if cfg.objective.name == "dpo" else KIND
+
+
+def _sources(cfg: Config) -> tuple[list[str], list[str], float]:
+    """(data, val_data, val_fraction) of the section the objective reads."""
+    s = cfg.preference if kind_of(cfg) == PREFERENCE_KIND else cfg.sft
+    return list(s.data), list(s.val_data), s.val_fraction
 TEMPLATE_FILE = "chat_template.jinja"
 SPLITS = ("train", "val")
 
@@ -151,9 +163,10 @@ def load_template(dir: Path, meta: dict) -> ChatTemplate:
 def load_prepared_sft(dir: str | Path) -> PreparedSFT:
     dir = Path(dir)
     meta = read_meta(dir)
-    if meta is None or meta.get("kind") != KIND:
+    if meta is None or meta.get("kind") not in (KIND, PREFERENCE_KIND):
         raise DataError(
-            f"{dir} holds no prepared SFT data; run `lmforge sft` (or prepare) with an sft config"
+            f"{dir} holds no prepared SFT or preference data; run `lmforge sft` / `lmforge dpo` (or prepare) "
+            "with their config"
         )
     tok = Tokenizer.load(dir / TOKENIZER_FILE, eos_id=meta["eos_id"])
     return PreparedSFT(dir, tok, load_template(dir, meta), meta)
@@ -231,8 +244,9 @@ def _token_text(v) -> str | None:
 
 def _settings(cfg: Config, tok_file: Path) -> dict:
     s = cfg.sft
+    data, val_data, val_fraction = _sources(cfg)
     files = []
-    for src in [*s.data, *s.val_data]:
+    for src in [*data, *val_data]:
         p = Path(src)
         for f in sorted(p.rglob("*")) if p.is_dir() else [p]:
             if f.is_file():
@@ -242,9 +256,10 @@ def _settings(cfg: Config, tok_file: Path) -> dict:
     template = Path(s.template)
     return {
         "format": FORMAT,
-        "data": s.data,
-        "val_data": s.val_data,
-        "val_fraction": s.val_fraction,
+        "kind": kind_of(cfg),
+        "data": data,
+        "val_data": val_data,
+        "val_fraction": val_fraction,
         "record_format": s.format,
         "template": s.template,
         "template_hash": hashlib.sha256(template.read_bytes()).hexdigest() if template.is_file() else None,
@@ -262,9 +277,12 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
     """Prepare (or reuse) the SFT examples `cfg` describes in the run's data dir. `replace`: an SFT
     preparation there with other settings is the run's own (a fresh run in its own dir) and is prepared
     again; otherwise that is an error."""
-    if not cfg.sft.data:
+    kind = kind_of(cfg)
+    if not _sources(cfg)[0]:
+        key, what = ("sft.data", "chat data") if kind == KIND else ("preference.data", "preference pairs")
         raise DataError(
-            "objective sft needs chat data: set sft.data to .jsonl / .parquet files or a saved datasets dir"
+            f"objective {cfg.objective.name} needs {what}: set {key} to .jsonl / .parquet files or a saved "
+            "datasets dir"
         )
     tok_path = Path(cfg.data.tokenizer.path) if cfg.data.tokenizer.path else None
     if tok_path is None:
@@ -279,12 +297,12 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
     fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
     if out.exists():
         meta = read_meta(out)
-        if meta is not None and meta.get("fingerprint") == fingerprint and meta.get("kind") == KIND:
-            console(f"reusing prepared SFT data in {out}")
+        if meta is not None and meta.get("fingerprint") == fingerprint and meta.get("kind") == kind:
+            console(f"reusing prepared {kind} data in {out}")
             return load_prepared_sft(out)
-        stale = replace and meta is not None and meta.get("kind") == KIND
+        stale = replace and meta is not None and meta.get("kind") in (KIND, PREFERENCE_KIND)
         if stale:
-            console(f"the sft data or its settings changed since {out} was prepared: preparing it again")
+            console(f"the {kind} data or its settings changed since {out} was prepared: preparing it again")
         elif meta is not None or any(out.iterdir()):
             raise DataError(
                 f"data dir {out} holds other data (prepared with other settings or for "
@@ -312,15 +330,16 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for name, sp in meta["splits"].items():
-        console(
-            f"sft {name}: {sp['examples']:,} conversations, {sp['tokens']:,} tokens, "
-            f"{sp['loss_tokens']:,} with loss"
-        )
+        n = sp["examples"]
+        what = f"{n // 2:,} pairs" if kind == PREFERENCE_KIND else f"{n:,} conversations"
+        console(f"{kind} {name}: {what}, {sp['tokens']:,} tokens, {sp['loss_tokens']:,} with loss")
     return load_prepared_sft(out)
 
 
 def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], object]) -> dict:
     s = cfg.sft
+    kind = kind_of(cfg)
+    data, val_data, val_fraction = _sources(cfg)
     tok = Tokenizer.load(tok_path)
     base_vocab = tok.vocab_size
     template = resolve_template(cfg, tok_path, tok)
@@ -330,32 +349,47 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
     counts = {"truncated": 0, "dropped_overlong": 0, "no_loss_tokens": 0, "bad_content": 0}
     bad_examples: list[str] = []
 
-    def add(conv: Conversation, split: str) -> None:
+    # a preference pair's completions carry the loss, whatever sft.loss_on says for conversations
+    loss_on = "assistant" if kind == PREFERENCE_KIND else s.loss_on
+
+    def example(conv: Conversation) -> Example | None:
         try:
             check_contents(conv, specials)
-            ex = label_mask(conv, template, tok, s.loss_on)
+            ex = label_mask(conv, template, tok, loss_on)
         except DataError as e:
             if isinstance(e, TemplateError) or s.on_bad_record == "fail":
                 raise DataError(f"{conv.where}: {e}") from None
             counts["bad_content"] += 1
             if len(bad_examples) < 5:
                 bad_examples.append(f"{conv.where}: {e}")
-            return
+            return None
         fitted = fit(ex, cfg.seq_len, s.overlong)
         if fitted is None:
             counts["dropped_overlong" if len(ex.ids) > cfg.seq_len else "no_loss_tokens"] += 1
-            return
+            return None
         counts["truncated"] += len(fitted.ids) < len(ex.ids)
-        examples[split].append(fitted)
+        return fitted
 
-    if s.val_data:
-        for conv in read_conversations(s.data, s.format, s.on_bad_record, stats):
-            add(conv, "train")
-        for conv in read_conversations(s.val_data, s.format, s.on_bad_record, stats):
-            add(conv, "val")
+    def add(item, split: str) -> None:
+        convs = item.conversations() if kind == PREFERENCE_KIND else (item,)
+        made = [example(c) for c in convs]
+        if all(e is not None for e in made):  # a pair is kept whole or not at all
+            examples[split].extend(made)
+
+    if kind == PREFERENCE_KIND:
+        from lmforge.data.preference import read_pairs
+
+        read = lambda sources: read_pairs(sources, s.on_bad_record, stats)  # noqa: E731
     else:
-        for i, conv in enumerate(read_conversations(s.data, s.format, s.on_bad_record, stats)):
-            add(conv, split_of(i, cfg.run.seed, s.val_fraction) if s.val_fraction > 0 else "train")
+        read = lambda sources: read_conversations(sources, s.format, s.on_bad_record, stats)  # noqa: E731
+    if val_data:
+        for item in read(data):
+            add(item, "train")
+        for item in read(val_data):
+            add(item, "val")
+    else:
+        for i, item in enumerate(read(data)):
+            add(item, split_of(i, cfg.run.seed, val_fraction) if val_fraction > 0 else "train")
     console(stats.summary())
     if any(counts.values()):
         console(
@@ -366,10 +400,8 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
             + ("cut to it" if s.overlong == "truncate" else "dropped")
         )
     if not examples["train"]:
-        raise DataError(
-            f"no usable training conversation in sft.data ({stats.summary()}); check the records "
-            "and sft.format"
-        )
+        what = "pair in preference.data" if kind == PREFERENCE_KIND else "conversation in sft.data"
+        raise DataError(f"no usable training {what} ({stats.summary()}); check the records and sft.format")
     tok.save(dir / TOKENIZER_FILE)
     (dir / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
     splits = {}
@@ -383,7 +415,7 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
             "loss_tokens": int(sum(e.mask[1:].sum() for e in exs)),
         }
     return {
-        "kind": KIND,
+        "kind": kind,
         "format": FORMAT,
         "lmforge_version": __version__,
         "vocab_size": tok.vocab_size,

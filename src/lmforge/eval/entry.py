@@ -33,8 +33,10 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
     result = {"step": run.step, "split": cfg.eval.split, "weights": weights, **out}
     suffix = "" if weights == "model" else f"_{weights}"
     atomic_write_json(run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}{suffix}.json", result)
-    say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} tokens): loss {out['loss']:.4f}  "
-        f"ppl {out['ppl']:.2f}" + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else ""))
+    unit = "pairs" if cfg.objective.name == "dpo" else "tokens"
+    extra = "".join(f"  {k} {v:.4f}" for k, v in out.items() if k not in ("loss", "ppl", "tokens", "bpb"))
+    say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} {unit}): loss {out['loss']:.4f}  "
+        f"ppl {out['ppl']:.2f}" + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else "") + extra)
     return result
 
 
@@ -70,7 +72,8 @@ def chat_template_of(run: Run) -> ChatTemplate:
 def eval_tasks(path: str | Path, tasks_file: str | Path, overrides: list[str] | tuple[str, ...] = (),
                weights: str = "model", max_new_tokens: int = 24, say=print) -> dict[str, tuple[int, int]]:
     """Exact-match accuracy per task of a run's greedy replies to the records of `tasks_file` (JSONL
-    as `lmforge tasks` writes: messages, task, answer). Written to eval_tasks_step_N.json."""
+    as `lmforge tasks` writes: messages, task, answer; or its --pairs records, whose prompt is asked).
+    Written to eval_tasks_step_N.json."""
     run = load_run(path, overrides, weights)
     records = _task_records(Path(tasks_file))
     acc = task_accuracy(run.model, run.tokenizer, chat_template_of(run), records, max_new_tokens,
@@ -85,12 +88,16 @@ def eval_tasks(path: str | Path, tasks_file: str | Path, overrides: list[str] | 
 def _task_records(path: Path) -> list[dict]:
     """The records of a tasks JSONL file; a line that is not one is an error naming it."""
     from lmforge.data.chat import _iter_jsonl, to_conversation
+    from lmforge.data.preference import to_pair
 
     if path.suffix.lower() != ".jsonl":
         raise DataError(f"{path}: a tasks file is JSONL (lmforge tasks writes one)")
     records = []
     for where, record in _iter_jsonl(path, ChatStats()):
         try:
+            if isinstance(record, dict) and "chosen" in record:  # `lmforge tasks --pairs`: its prompt
+                pair = to_pair(record, where)
+                record = {**record, "messages": [*pair.prompt, *pair.chosen]}
             to_conversation(record, where, "messages")  # the same checks as training data
         except DataError as e:
             raise DataError(f"{where}: {e}") from None

@@ -20,10 +20,11 @@ their forward has no data-dependent Python branches.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -105,6 +106,7 @@ class LoRALinear(nn.Module):
                 self.lora_magnitude = nn.Parameter(self._row_norm(weight, self.lora_B @ self.lora_A))
         self.merged = False
         self._unmerged_weight: torch.Tensor | None = None  # held while merged, so unmerge is exact
+        self.disabled = False  # forward is the base alone (`adapters_disabled`: a reference model)
 
     @torch.no_grad()
     def _init_adapters(self, init: str | None, generator: torch.Generator | None) -> None:
@@ -148,6 +150,10 @@ class LoRALinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.disabled:
+            if self.merged:
+                raise LmforgeError("adapters cannot be disabled while merged into the base: unmerge first")
+            return self.base(x)
         if not self.merged and self._fusable():
             dtype = _compute_dtype(x, self.base.weight)
             bias = self.base.bias
@@ -406,6 +412,22 @@ def wrap_layers(
         for p in layer.parameters(recurse=False):
             p.requires_grad_(True)
     return names
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, every LoRA/DoRA layer of `model` computes its base alone: the model is the
+    frozen model the adapters started from (PEFT's `disable_adapter`), e.g. the reference model of
+    preference training at no extra memory. Restored on exit, exceptions included."""
+    layers = list(lora_layers(model).values())
+    before = [m.disabled for m in layers]
+    for m in layers:
+        m.disabled = True
+    try:
+        yield model
+    finally:
+        for m, was in zip(layers, before):
+            m.disabled = was
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

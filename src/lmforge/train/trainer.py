@@ -385,6 +385,8 @@ class Trainer:
         record = {"step": self.step, "val_loss": out["loss"], "val_ppl": out["ppl"]}
         if "bpb" in out:
             record["val_bpb"] = out["bpb"]
+        # the objective's own metrics (preference: reward accuracy and margins), means per target
+        record.update({f"val_{k}": v for k, v in out.items() if k not in ("loss", "ppl", "tokens", "bpb")})
         if self.cfg.averaging.eval_averaged:
             for kind, avg in self.averages.items():
                 if avg.n_averaged:

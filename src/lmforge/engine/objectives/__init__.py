@@ -5,9 +5,10 @@ from __future__ import annotations
 from lmforge.config.schema import Config
 from lmforge.engine.objectives.base import Objective, ObjectiveModule, ObjectiveOutput, TokenObjective
 from lmforge.engine.objectives.causal_lm import CausalLM
+from lmforge.engine.objectives.preference import Preference
 from lmforge.engine.objectives.sft import SFT
 
-OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT}
+OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT, Preference.name: Preference}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -15,6 +16,6 @@ def build_objective(cfg: Config) -> Objective:
     return OBJECTIVES[cfg.objective.name].from_config(cfg)
 
 
-__all__ = ["OBJECTIVES", "SFT", "CausalLM",
+__all__ = ["OBJECTIVES", "SFT", "CausalLM", "Preference",
            "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
            "build_objective"]
