@@ -168,3 +168,22 @@ def test_preference_loader_shuffles_pairs_and_resumes_exactly():
         assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.targets, want.targets)
     with pytest.raises(Exception, match="pairs"):
         PreferenceLoader(SFTSplit.of(examples(2, 0)[:3]), 16, 1)
+
+
+def test_adapters_disabled_also_restores_trainable_token_rows():
+    from lmforge.finetune.token_rows import train_token_rows
+
+    base = tiny_model()
+    x = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(5))
+    want = base(x).detach()
+    model = tiny_model()
+    model.requires_grad_(False)
+    apply_lora(model, ["all-linear"], r=4, alpha=8.0)
+    train_token_rows(model, [3, 7])
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(0.5)  # the adapters and the token rows have trained away from the base
+    assert not torch.allclose(model(x), want, atol=1e-3)
+    with adapters_disabled(model):
+        torch.testing.assert_close(model(x), want, rtol=0, atol=0)

@@ -292,24 +292,14 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         model = model.to(device)
         vocab = _check_custom_model(model, tokenizer, train_src, device)
     else:
-        from lmforge.models import build_model
-        from lmforge.models.resize import init_token_rows, resize_vocab
-
-        grow = sft and source_vocab is not None and cfg.model.vocab_size > source_vocab
-        model = build_model(cfg.model.model_copy(update={"vocab_size": source_vocab}) if grow else cfg.model,
-                            device=device)
+        model = _starting_model(cfg, device, data if sft else None, source_vocab, load=not resumed)
         if not resumed and cfg.model.init_from:
-            load_weights(cfg.model.init_from, model)
             say(f"initialised the weights from {cfg.model.init_from}")
-        if grow:
-            resize_vocab(model, cfg.model.vocab_size)
-        if sft and not resumed and cfg.model.init_from:
-            init_token_rows(model, data.meta["added_tokens"], data.meta["base_vocab"])
         vocab = cfg.model.vocab_size
     if cfg.finetune.method != "full" or sft:
         say(apply_finetune(model, cfg.finetune, seed=cfg.run.seed).line())
     if isinstance(objective, Preference) and objective.needs_reference and objective.reference is None:
-        objective.reference = _reference(model, cfg, dims, say)
+        objective.reference = _reference(model, cfg, dims, device, data, source_vocab, say)
     objective.check_model(model)
     precision = Precision(on_rank0(lambda: resolve_precision(cfg.train.precision, device, model,
                                                              cfg.train.micro_batch_size, cfg.seq_len, vocab)),
@@ -384,13 +374,33 @@ def _chat_loaders(cfg: Config, data, dims: ParallelDims, world: World, val_rows:
     return train, val
 
 
-def _reference(model: nn.Module, cfg: Config, dims: ParallelDims, say):
+def _starting_model(cfg: Config, device: torch.device, chat_data, source_vocab: int | None,
+                    load: bool = True) -> nn.Module:
+    """lmforge's Transformer as fine-tuning starts it: model.init_from's weights (when `load`), the
+    vocabulary grown for a chat template's new tokens and their rows initialised (`chat_data`: the
+    prepared chat data, None for pretraining)."""
+    from lmforge.models import build_model
+    from lmforge.models.resize import init_token_rows, resize_vocab
+
+    grow = chat_data is not None and source_vocab is not None and cfg.model.vocab_size > source_vocab
+    model = build_model(cfg.model.model_copy(update={"vocab_size": source_vocab}) if grow else cfg.model,
+                        device=device)
+    if load and cfg.model.init_from:
+        load_weights(cfg.model.init_from, model)
+    if grow:
+        resize_vocab(model, cfg.model.vocab_size)
+    if chat_data is not None and load and cfg.model.init_from:
+        init_token_rows(model, chat_data.meta["added_tokens"], chat_data.meta["base_vocab"])
+    return model
+
+
+def _reference(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device, data,
+               source_vocab: int | None, say):
     """The reference model of preference training, as a function batch -> summed completion
     log-probs: with adapters, the model itself with its adapters disabled (no extra memory: the
-    frozen base is the model the adapters started from); with full fine-tuning, a frozen copy of the
-    starting weights (one more model in memory; one process or DDP)."""
-    import copy
-
+    frozen base is the model the adapters started from); with full fine-tuning, a frozen model with
+    the starting weights (model.init_from, loaded again: a resumed run's model already moved on; one
+    more model in memory, so one process or DDP)."""
     from lmforge.engine.objectives.preference import completion_logps
     from lmforge.finetune.lora import lora_layers
 
@@ -402,8 +412,12 @@ def _reference(model: nn.Module, cfg: Config, dims: ParallelDims, say):
                           "reference, which needs the whole model on each rank (one process or DDP); use "
                           "LoRA (the reference is the base with adapters off) or a reference-free loss "
                           "(preference.loss=simpo or orpo)")
-    frozen = copy.deepcopy(model).requires_grad_(False)
-    say("reference model: a frozen copy of the starting weights")
+    if not cfg.model.init_from:
+        raise ConfigError("objective dpo with finetune.method=full compares with the starting model: set "
+                          "model.init_from (the SFT run or HF dir the preference training starts from)")
+    with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the run's RNG
+        frozen = _starting_model(cfg, device, data, source_vocab).requires_grad_(False)
+    say(f"reference model: a frozen copy of {cfg.model.init_from}")
     return lambda batch: completion_logps(frozen, batch.to(_device_of(frozen)))[0]
 
 
@@ -423,21 +437,23 @@ def _device_of(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _eval_reference(model: nn.Module, cfg: Config, device: torch.device):
+def _eval_reference(model: nn.Module, cfg: Config, device: torch.device, data):
     """The reference model a preference run trained against, to evaluate it: the base with the
-    adapters disabled, or (full fine-tuning) the model.init_from weights loaded afresh."""
+    adapters disabled, or (full fine-tuning) the model.init_from weights loaded afresh, as training
+    started them (`data`: the run's prepared pairs, for a chat template's new token rows)."""
+    from lmforge.checkpoint.runs import source_model_config
     from lmforge.engine.objectives.preference import completion_logps
     from lmforge.finetune.lora import lora_layers
-    from lmforge.models import build_model
 
     if lora_layers(model):
         return _adapters_off(model)
     if not cfg.model.init_from:
         raise ConfigError("evaluating a preference run needs its reference model: the run has no "
                           "model.init_from to load it from")
-    reference = build_model(cfg.model, device=device).requires_grad_(False)
-    load_weights(cfg.model.init_from, reference)
-    return lambda batch: completion_logps(reference.eval(), batch.to(device))[0]
+    source_vocab = source_model_config(cfg.model.init_from).vocab_size
+    with torch.random.fork_rng(devices=[]):
+        reference = _starting_model(cfg, device, data, source_vocab).requires_grad_(False).eval()
+    return lambda batch: completion_logps(reference, batch.to(device))[0]
 
 
 def _input_paths(cfg: Config) -> tuple[Path, ...]:
@@ -555,7 +571,7 @@ def _sft_inference(run: Run, cfg: Config, purpose: Purpose) -> Run:
     run.val_loader = _chat_loader(cfg, split, cfg.eval.batch_size, shuffle=False, drop_last=False,
                                   pad_id=data.tokenizer.eos_id)
     if isinstance(run.objective, Preference) and run.objective.needs_reference:
-        run.objective.reference = _eval_reference(run.model, cfg, run.device)
+        run.objective.reference = _eval_reference(run.model, cfg, run.device, data)
     run.eval_batches = cfg.eval.max_batches
     precision = resolve_precision(cfg.train.precision, run.device, run.model, cfg.eval.batch_size,
                                   cfg.seq_len, cfg.model.vocab_size, backward=False)

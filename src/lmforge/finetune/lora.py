@@ -416,10 +416,13 @@ def wrap_layers(
 
 @contextlib.contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[nn.Module]:
-    """Within the block, every LoRA/DoRA layer of `model` computes its base alone: the model is the
-    frozen model the adapters started from (PEFT's `disable_adapter`), e.g. the reference model of
-    preference training at no extra memory. Restored on exit, exceptions included."""
-    layers = list(lora_layers(model).values())
+    """Within the block, every LoRA/DoRA layer of `model` computes its base alone and trainable token
+    rows read the frozen table's own: the model is the frozen model the adapters started from (PEFT's
+    `disable_adapter`), e.g. the reference model of preference training at no extra memory. Restored
+    on exit, exceptions included."""
+    from lmforge.finetune.token_rows import RowOverride
+
+    layers = [m for m in model.modules() if isinstance(m, (LoRALinear, RowOverride))]
     before = [m.disabled for m in layers]
     for m in layers:
         m.disabled = True

@@ -23,8 +23,11 @@ class RowOverride(nn.Module):
         super().__init__()
         self.register_buffer("ids", ids.clone())
         self.rows = nn.Parameter(rows.detach().clone())
+        self.disabled = False  # the frozen table's own rows (finetune.lora.adapters_disabled)
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.disabled:
+            return weight
         return weight.index_put((self.ids,), self.rows.to(weight.dtype))
 
 
