@@ -51,6 +51,9 @@ class Preference(Objective):
     @classmethod
     def from_config(cls, cfg) -> Preference:
         p = cfg.preference
+        if cfg.train.loss_chunk_tokens:
+            raise ConfigError("train.loss_chunk_tokens is not implemented for objective dpo (its loss needs "
+                              "each sequence's log-probabilities); set it to 0")
         return cls(loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, simpo_gamma=p.simpo_gamma)
 
     def batch_of(self, raw) -> PreferenceBatch:
