@@ -187,3 +187,15 @@ def test_adapters_disabled_also_restores_trainable_token_rows():
     assert not torch.allclose(model(x), want, atol=1e-3)
     with adapters_disabled(model):
         torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
+def test_sft_weight_adds_the_chosen_token_mean_nll():
+    batch = next(iter(loader(3, 3)))
+    batch = PreferenceBatch(batch.input_ids, batch.targets, torch.zeros(6) - 5.0, batch.real_tokens)
+    model = tiny_model()
+    plain = Preference("sigmoid", beta=0.2)(model, batch).loss
+    rpo = Preference("sigmoid", beta=0.2, sft_weight=0.7)(model, batch).loss
+    logps, counts = completion_logps(model, batch)
+    nll = -(logps[:3] / counts[:3]).sum()
+    torch.testing.assert_close(rpo, plain + 0.7 * nll, rtol=1e-6, atol=1e-6)
+    assert nll > 1.0  # the term is far above rounding

@@ -383,6 +383,9 @@ class PreferenceConfig(Section):
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="Assumed fraction of flipped labels "
                                    "(sigmoid: conservative DPO; robust; simpo).")
     simpo_gamma: float = Field(0.5, ge=0.0, description="SimPO's target reward margin.")
+    sft_weight: float = Field(0.0, ge=0.0, description="Add this times the chosen completion's token-mean "
+                              "NLL to each pair's loss (RPO, Pang et al. 2024; TRL's loss_type [..., 'sft']: "
+                              "keeps DPO from lowering the chosen answers' likelihood with the rejected).")
 
 
 class FinetuneConfig(Section):

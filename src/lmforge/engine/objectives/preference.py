@@ -41,11 +41,12 @@ class Preference(Objective):
     batch_type = PreferenceBatch
 
     def __init__(self, loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
-                 simpo_gamma: float = 0.5, reference: Reference | None = None) -> None:
+                 simpo_gamma: float = 0.5, sft_weight: float = 0.0,
+                 reference: Reference | None = None) -> None:
         if loss not in PAIR_LOSSES:
             raise ConfigError(f"preference loss {loss!r} is not one of {', '.join(PAIR_LOSSES)}")
         self.loss, self.beta = loss, beta
-        self.label_smoothing, self.simpo_gamma = label_smoothing, simpo_gamma
+        self.label_smoothing, self.simpo_gamma, self.sft_weight = label_smoothing, simpo_gamma, sft_weight
         self.reference = reference
 
     @classmethod
@@ -54,7 +55,8 @@ class Preference(Objective):
         if cfg.train.loss_chunk_tokens:
             raise ConfigError("train.loss_chunk_tokens is not implemented for objective dpo (its loss needs "
                               "each sequence's log-probabilities); set it to 0")
-        return cls(loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, simpo_gamma=p.simpo_gamma)
+        return cls(loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, simpo_gamma=p.simpo_gamma,
+                   sft_weight=p.sft_weight)
 
     def batch_of(self, raw) -> PreferenceBatch:
         """The batch, with the reference model's log-probs attached when the loss needs them: computed
@@ -88,11 +90,14 @@ class Preference(Objective):
         if self.needs_reference:
             ref = self.reference_logps(batch)
             ref_c, ref_r = ref[:p], ref[p:]
-        if self.loss == "orpo":
-            nll = -logps[:p] / counts[:p].clamp(min=1).to(logps.dtype)
+        if self.loss == "orpo" or self.sft_weight:
+            nll = -logps[:p] / counts[:p].clamp(min=1).to(logps.dtype)  # (P,) token mean per chosen
         out = pair_losses(self.loss, logps[:p], logps[p:], ref_c, ref_r, chosen_tokens=counts[:p],
                           rejected_tokens=counts[p:], beta=self.beta, label_smoothing=self.label_smoothing,
                           simpo_gamma=self.simpo_gamma, chosen_nll=nll)
+        losses = out.losses
+        if self.sft_weight and self.loss != "orpo":  # RPO: the chosen answer's NLL keeps its likelihood up
+            losses = losses + self.sft_weight * nll
         chosen, rejected = out.chosen_rewards, out.rejected_rewards
         metrics = {
             "reward_chosen": chosen.sum(),
@@ -106,4 +111,4 @@ class Preference(Objective):
         }
         if ref_c is not None:  # the same for the reference model: where the policy started
             metrics["ref_logp_accuracy"] = (ref_c > ref_r).float().sum()
-        return ObjectiveOutput(out.losses.sum(), metrics)
+        return ObjectiveOutput(losses.sum(), metrics)
