@@ -17,7 +17,7 @@ later error (a template that fails, a conversation that does not fit) can name i
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,6 +174,13 @@ def read_conversations(
 ) -> Iterator[Conversation]:
     """Every conversation of `sources` (files or folders of .jsonl / .parquet, or a saved `datasets`
     dir), in a fixed order. Bad records are skipped and counted in `stats`, or raise with on_bad="fail"."""
+    return parse_sources(sources, lambda record, where: to_conversation(record, where, fmt), on_bad, stats)
+
+
+def parse_sources(sources: list[str], parse: Callable[[Any, str], Any], on_bad: str = "skip",
+                  stats: ChatStats | None = None) -> Iterator[Any]:
+    """parse(record, where) of every record of `sources`, in a fixed order; a BadRecord is skipped and
+    counted in `stats`, or raised naming its file and line with on_bad="fail"."""
     stats = stats if stats is not None else ChatStats()
     for src in sources:
         check_source(src)
@@ -181,7 +188,7 @@ def read_conversations(
         for _, records in iter_records(Path(src), stats):
             for where, record in records:
                 try:
-                    conv = to_conversation(record, where, fmt)
+                    item = parse(record, where)
                 except BadRecord as e:
                     if on_bad == "fail":
                         raise BadRecord(
@@ -190,7 +197,7 @@ def read_conversations(
                     stats.skip(where, str(e))
                     continue
                 stats.records += 1
-                yield conv
+                yield item
 
 
 def iter_records(path: Path, stats: ChatStats) -> Iterator[tuple[Path, Iterator[tuple[str, Any]]]]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lmforge.data.chat import (
@@ -27,9 +26,8 @@ from lmforge.data.chat import (
     BadRow,
     ChatStats,
     Conversation,
-    check_source,
-    iter_records,
     parse_messages,
+    parse_sources,
 )
 
 __all__ = ["PreferencePair", "UnpairedExample", "read_pairs", "read_unpaired", "to_pair", "to_unpaired"]
@@ -126,32 +124,14 @@ def to_unpaired(record: Any, where: str) -> UnpairedExample:
                            where)
 
 
-def _read(sources: list[str], parse, on_bad: str, stats: ChatStats | None) -> Iterator:
-    stats = stats if stats is not None else ChatStats()
-    for src in sources:
-        check_source(src)
-    for src in sources:
-        for _, records in iter_records(Path(src), stats):
-            for where, record in records:
-                try:
-                    item = parse(record, where)
-                except BadRecord as e:
-                    if on_bad == "fail":
-                        raise BadRecord(f"{where}: {e}; fix the record or skip bad records") from None
-                    stats.skip(where, str(e))
-                    continue
-                stats.records += 1
-                yield item
-
-
 def read_pairs(sources: list[str], on_bad: str = "skip", stats: ChatStats | None = None
                ) -> Iterator[PreferencePair]:
     """Every preference pair of `sources` (files or folders of .jsonl / .parquet, or a saved `datasets`
     dir), in a fixed order; bad records skipped and counted in `stats`, or raising with on_bad="fail"."""
-    return _read(sources, to_pair, on_bad, stats)
+    return parse_sources(sources, to_pair, on_bad, stats)
 
 
 def read_unpaired(sources: list[str], on_bad: str = "skip", stats: ChatStats | None = None
                   ) -> Iterator[UnpairedExample]:
     """Every unpaired (KTO) example of `sources`, as `read_pairs`."""
-    return _read(sources, to_unpaired, on_bad, stats)
+    return parse_sources(sources, to_unpaired, on_bad, stats)
