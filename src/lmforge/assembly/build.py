@@ -35,7 +35,7 @@ from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.data.memory import token_stream
 from lmforge.data.sft import prepare_sft
 from lmforge.engine.loss import logits_of
-from lmforge.engine.objectives import Objective, Preference, TokenObjective, build_objective
+from lmforge.engine.objectives import Objective, PolicyGradient, Preference, TokenObjective, build_objective
 from lmforge.engine.precision import Precision, resolve_precision
 from lmforge.engine.step import StepHook
 from lmforge.errors import ConfigError, DataError, LmforgeError
@@ -181,7 +181,8 @@ def check_layout(cfg: Config, dims: ParallelDims, objective: Objective, custom_m
 
 
 # -- training and experiments -----------------------------------------------------------------------
-CHAT_OBJECTIVES = ("sft", "dpo")  # objectives over chat data: a template, fine-tuning a given model
+CHAT_OBJECTIVES = ("sft", "dpo", "rl")  # objectives over chat data: a template, fine-tuning a given model
+SECTION_OF = {"sft": "sft", "dpo": "preference", "rl": "rl"}  # where each one's data is configured
 
 
 def _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, resume,
@@ -208,13 +209,13 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         resume = resume or on_rank0(lambda: restarted_job_owns(run_dir))
         if train_data is None:  # the sources must exist before run.overwrite deletes the old run
             sources = {"sft": [*cfg.sft.data, *cfg.sft.val_data],
-                       "dpo": [*cfg.preference.data, *cfg.preference.val_data]}.get(cfg.objective.name,
-                                                                                    cfg.data.sources)
+                       "dpo": [*cfg.preference.data, *cfg.preference.val_data],
+                       "rl": [*cfg.rl.data, *cfg.rl.val_data]}.get(cfg.objective.name, cfg.data.sources)
             missing = [src for src in sources if src != "builtin:python" and not Path(src).exists()]
             if missing:
                 where = Path(missing[0]).resolve()
                 if cfg.objective.name in CHAT_OBJECTIVES:
-                    section = "preference" if cfg.objective.name == "dpo" else "sft"
+                    section = SECTION_OF[cfg.objective.name]
                     raise DataError(f"{section} data {missing[0]!r} does not exist (resolved: {where}); give "
                                     ".jsonl or .parquet files, folders of them or a saved datasets dir")
                 raise DataError(f"data source {missing[0]!r} does not exist (resolved: {where}); give a "
@@ -260,7 +261,8 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     if sft:
         if train_data is not None:
             raise ConfigError(f"objective {cfg.objective.name} reads its chat data from the config "
-                              "(sft.data / preference.data); train_data= is for pretraining documents")
+                              "(sft.data / preference.data / rl.data); train_data= is for pretraining "
+                              "documents")
         # A fresh run owns the data dir inside its run dir: changed chat data is prepared again there.
         own = not resumed and cfg.data.dir is None
         data = rank0_first(lambda: prepare_sft(cfg, console=say, replace=own))
@@ -299,7 +301,14 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     if cfg.finetune.method != "full" or sft:
         say(apply_finetune(model, cfg.finetune, seed=cfg.run.seed).line())
     if isinstance(objective, Preference) and objective.needs_reference and objective.reference is None:
-        objective.reference = _reference(model, cfg, dims, device, data, source_vocab, say)
+        objective.reference = _summed(_reference(model, cfg, dims, device, data, source_vocab, say))
+    if isinstance(objective, PolicyGradient) and objective.rollout is None:
+        if dims.fsdp or dims.tp > 1 or dims.pp > 1:
+            raise ConfigError("objective rl samples completions with the whole model on each rank: one "
+                              "process or DDP (parallel.dp_replicate), not FSDP, tensor or pipeline "
+                              "parallelism")
+        reference = _reference(model, cfg, dims, device, data, source_vocab, say) if cfg.rl.beta > 0 else None
+        objective.rollout = _rollout(model, cfg, data, reference)
     objective.check_model(model)
     precision = Precision(on_rank0(lambda: resolve_precision(cfg.train.precision, device, model,
                                                              cfg.train.micro_batch_size, cfg.seq_len, vocab)),
@@ -352,26 +361,40 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     )
 
 
-def _chat_loader(cfg: Config, split, batch_size: int, **kw):
-    """ChatLoader for conversations; PreferenceLoader (batch_size pairs) for objective dpo."""
-    from lmforge.data.chat_loader import ChatLoader, PreferenceLoader
+def _chat_loader(cfg: Config, data, name: str, batch_size: int, **kw):
+    """ChatLoader for conversations; PreferenceLoader (batch_size pairs) for objective dpo;
+    PromptLoader (batch_size prompts) for rl. `name`: the split of the prepared `data`."""
+    from lmforge.data.chat_loader import ChatLoader, PreferenceLoader, PromptLoader
 
+    split = data.split(name)
     if cfg.objective.name == "dpo":
         return PreferenceLoader(split, cfg.seq_len, batch_size, **kw)
+    if cfg.objective.name == "rl":
+        return PromptLoader(split, data.info(name), cfg.seq_len, batch_size, **kw)
     return ChatLoader(split, cfg.seq_len, batch_size, packing=cfg.sft.packing, **kw)
 
 
 def _chat_loaders(cfg: Config, data, dims: ParallelDims, world: World, val_rows: int):
     tc = cfg.train
     pad = data.tokenizer.eos_id
-    train = _chat_loader(cfg, data.split("train"), tc.micro_batch_size, seed=cfg.run.seed, rank=dims.dp_rank,
+    train = _chat_loader(cfg, data, "train", tc.micro_batch_size, seed=cfg.run.seed, rank=dims.dp_rank,
                          world_size=dims.dp_size, pad_id=pad)
-    val_split = data.split("val")
     val = None
-    if len(val_split):
-        val = _chat_loader(cfg, val_split, val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
+    if len(data.split("val")):
+        val = _chat_loader(cfg, data, "val", val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
                            world_size=dims.dp_size, shuffle=False, drop_last=world.world_size > 1, pad_id=pad)
     return train, val
+
+
+def _rollout(model: nn.Module, cfg: Config, data, reference):
+    """The rl objective's rollout: completions sampled from `model` itself (the trained weights), ended
+    at the template's end-of-turn token or EOS, scored by cfg.rl.rewards."""
+    from lmforge.data.chat_template import stop_ids
+    from lmforge.finetune.rollout import Rollout
+
+    stops = stop_ids(data.template, data.tokenizer)
+    return Rollout(model, data.tokenizer, stops, cfg.rl, cfg.seq_len, reference=reference,
+                   pad_id=data.tokenizer.eos_id)
 
 
 def _starting_model(cfg: Config, device: torch.device, chat_data, source_vocab: int | None,
@@ -396,38 +419,56 @@ def _starting_model(cfg: Config, device: torch.device, chat_data, source_vocab: 
 
 def _reference(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device, data,
                source_vocab: int | None, say):
-    """The reference model of preference training, as a function batch -> summed completion
-    log-probs: with adapters, the model itself with its adapters disabled (no extra memory: the
-    frozen base is the model the adapters started from); with full fine-tuning, a frozen model with
-    the starting weights (model.init_from, loaded again: a resumed run's model already moved on; one
-    more model in memory, so one process or DDP)."""
-    from lmforge.engine.objectives.preference import completion_logps
+    """The reference model of preference training and RL, as a function (ids, targets) -> per-token
+    log-probs of the targets (0 where ignored): with adapters, the model itself with its adapters
+    disabled (no extra memory: the frozen base is the model the adapters started from); with full
+    fine-tuning, a frozen model with the starting weights (model.init_from, loaded again: a resumed
+    run's model already moved on; one more model in memory, so one process or DDP)."""
     from lmforge.finetune.lora import lora_layers
 
     if lora_layers(model):
         say("reference model: the base, adapters disabled")
         return _adapters_off(model)
+    name = cfg.objective.name
     if dims.fsdp or dims.tp > 1 or dims.pp > 1:
-        raise ConfigError("objective dpo with finetune.method=full keeps a frozen copy of the model as its "
-                          "reference, which needs the whole model on each rank (one process or DDP); use "
-                          "LoRA (the reference is the base with adapters off) or a reference-free loss "
-                          "(preference.loss=simpo or orpo)")
+        raise ConfigError(f"objective {name} with finetune.method=full keeps a frozen copy of the model as "
+                          "its reference, which needs the whole model on each rank (one process or DDP); use "
+                          "LoRA (the reference is the base with adapters off)"
+                          + (" or a reference-free loss (preference.loss=simpo or orpo)" if name == "dpo"
+                             else " or rl.beta=0"))
     if not cfg.model.init_from:
-        raise ConfigError("objective dpo with finetune.method=full compares with the starting model: set "
-                          "model.init_from (the SFT run or HF dir the preference training starts from)")
+        raise ConfigError(f"objective {name} with finetune.method=full compares with the starting model: set "
+                          "model.init_from (the SFT run or HF dir the training starts from)")
     with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the run's RNG
         frozen = _starting_model(cfg, device, data, source_vocab).requires_grad_(False)
     say(f"reference model: a frozen copy of {cfg.model.init_from}")
-    return lambda batch: completion_logps(frozen, batch.to(_device_of(frozen)))[0]
+    return _logps_of(frozen)
+
+
+def _logps_of(model: nn.Module):
+    """(ids, targets) -> `model`'s per-token log-probs of the targets."""
+    from lmforge.engine.preference_loss import token_logps
+
+    def logps(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        dev = _device_of(model)
+        return token_logps(logits_of(model(ids.to(dev))), targets.to(dev))
+
+    return logps
+
+
+def _summed(reference):
+    """A per-token reference as preference training takes it: batch -> summed completion log-probs."""
+    return lambda batch: reference(batch.input_ids, batch.targets).sum(-1)
 
 
 def _adapters_off(model: nn.Module):
-    from lmforge.engine.objectives.preference import completion_logps
     from lmforge.finetune.lora import adapters_disabled
 
-    def reference(batch):
+    logps = _logps_of(model)
+
+    def reference(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         with adapters_disabled(model):
-            return completion_logps(model, batch.to(_device_of(model)))[0]
+            return logps(ids, targets)
 
     return reference
 
@@ -442,7 +483,6 @@ def _eval_reference(model: nn.Module, cfg: Config, device: torch.device, data):
     adapters disabled, or (full fine-tuning) the model.init_from weights loaded afresh, as training
     started them (`data`: the run's prepared pairs, for a chat template's new token rows)."""
     from lmforge.checkpoint.runs import source_model_config
-    from lmforge.engine.objectives.preference import completion_logps
     from lmforge.finetune.lora import lora_layers
 
     if lora_layers(model):
@@ -453,13 +493,13 @@ def _eval_reference(model: nn.Module, cfg: Config, device: torch.device, data):
     source_vocab = source_model_config(cfg.model.init_from).vocab_size
     with torch.random.fork_rng(devices=[]):
         reference = _starting_model(cfg, device, data, source_vocab).requires_grad_(False).eval()
-    return lambda batch: completion_logps(reference, batch.to(device))[0]
+    return _logps_of(reference)
 
 
 def _input_paths(cfg: Config) -> tuple[Path, ...]:
     """Files and dirs the run reads: overwriting the run dir must never delete one of them."""
     sources = [*cfg.data.sources, *cfg.sft.data, *cfg.sft.val_data, *cfg.preference.data,
-               *cfg.preference.val_data]
+               *cfg.preference.val_data, *cfg.rl.data, *cfg.rl.val_data]
     paths = [Path(s) for s in sources if s != "builtin:python"]
     paths += [Path(p) for p in (cfg.model.init_from, cfg.data.tokenizer.path) if p]
     return tuple(paths)
@@ -562,16 +602,18 @@ def _sft_inference(run: Run, cfg: Config, purpose: Purpose) -> Run:
     run.template = data.template
     if purpose == "generate":
         return run
-    split = data.split(cfg.eval.split)
-    if not len(split):
-        section = "preference" if cfg.objective.name == "dpo" else "sft"
+    if not len(data.split(cfg.eval.split)):
+        section = SECTION_OF[cfg.objective.name]
         raise DataError(f"eval.split={cfg.eval.split}: the run holds no {cfg.eval.split} examples (set "
                         f"{section}.val_fraction or {section}.val_data when fine-tuning, or "
                         "eval.split=train)")
-    run.val_loader = _chat_loader(cfg, split, cfg.eval.batch_size, shuffle=False, drop_last=False,
-                                  pad_id=data.tokenizer.eos_id)
+    run.val_loader = _chat_loader(cfg, data, cfg.eval.split, cfg.eval.batch_size, shuffle=False,
+                                  drop_last=False, pad_id=data.tokenizer.eos_id)
     if isinstance(run.objective, Preference) and run.objective.needs_reference:
-        run.objective.reference = _eval_reference(run.model, cfg, run.device, data)
+        run.objective.reference = _summed(_eval_reference(run.model, cfg, run.device, data))
+    if isinstance(run.objective, PolicyGradient):  # the reference gives the KL the validation logged
+        reference = _eval_reference(run.model, cfg, run.device, data) if cfg.rl.beta > 0 else None
+        run.objective.rollout = _rollout(run.model, cfg, data, reference)
     run.eval_batches = cfg.eval.max_batches
     precision = resolve_precision(cfg.train.precision, run.device, run.model, cfg.eval.batch_size,
                                   cfg.seq_len, cfg.model.vocab_size, backward=False)

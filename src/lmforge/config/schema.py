@@ -317,11 +317,12 @@ class TrainConfig(Section):
 class ObjectiveConfig(Section):
     """What a training step minimises. Each objective declares the batches it takes."""
 
-    name: Literal["causal_lm", "sft", "dpo"] = Field(
+    name: Literal["causal_lm", "sft", "dpo", "rl"] = Field(
         "causal_lm", description="causal_lm: next-token prediction over every target token (pretraining); "
         "sft: supervised fine-tuning on the chat data of the sft section (loss on the tokens sft.loss_on "
         "picks); dpo: preference optimisation on the pairs of the preference section (the DPO family, "
-        "SimPO, ORPO: preference.loss)."
+        "SimPO, ORPO: preference.loss); rl: reinforcement learning on sampled completions of the rl "
+        "section's prompts, scored by rewards (GRPO, RLOO: rl.algorithm)."
     )
 
 
@@ -386,6 +387,67 @@ class PreferenceConfig(Section):
     sft_weight: float = Field(0.0, ge=0.0, description="Add this times the chosen completion's token-mean "
                               "NLL to each pair's loss (RPO, Pang et al. 2024; TRL's loss_type [..., 'sft']: "
                               "keeps DPO from lowering the chosen answers' likelihood with the rejected).")
+
+
+class RLConfig(Section):
+    """Reinforcement learning (objective rl): prompts, how completions are sampled for them and scored,
+    and the policy-gradient loss. train.micro_batch_size counts prompts; each brings group_size
+    completions. The chat template and the record checks are the sft section's settings."""
+
+    data: list[str] = Field(
+        default_factory=list, description="Prompts: .jsonl / .parquet files, folders of them or a saved "
+        "`datasets` dir; each record a 'prompt' (string or messages) or chat 'messages', and the 'answer' "
+        "rewards check against (`lmforge tasks` writes such records)."
+    )
+    val_data: list[str] = Field(default_factory=list, description="Held-out prompts (empty: rl.val_fraction "
+                                "of the data). Validation scores the greedy reply to each.")
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of the prompts held out.")
+    algorithm: Literal["grpo", "rloo"] = Field(
+        "grpo", description="grpo: group-normalised advantages and a clipped per-token loss (TRL's "
+        "GRPOTrainer); rloo: leave-one-out baselines and a clipped sequence-level loss, its KL penalty in "
+        "the reward (TRL's RLOOTrainer)."
+    )
+    group_size: int = Field(8, ge=2, description="Completions sampled per prompt (TRL's num_generations).")
+    max_new_tokens: int = Field(32, ge=1, description="Longest completion (TRL's max_completion_length).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of the completions.")
+    top_k: int | None = Field(None, ge=1, description="Sample from the k most likely tokens only.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    rewards: dict[Literal["exact_match", "format"], float] = Field(
+        default_factory=lambda: {"exact_match": 1.0}, description="Reward functions and their weights, "
+        "summed: exact_match (1 when the reply's answer equals the record's 'answer', by the shipped task's "
+        "checker when the record names one), format (1 when the reply is one line and ends its turn)."
+    )
+    scale_rewards: Literal["group", "batch", "none"] | None = Field(
+        None, description="Divide advantages by the std of the group (grpo's default), of the whole batch, "
+        "or not at all (Dr. GRPO; rloo's default). rloo takes none or batch (whitening)."
+    )
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                              "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How grpo's per-token losses become one (verl's names): token-mean over "
+        "the step's completion tokens (TRL dapo, the default), seq-mean-token-mean (TRL grpo), "
+        "seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO: token sums / max_new_tokens)."
+    )
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip range of the probability ratio.")
+    clip_eps_high: float | None = Field(None, gt=0.0, description="Upper clip range (DAPO's clip-higher, "
+                                        "e.g. 0.28); unset: clip_eps.")
+    beta: float = Field(0.0, ge=0.0, description="KL penalty towards the reference model (the starting "
+                        "model; 0 needs none). grpo adds beta x KL per token; rloo subtracts beta x the "
+                        "sequence's summed log-ratio from its reward.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="grpo's per-token KL estimate "
+                                                    "(k3: Schulman's, unbiased and >= 0).")
+
+    @model_validator(mode="after")
+    def _check(self) -> RLConfig:
+        if self.algorithm == "rloo" and self.scale_rewards == "group":
+            raise ValueError("rl.scale_rewards=group is for grpo; rloo's leave-one-out baseline takes none "
+                             "or batch")
+        if not self.rewards or any(w == 0 for w in self.rewards.values()):
+            raise ValueError("rl.rewards needs at least one reward function with a non-zero weight")
+        return self
+
+    @property
+    def reward_scaling(self) -> str:
+        return self.scale_rewards or ("group" if self.algorithm == "grpo" else "none")
 
 
 class FinetuneConfig(Section):
@@ -545,6 +607,8 @@ class Config(Section):
                            description="Supervised fine-tuning data (objective sft).")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
                                          description="Preference pairs and loss (objective dpo).")
+    rl: RLConfig = Field(default_factory=RLConfig, description="RL prompts, sampling, rewards and loss "
+                         "(objective rl).")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
                                      description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")

@@ -161,3 +161,76 @@ class PreferenceBatch:
     @property
     def rows(self) -> int:
         return self.input_ids.size(0)
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """Prompts for RL: each one's token ids (its conversation rendered up to the assistant's turn),
+    what its rewards are checked against (`info`: the record's task, answer, ...), and `seed`, which
+    fixes the completions sampled for it (the loader derives it from its position, so a resumed run
+    samples the same ones); `greedy` batches (an evaluation pass) get one greedy completion each.
+    It stays on the host: the rollout builds the tensors where the model is."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    info: tuple[dict, ...]
+    seed: int = 0
+    greedy: bool = False  # evaluation: one greedy completion per prompt
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PromptBatch:  # noqa: ARG002
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+    @property
+    def rows(self) -> int:
+        return len(self.prompts)
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """Sampled completions, scored: rows of prompt + completion, right-padded (`input_ids`, and
+    `targets` holding the next token on completion positions only, IGNORE_INDEX elsewhere), in
+    consecutive groups of `group_size` completions of one prompt. `advantages` (N,) one per row;
+    `rewards` (N,) the scalar rewards they came from, `reward_parts` each reward function's;
+    `old_logps` / `ref_logps` (N, T): the sampling policy's and the reference model's log-probs of
+    the target tokens (0 elsewhere), or None (old: the policy that samples is the one trained, so the
+    ratio is 1; ref: no KL penalty)."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    advantages: torch.Tensor
+    rewards: torch.Tensor
+    group_size: int
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+    reward_parts: dict[str, torch.Tensor] | None = None
+    real_tokens: int = 0
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        parts = None if self.reward_parts is None else {k: move(v) for k, v in self.reward_parts.items()}
+        return RolloutBatch(move(self.input_ids), move(self.targets), move(self.advantages),
+                            move(self.rewards), self.group_size, move(self.old_logps),
+                            move(self.ref_logps), parts, self.real_tokens)
+
+    @property
+    def completion_mask(self) -> torch.Tensor:
+        return self.targets != IGNORE_INDEX
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def num_tokens(self) -> int:
+        return self.real_tokens
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.size(0)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from lmforge.data.batch import IGNORE_INDEX, ChatBatch, PreferenceBatch
+from lmforge.data.batch import IGNORE_INDEX, ChatBatch, PreferenceBatch, PromptBatch
 from lmforge.data.sft import SFTSplit
 from lmforge.errors import DataError
 
@@ -242,3 +242,32 @@ class PreferenceLoader(ChatLoader):
             targets[r, : n - 1] = np.where(m[1:], x[1:], IGNORE_INDEX)
             real += n
         return PreferenceBatch(torch.from_numpy(ids), torch.from_numpy(targets), real_tokens=real)
+
+
+class PromptLoader(ChatLoader):
+    """`PromptBatch`es of `batch_size` RL prompts from a prepared prompt split and each prompt's record
+    info. A prompt is the unit an epoch shuffles. Each batch carries a seed drawn from (seed, rank,
+    epoch, position), which fixes the completions sampled for it: a resumed run samples the same.
+    Stateful and resumable exactly, as ChatLoader."""
+
+    def __init__(self, split: SFTSplit, info: list[dict], seq_len: int, batch_size: int, **kw) -> None:
+        if len(info) != len(split):
+            raise DataError(f"the prompt split has {len(split)} prompts but {len(info)} answers; prepare the "
+                            "data again")
+        self.info = info
+        super().__init__(split, seq_len, batch_size, packing=False, **kw)
+
+    def next_batch(self) -> PromptBatch:
+        key = [self.seed, self.rank, self._epoch, self._cursor]
+        batch = super().next_batch()
+        seed = int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0] >> np.uint64(1))
+        return PromptBatch(batch.prompts, batch.info, seed)
+
+    def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[PromptBatch]:
+        """One sequential pass over this rank's prompts, each to be answered greedily."""
+        for batch in super().iter_eval_batches(max_batches):
+            yield PromptBatch(batch.prompts, batch.info, batch.seed, greedy=True)
+
+    def collate(self, rows: list[list[int]]) -> PromptBatch:  # type: ignore[override]
+        prompts = tuple(tuple(int(t) for t in self.split.example(r[0])[0]) for r in rows)
+        return PromptBatch(prompts, tuple(self.info[r[0]] for r in rows), self.seed)

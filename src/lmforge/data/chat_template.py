@@ -187,3 +187,11 @@ def _has_generation_tag(source: str) -> bool:
     import re
 
     return re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
+
+
+def stop_ids(template: ChatTemplate, tokenizer) -> set[int]:
+    """Ids a reply ends at: the template's end-of-turn token and the tokenizer's EOS."""
+    ids = {tokenizer.eos_id}
+    if template.end_of_turn and tokenizer.token_id(template.end_of_turn) is not None:
+        ids.add(tokenizer.token_id(template.end_of_turn))
+    return ids

@@ -37,16 +37,20 @@ from lmforge.errors import DataError
 FORMAT = 1
 KIND = "sft"
 PREFERENCE_KIND = "preference"  # the same layout: examples 2i and 2i+1 are pair i's chosen and rejected
+PROMPT_KIND = "prompts"  # RL: each example a prompt (no loss tokens), its record's info in {split}_info.json
+KINDS = (KIND, PREFERENCE_KIND, PROMPT_KIND)
+INFO_FILE = "{split}_info.json"
 
 
 def kind_of(cfg: Config) -> str:
-    """What the run's chat data dir holds: conversations (objective sft) or preference pairs (dpo)."""
-    return PREFERENCE_KIND if cfg.objective.name == "dpo" else KIND
+    """What the run's chat data dir holds: conversations (objective sft), preference pairs (dpo) or
+    prompts (rl)."""
+    return {"dpo": PREFERENCE_KIND, "rl": PROMPT_KIND}.get(cfg.objective.name, KIND)
 
 
 def _sources(cfg: Config) -> tuple[list[str], list[str], float]:
     """(data, val_data, val_fraction) of the section the objective reads."""
-    s = cfg.preference if kind_of(cfg) == PREFERENCE_KIND else cfg.sft
+    s = {PREFERENCE_KIND: cfg.preference, PROMPT_KIND: cfg.rl}.get(kind_of(cfg), cfg.sft)
     return list(s.data), list(s.val_data), s.val_fraction
 TEMPLATE_FILE = "chat_template.jinja"
 SPLITS = ("train", "val")
@@ -149,6 +153,18 @@ class PreparedSFT:
         ]
         return SFTSplit(*arrays)
 
+    def info(self, name: str) -> list[dict]:
+        """RL prompts: each example's record info (answer, task, ...), what its rewards check."""
+        path = self.dir / INFO_FILE.format(split=name)
+        try:
+            info = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise DataError(f"{path}: cannot read the prompts' answers ({e}); prepare the data "
+                            "again") from None
+        if not isinstance(info, list) or not all(isinstance(i, dict) for i in info):
+            raise DataError(f"{path}: expected a list of objects; prepare the data again")
+        return info
+
 
 def load_template(dir: Path, meta: dict) -> ChatTemplate:
     t = meta["template"]
@@ -163,9 +179,9 @@ def load_template(dir: Path, meta: dict) -> ChatTemplate:
 def load_prepared_sft(dir: str | Path) -> PreparedSFT:
     dir = Path(dir)
     meta = read_meta(dir)
-    if meta is None or meta.get("kind") not in (KIND, PREFERENCE_KIND):
+    if meta is None or meta.get("kind") not in KINDS:
         raise DataError(
-            f"{dir} holds no prepared SFT or preference data; run `lmforge sft` / `lmforge dpo` (or prepare) "
+            f"{dir} holds no prepared SFT, preference or RL prompt data; run `lmforge sft` / `dpo` / `rl` "
             "with their config"
         )
     tok = Tokenizer.load(dir / TOKENIZER_FILE, eos_id=meta["eos_id"])
@@ -300,7 +316,7 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
         if meta is not None and meta.get("fingerprint") == fingerprint and meta.get("kind") == kind:
             console(f"reusing prepared {kind} data in {out}")
             return load_prepared_sft(out)
-        stale = replace and meta is not None and meta.get("kind") in (KIND, PREFERENCE_KIND)
+        stale = replace and meta is not None and meta.get("kind") in KINDS
         if stale:
             console(f"the {kind} data or its settings changed since {out} was prepared: preparing it again")
         elif meta is not None or any(out.iterdir()):
@@ -331,7 +347,8 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
         raise
     for name, sp in meta["splits"].items():
         n = sp["examples"]
-        what = f"{n // 2:,} pairs" if kind == PREFERENCE_KIND else f"{n:,} conversations"
+        what = {PREFERENCE_KIND: f"{n // 2:,} pairs", PROMPT_KIND: f"{n:,} prompts"}.get(
+            kind, f"{n:,} conversations")
         console(f"{kind} {name}: {what}, {sp['tokens']:,} tokens, {sp['loss_tokens']:,} with loss")
     return load_prepared_sft(out)
 
@@ -346,6 +363,7 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
     specials = tok.special_tokens()
     stats = ChatStats()
     examples: dict[str, list[Example]] = {"train": [], "val": []}
+    infos: dict[str, list[dict]] = {"train": [], "val": []}
     counts = {"truncated": 0, "dropped_overlong": 0, "no_loss_tokens": 0, "bad_content": 0}
     bad_examples: list[str] = []
 
@@ -370,7 +388,28 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
         counts["truncated"] += len(fitted.ids) < len(ex.ids)
         return fitted
 
+    def prompt(item) -> Example | None:
+        try:
+            check_contents(Conversation(item.messages, item.where), specials)
+            ids, _ = tok.encode_chat(template.render(list(item.messages), add_generation_prompt=True))
+        except DataError as e:
+            if isinstance(e, TemplateError) or s.on_bad_record == "fail":
+                raise DataError(f"{item.where}: {e}") from None
+            counts["bad_content"] += 1
+            if len(bad_examples) < 5:
+                bad_examples.append(f"{item.where}: {e}")
+            return None
+        if len(ids) >= cfg.seq_len:  # no room left for a reply
+            counts["dropped_overlong"] += 1
+            return None
+        return Example(np.asarray(ids, dtype=np.int32), np.zeros(len(ids), dtype=bool))
+
     def add(item, split: str) -> None:
+        if kind == PROMPT_KIND:
+            if (ex := prompt(item)) is not None:
+                examples[split].append(ex)
+                infos[split].append(item.info)
+            return
         convs = item.conversations() if kind == PREFERENCE_KIND else (item,)
         made = [example(c) for c in convs]
         if all(e is not None for e in made):  # a pair is kept whole or not at all
@@ -380,6 +419,10 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
         from lmforge.data.preference import read_pairs
 
         read = lambda sources: read_pairs(sources, s.on_bad_record, stats)  # noqa: E731
+    elif kind == PROMPT_KIND:
+        from lmforge.data.prompts import read_prompts
+
+        read = lambda sources: read_prompts(sources, s.on_bad_record, stats)  # noqa: E731
     else:
         read = lambda sources: read_conversations(sources, s.format, s.on_bad_record, stats)  # noqa: E731
     if val_data:
@@ -400,7 +443,8 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
             + ("cut to it" if s.overlong == "truncate" else "dropped")
         )
     if not examples["train"]:
-        what = "pair in preference.data" if kind == PREFERENCE_KIND else "conversation in sft.data"
+        what = {PREFERENCE_KIND: "pair in preference.data", PROMPT_KIND: "prompt in rl.data"}.get(
+            kind, "conversation in sft.data")
         raise DataError(f"no usable training {what} ({stats.summary()}); check the records and sft.format")
     tok.save(dir / TOKENIZER_FILE)
     (dir / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
@@ -409,6 +453,8 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
         split = SFTSplit.of(exs)
         for part, arr in (("ids", split.ids), ("mask", split.mask), ("offsets", split.offsets)):
             np.save(dir / f"{name}_{part}.npy", arr, allow_pickle=False)
+        if kind == PROMPT_KIND:
+            (dir / INFO_FILE.format(split=name)).write_text(json.dumps(infos[name]), encoding="utf-8")
         splits[name] = {
             "examples": len(split),
             "tokens": int(split.offsets[-1]),

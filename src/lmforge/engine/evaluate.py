@@ -14,6 +14,7 @@ from torch import nn
 from lmforge.engine.comm import LOCAL, Comm
 from lmforge.engine.objectives import CausalLM, Objective, ObjectiveOutput
 from lmforge.engine.precision import Precision
+from lmforge.engine.step import MetricSums
 from lmforge.errors import DataError
 
 
@@ -58,7 +59,7 @@ def evaluate_loss(
     evaluator = model if isinstance(model, Evaluator) and not isinstance(model, nn.Module) else None
     mode = _eval_mode(model) if evaluator is None else contextlib.nullcontext()
     loss_sum, n_targets, n_bytes = 0.0, 0, 0
-    metric_sums: dict[str, float] = {}
+    metrics = MetricSums()
     with mode:
         for raw in batches:
             batch = objective.batch_of(raw)
@@ -67,8 +68,7 @@ def evaluate_loss(
             with precision.autocast():
                 out = evaluator.eval_loss(objective, batch) if evaluator else objective(model, batch)
             loss_sum += float(comm.mean_loss(out.loss))
-            for k, v in out.metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + float(comm.mean_loss(v))
+            metrics.add(out)
             n_targets += comm.sum_count(objective.num_targets(batch))
             ids = objective.target_ids(batch) if token_bytes is not None else None
             if ids is not None:
@@ -79,5 +79,5 @@ def evaluate_loss(
     out = {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": n_targets}
     if n_bytes > 0:
         out["bpb"] = loss_sum / math.log(2) / n_bytes
-    out.update({k: v / n_targets for k, v in metric_sums.items()})
+    out.update(metrics.means(comm, n_targets))
     return out

@@ -62,6 +62,32 @@ class StepHook(Protocol):
     def __call__(self, ctx: StepContext) -> None: ...
 
 
+class MetricSums:
+    """An objective's metrics summed over micro-batches (and, in `means`, over data-parallel ranks):
+    each reported per target, or per its own count where the objective gives one."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, torch.Tensor] = {}
+
+    def add(self, out: ObjectiveOutput) -> None:
+        for k, v in out.metrics.items():
+            self.sums[k] = self.sums.get(k, 0.0) + v.detach().float()
+        for k, v in (out.counts or {}).items():
+            self.counts[k] = self.counts.get(k, 0.0) + torch.as_tensor(v, dtype=torch.float32).detach()
+
+    def means(self, comm: Comm, targets: int) -> dict[str, float]:
+        """Every metric's mean: its sum over the job / its count over the job (default: `targets`,
+        which is already the job's)."""
+        out = {}
+        for k, v in self.sums.items():
+            if k in self.counts:
+                out[k] = float(comm.mean_loss(v)) / max(float(comm.mean_loss(self.counts[k])), 1.0)
+            else:
+                out[k] = float(comm.mean_loss(v / max(targets, 1)))
+        return out
+
+
 def _group_name(i: int, group: dict) -> str:
     return str(group.get("name", i))
 
@@ -99,7 +125,7 @@ def train_step(
     denom = max(n_targets, 1)
     run = forward if forward is not None else (lambda b: objective(model, b))
     loss_total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
-    metric_total: dict[str, torch.Tensor] = {}
+    metrics = MetricSums()
     scaler = precision.scaler
     for i, batch in enumerate(batches):
         with comm.grad_sync(model, enabled=i == len(batches) - 1):
@@ -108,10 +134,9 @@ def train_step(
             loss = out.loss / denom
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_total += loss.detach()
-        for k, v in out.metrics.items():
-            metric_total[k] = metric_total.get(k, 0.0) + v.detach() / denom
+        metrics.add(out)
     result = StepResult(float(comm.mean_loss(loss_total)), n_tokens, n_targets, 0.0)
-    result.metrics = {k: float(comm.mean_loss(v)) for k, v in metric_total.items()}
+    result.metrics = metrics.means(comm, denom)
     if withheld(result, judge, optimizer):
         return result
     apply_update(optimizer, precision, result, grad_clip, grad_clip_value, group_stats, comm)

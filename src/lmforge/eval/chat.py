@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lmforge.data.chat_template import ChatTemplate
+from lmforge.data.chat_template import ChatTemplate, stop_ids
 from lmforge.data.instruct_tasks import accuracy_by_task
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import LmforgeError
-from lmforge.models.common.attention import KVCache
+from lmforge.models.generation import sample_replies
 
 
 def chat_prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
@@ -25,15 +25,6 @@ def chat_prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequ
     return ids
 
 
-def stop_ids(template: ChatTemplate, tokenizer: Tokenizer) -> set[int]:
-    """Ids a reply ends at: the template's end-of-turn token and the tokenizer's EOS."""
-    ids = {tokenizer.eos_id}
-    if template.end_of_turn and tokenizer.token_id(template.end_of_turn) is not None:
-        ids.add(tokenizer.token_id(template.end_of_turn))
-    return ids
-
-
-@torch.no_grad()
 def greedy_replies(
     model: nn.Module,
     prompts: list[list[int]],
@@ -42,49 +33,8 @@ def greedy_replies(
     device: torch.device | str | None = None,
 ) -> list[list[int]]:
     """The greedy continuation of each prompt, up to and excluding its first stop token."""
-    if not prompts or any(not p for p in prompts):
-        raise LmforgeError("every prompt needs at least one token")
-    max_len = model.cfg.max_seq_len
-    longest = max(map(len, prompts))
-    steps = min(max_new_tokens, max_len - longest)
-    if steps <= 0:
-        raise LmforgeError(
-            f"a prompt of {longest} tokens leaves no room to reply within model.max_seq_len={max_len}"
-        )
-    param = next(model.parameters())
-    device = torch.device(device) if device is not None else param.device
-    n = len(prompts)
-    ids = torch.zeros(n, longest, dtype=torch.long, device=device)
-    mask = torch.zeros(n, longest + steps, dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p) :] = torch.as_tensor(p)
-        mask[i, longest - len(p) : longest] = 1
-    positions = (mask[:, :longest].cumsum(1) - 1).clamp(min=0)  # (N, P): real tokens count from 0
-    was = model.training
-    model.eval()
-    try:
-        dtype = param.dtype if param.is_floating_point() else torch.float32
-        cache = KVCache(model, n, longest + steps, device=device, dtype=dtype)
-        stop = torch.as_tensor(sorted(stops), device=device)
-        done = torch.zeros(n, dtype=torch.bool, device=device)
-        out = []
-        for t in range(steps):
-            end = longest + t
-            logits = model(ids, cache=cache, attention_mask=mask[:, :end], position_ids=positions)[:, -1]
-            nxt = logits.argmax(-1)  # (N,)
-            out.append(nxt)
-            done |= torch.isin(nxt, stop)
-            if bool(done.all()):
-                break
-            mask[:, end] = 1
-            ids, positions = nxt[:, None], positions[:, -1:] + 1
-    finally:
-        model.train(was)
-    replies = []
-    for row in torch.stack(out, 1).tolist():
-        cut = next((k for k, tok in enumerate(row) if tok in stops), len(row))
-        replies.append(row[:cut])
-    return replies
+    replies = sample_replies(model, prompts, max_new_tokens, stops, temperature=0.0, device=device)
+    return [r[:-1] if r and r[-1] in stops else r for r in replies]
 
 
 def task_accuracy(

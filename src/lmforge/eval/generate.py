@@ -7,51 +7,9 @@ from torch import nn
 
 from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache
+from lmforge.models.generation import filter_logits, sample_next
 
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Draw one token per row of `logits` (B, V) -> LongTensor (B,).
-
-    temperature 0 is greedy argmax. Otherwise logits / temperature, then top-k (keep the k largest,
-    ties at the k-th value kept), then top-p (keep the smallest set of most likely tokens whose
-    cumulative probability reaches top_p, at least one), in Hugging Face's order and semantics.
-    """
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = filter_logits(logits, temperature, top_k, top_p).softmax(dim=-1)  # (B, V)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def filter_logits(
-    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
-) -> torch.Tensor:
-    """float32 scores (B, V): logits / temperature with the tokens that top-k / top-p drop set to -inf."""
-    if temperature <= 0:
-        raise LmforgeError(f"temperature must be > 0 to scale logits, got {temperature}")
-    scores = logits.float() / temperature  # (B, V)
-    if top_k is not None:
-        if top_k < 1:
-            raise LmforgeError(f"top_k must be >= 1, got {top_k}")
-        kth = torch.topk(scores, min(top_k, scores.size(-1)), dim=-1).values[..., -1:]  # (B, 1)
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        if top_p <= 0:
-            raise LmforgeError(f"top_p must lie in (0, 1], got {top_p}")
-        sorted_scores, sorted_idx = torch.sort(scores, dim=-1)  # ascending
-        cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)  # (B, V)
-        # Drop the least likely tokens while their total mass stays <= 1 - top_p; the most likely
-        # token (last) is always kept.
-        drop_sorted = cum <= 1 - top_p
-        drop_sorted[..., -1] = False
-        drop = drop_sorted.scatter(-1, sorted_idx, drop_sorted)
-        scores = scores.masked_fill(drop, float("-inf"))
-    return scores
+__all__ = ["filter_logits", "generate", "sample_next"]
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 def _fmt(record: dict[str, Any]) -> str:
     parts = []
-    for key, fmt in (("loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
+    for key, fmt in (("loss", "{:.4f}"), ("reward", "{:.3f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
                      ("tokens_per_s", "{:,.0f}"), ("mfu", "{:.1%}"), ("peak_mem_mib", "{:,.0f}")):
         if key in record:
             label = {"tokens_per_s": "tok/s", "peak_mem_mib": "mem MiB", "grad_norm": "gnorm"}.get(key, key)

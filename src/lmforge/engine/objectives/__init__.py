@@ -5,10 +5,12 @@ from __future__ import annotations
 from lmforge.config.schema import Config
 from lmforge.engine.objectives.base import Objective, ObjectiveModule, ObjectiveOutput, TokenObjective
 from lmforge.engine.objectives.causal_lm import CausalLM
+from lmforge.engine.objectives.policy_gradient import PolicyGradient
 from lmforge.engine.objectives.preference import Preference
 from lmforge.engine.objectives.sft import SFT
 
-OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT, Preference.name: Preference}
+OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT, Preference.name: Preference,
+                                          PolicyGradient.name: PolicyGradient}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -16,6 +18,6 @@ def build_objective(cfg: Config) -> Objective:
     return OBJECTIVES[cfg.objective.name].from_config(cfg)
 
 
-__all__ = ["OBJECTIVES", "SFT", "CausalLM", "Preference",
+__all__ = ["OBJECTIVES", "SFT", "CausalLM", "PolicyGradient", "Preference",
            "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
            "build_objective"]

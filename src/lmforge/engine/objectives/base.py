@@ -24,10 +24,13 @@ from lmforge.engine.loss import logits_of
 
 class ObjectiveOutput(NamedTuple):
     """loss: fp32 scalar, summed over the batch's targets. metrics: name -> fp32 scalar, summed over
-    the same targets (the step reports each as a mean per target)."""
+    the same targets (the step reports each as a mean per target), or over what `counts` gives for
+    that name (an RL objective's loss counts tokens, its rewards are means per sequence): the step
+    then reports the metric summed over the step divided by its count summed over the step."""
 
     loss: torch.Tensor
     metrics: dict[str, torch.Tensor]
+    counts: dict[str, torch.Tensor] | None = None
 
 
 class Objective(abc.ABC):

@@ -1,0 +1,129 @@
+"""Reinforcement learning on sampled completions (objective rl): GRPO and RLOO, their losses in
+engine/policy_loss.py (equal to TRL's).
+
+The loader hands out prompts (`PromptBatch`); `batch_of` turns each into a `RolloutBatch` through
+`rollout`, a callable the assembly supplies (finetune/rollout.py: sample group_size completions per
+prompt with the current weights through the KV cache, score them, compute advantages and the
+reference model's log-probs). The step calls `batch_of` for every micro-batch before the first
+forward, so all completions of a step come from the weights before its update (on-policy; the
+sampling policy is the trained one, so the probability ratio is 1 and `old_logps` is the policy's
+own log-probs, detached, as in TRL with num_iterations=1).
+
+The loss is summed as `rl.loss_aggregation` says and the step divides by its count over the whole
+step (tokens or sequences), so accumulation and data parallelism equal one big batch. Metrics:
+reward (and each reward function's) per completion, `kl` to the reference per token, completion
+length, the clipped fraction of tokens and the fraction of groups with different rewards (the others
+teach nothing); a greedy evaluation pass reports the same rewards for one reply per prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lmforge.data.batch import PromptBatch, RolloutBatch
+from lmforge.engine.loss import logits_of
+from lmforge.engine.objectives.base import Objective, ObjectiveOutput
+from lmforge.engine.policy_loss import (
+    AGGREGATIONS,
+    aggregate,
+    aggregate_count,
+    kl_estimate,
+    policy_token_losses,
+    sequence_losses,
+)
+from lmforge.engine.preference_loss import token_logps
+from lmforge.errors import ConfigError
+
+Rollout = Callable[[PromptBatch], RolloutBatch]
+
+
+class PolicyGradient(Objective):
+    name = "rl"
+    batch_type = RolloutBatch
+
+    def __init__(self, algorithm: str = "grpo", aggregation: str = "token-mean", clip_eps: float = 0.2,
+                 clip_eps_high: float | None = None, beta: float = 0.0, kl: str = "k3",
+                 norm_length: int | None = None, rollout: Rollout | None = None) -> None:
+        if algorithm not in ("grpo", "rloo"):
+            raise ConfigError(f"rl.algorithm {algorithm!r} is not one of grpo, rloo")
+        if aggregation not in AGGREGATIONS:
+            raise ConfigError(f"rl.loss_aggregation {aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
+        self.algorithm, self.aggregation = algorithm, aggregation
+        self.clip_eps, self.clip_eps_high, self.beta, self.kl = clip_eps, clip_eps_high, beta, kl
+        self.norm_length = norm_length
+        self.rollout = rollout
+
+    @classmethod
+    def from_config(cls, cfg) -> PolicyGradient:
+        r = cfg.rl
+        if cfg.train.loss_chunk_tokens:
+            raise ConfigError("train.loss_chunk_tokens is not implemented for objective rl (its loss needs "
+                              "each token's log-probability); set it to 0")
+        return cls(algorithm=r.algorithm, aggregation=r.loss_aggregation, clip_eps=r.clip_eps,
+                   clip_eps_high=r.clip_eps_high, beta=r.beta, kl=r.kl_estimator,
+                   norm_length=r.max_new_tokens)
+
+    def batch_of(self, raw) -> RolloutBatch:
+        """Prompts become scored completions here (before the compiled forward, without gradients)."""
+        if isinstance(raw, PromptBatch):
+            if self.rollout is None:
+                raise ConfigError("objective rl samples completions through a rollout, which the assembly "
+                                  "gives it; none is set")
+            return self.rollout(raw)
+        return super().batch_of(raw)
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.algorithm == "rloo"
+
+    def num_targets(self, batch: RolloutBatch) -> int:
+        if self.sequence_level:
+            return batch.rows
+        return aggregate_count(batch.completion_mask, self.aggregation)
+
+    def __call__(self, model: nn.Module, batch: RolloutBatch) -> ObjectiveOutput:
+        logps = token_logps(logits_of(model(batch.input_ids)), batch.targets)  # (N, T), 0 off completions
+        mask = batch.completion_mask
+        old = batch.old_logps if batch.old_logps is not None else logps.detach()
+        if self.sequence_level:
+            losses = sequence_losses(logps.sum(-1), old.sum(-1), batch.advantages, self.clip_eps,
+                                     self.clip_eps_high)
+            loss, ratio, kl = losses.sum(), torch.exp(logps - old), None
+            if batch.ref_logps is not None:
+                kl = kl_estimate(logps.detach(), batch.ref_logps, "k1")
+        else:
+            out = policy_token_losses(logps, old, batch.advantages, clip_low=self.clip_eps,
+                                      clip_high=self.clip_eps_high, ref_logps=batch.ref_logps, beta=self.beta,
+                                      kl=self.kl)
+            loss = aggregate(out.losses, mask, self.aggregation, self.norm_length)
+            ratio, kl = out.ratio, out.kl
+        return ObjectiveOutput(loss, *self._metrics(batch, mask, ratio, kl))
+
+    def _metrics(self, batch: RolloutBatch, mask: torch.Tensor, ratio: torch.Tensor, kl: torch.Tensor | None
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Sums with their counts: per completion (rewards, length) or per completion token."""
+        n = torch.tensor(float(batch.rows), device=mask.device)
+        tokens = mask.sum().float()
+        metrics = {"reward": batch.rewards.float().sum(),
+                   "completion_tokens": tokens,
+                   "mixed_groups": _mixed(batch)}
+        counts = {"reward": n, "completion_tokens": n,
+                  "mixed_groups": torch.tensor(float(batch.rows // batch.group_size), device=mask.device)}
+        for name, part in (batch.reward_parts or {}).items():
+            metrics[f"reward_{name}"], counts[f"reward_{name}"] = part.float().sum(), n
+        if kl is not None:
+            metrics["kl"], counts["kl"] = (kl.detach() * mask).sum(), tokens
+        hi = 1 + (self.clip_eps if self.clip_eps_high is None else self.clip_eps_high)
+        clipped = ((ratio.detach() < 1 - self.clip_eps) | (ratio.detach() > hi)) & mask
+        metrics["clip_fraction"], counts["clip_fraction"] = clipped.float().sum(), tokens
+        return metrics, counts
+
+
+def _mixed(batch: RolloutBatch) -> torch.Tensor:
+    """Groups whose completions got different rewards: only they carry a learning signal (a group of
+    equal rewards has zero advantages)."""
+    grouped = batch.rewards.float().view(-1, batch.group_size)
+    return (grouped.max(1).values > grouped.min(1).values).float().sum()

@@ -1,0 +1,99 @@
+"""RL rollouts: prompts -> sampled completions -> rewards -> advantages, the `RolloutBatch` the rl
+objective trains on.
+
+For each prompt, group_size completions are sampled with the current weights (eval mode, KV cache,
+one batch for the whole micro-batch; `models.generation.sample_replies`), at rl.temperature / top_k /
+top_p, from a generator seeded by the batch's seed (so a resumed run samples the same completions).
+A completion ends at the template's end-of-turn token or EOS, which it includes (the policy learns
+to stop), or at rl.max_new_tokens. Its text (stop token excluded) is scored by the rewards of
+finetune/rewards.py; advantages are group-relative (engine/policy_loss.py). With rl.beta > 0 the
+reference model's per-token log-probs come along (grpo: the KL term of the loss; rloo: the KL
+penalty subtracted from each reward, with the sampling policy's log-probs, as TRL's RLOOTrainer).
+
+A greedy batch (a validation pass) gets one completion per prompt at temperature 0: its rewards
+are the held-out exact match the run reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lmforge.config.schema import RLConfig
+from lmforge.data.batch import IGNORE_INDEX, PromptBatch, RolloutBatch
+from lmforge.data.tokenizer import Tokenizer
+from lmforge.engine.loss import logits_of
+from lmforge.engine.policy_loss import group_advantages
+from lmforge.engine.preference_loss import token_logps
+from lmforge.finetune.rewards import score_replies
+from lmforge.models.generation import sample_replies
+
+TokenLogps = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, targets) -> (N, T) log-probs
+
+
+class Rollout:
+    """PromptBatch -> RolloutBatch with `policy` (the model being trained, unwrapped)."""
+
+    def __init__(self, policy: nn.Module, tokenizer: Tokenizer, stops: set[int], cfg: RLConfig, seq_len: int,
+                 reference: TokenLogps | None = None, pad_id: int = 0) -> None:
+        self.policy, self.tokenizer, self.stops, self.cfg = policy, tokenizer, frozenset(stops), cfg
+        self.seq_len, self.reference, self.pad_id = seq_len, reference, pad_id
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.policy.parameters()).device
+
+    def __call__(self, batch: PromptBatch) -> RolloutBatch:
+        cfg, device = self.cfg, self.device
+        group = 1 if batch.greedy else cfg.group_size
+        prompts = [list(p) for p in batch.prompts for _ in range(group)]
+        infos = [info for info in batch.info for _ in range(group)]
+        room = min(self.seq_len, self.policy.cfg.max_seq_len) - max(map(len, prompts))
+        gen = torch.Generator(device=device).manual_seed(batch.seed)
+        completions = sample_replies(
+            self.policy, prompts, min(cfg.max_new_tokens, room), self.stops,
+            temperature=0.0 if batch.greedy else cfg.temperature, top_k=cfg.top_k,
+            top_p=None if cfg.top_p >= 1.0 else cfg.top_p, generator=gen, device=device,
+        )
+        stopped = [bool(c) and c[-1] in self.stops for c in completions]
+        texts = [self.tokenizer.decode(c[:-1] if s else c) for c, s in zip(completions, stopped)]
+        rewards, parts = score_replies(cfg.rewards, texts, infos, stopped)
+        ids, targets, real = _rows(prompts, completions, self.pad_id)
+        ids, targets = ids.to(device), targets.to(device)
+        rewards, parts = rewards.to(device), {k: v.to(device) for k, v in parts.items()}
+        ref = old = None
+        if cfg.beta > 0 and self.reference is not None:
+            with torch.no_grad():
+                ref = self.reference(ids, targets).detach()
+        scored = rewards
+        if cfg.algorithm == "rloo" and ref is not None:  # TRL: the KL penalty is part of the reward
+            with torch.no_grad():
+                was = self.policy.training
+                self.policy.eval()
+                try:
+                    old = token_logps(logits_of(self.policy(ids)), targets)
+                finally:
+                    self.policy.train(was)
+            scored = rewards - cfg.beta * (old - ref).sum(-1)
+        advantages = group_advantages(scored, group, cfg.algorithm, cfg.reward_scaling)
+        return RolloutBatch(ids, targets, advantages, rewards, group, old_logps=old, ref_logps=ref,
+                            reward_parts=parts, real_tokens=real)
+
+
+def _rows(prompts: list[list[int]], completions: list[list[int]], pad_id: int
+          ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Right-padded rows of prompt + completion and their targets: the next token on the positions
+    that predict a completion token, IGNORE_INDEX elsewhere."""
+    width = max(len(p) + len(c) for p, c in zip(prompts, completions))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(prompts), width), IGNORE_INDEX, dtype=torch.long)
+    real = 0
+    for r, (p, c) in enumerate(zip(prompts, completions)):
+        row = p + c
+        ids[r, : len(row)] = torch.as_tensor(row)
+        if c:
+            targets[r, len(p) - 1 : len(row) - 1] = torch.as_tensor(c)
+        real += len(row)
+    return ids, targets, real
