@@ -23,7 +23,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     from lmforge.data import prepare
 
     cfg = _config(args)
-    if cfg.objective.name in ("sft", "dpo", "rl"):  # chat data, with the tokenizer of the model it fine-tunes
+    if cfg.objective.name in ("sft", "dpo", "reward", "rl"):  # chat data, the fine-tuned model's tokenizer
         from lmforge.checkpoint.runs import resolve_init_from
         from lmforge.data.sft import prepare_sft
 
@@ -82,6 +82,10 @@ def cmd_sft(args: argparse.Namespace) -> int:
 
 def cmd_dpo(args: argparse.Namespace) -> int:
     return _train_objective(args, "dpo")
+
+
+def cmd_reward(args: argparse.Namespace) -> int:
+    return _train_objective(args, "reward")
 
 
 def cmd_rl(args: argparse.Namespace) -> int:
@@ -247,6 +251,8 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "train": (cmd_train, "pretrain a model (prepares data on first use)"),
     "dpo": (cmd_dpo, "preference optimisation on chosen/rejected pairs (objective dpo: DPO, IPO, SimPO, "
                      "ORPO, ... by preference.loss), full or with adapters"),
+    "reward": (cmd_reward, "train a reward model on chosen/rejected pairs (objective reward: a scalar score "
+                           "head, Bradley-Terry loss), full or with adapters"),
     "rl": (cmd_rl, "reinforcement learning on sampled completions scored by rewards (objective rl: GRPO "
                    "or RLOO by rl.algorithm), full or with adapters"),
     "sft": (cmd_sft, "fine-tune on chat data (objective sft): full, LoRA, DoRA or QLoRA (the finetune "
@@ -306,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--pairs", action="store_true", help="write preference pairs (prompt, chosen: the "
                            "answer, rejected: a wrong answer of the same task) for DPO-style training")
             continue
-        if name in ("train", "sft", "dpo", "rl"):
+        if name in ("train", "sft", "dpo", "reward", "rl"):
             p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its "
                            "latest checkpoint")
         if name == "data":

@@ -16,7 +16,7 @@ import pytest
 from conftest import TINY, tiny_overrides
 from lmforge.cli import main
 from lmforge.config import load_config
-from lmforge.data.instruct_tasks import generate, split_disjoint, write_jsonl
+from lmforge.data.instruct_tasks import generate, pairs_of, split_disjoint, write_jsonl
 from lmforge.metrics.loggers import read_metrics
 from lmforge.train.callbacks import Callback
 from lmforge.train.trainer import Trainer, train
@@ -35,12 +35,11 @@ def world(tmp_path_factory, shared_data_dir) -> SimpleNamespace:
     train(load_config(TINY, tiny_overrides(base, shared_data_dir, "train.max_steps=8", "checkpoint.every=0",
                                            "train.eval_every=0")))
     write_jsonl(generate(["compare"], 400, seed=3), tmp / "sft.jsonl")
-    assert main(["sft", "--set", f"model.init_from={base}", "--set", f"sft.data=[{tmp / 'sft.jsonl'}]",
-                 "--set", f"run.dir={sft}", "--set", "train.max_steps=60", "--set", "train.micro_batch_size=16",
-                 "--set", "train.seq_len=64", "--set", "optim.lr=5e-3", "--set", "schedule.warmup_steps=5",
-                 "--set", "train.eval_every=0",
-                 "--set", "checkpoint.every=0", "--set", "logging.progress=none",
-                 "--set", "train.threads=1", "--set", "sft.val_fraction=0"]) == 0
+    sft_args = [f"model.init_from={base}", f"sft.data=[{tmp / 'sft.jsonl'}]", f"run.dir={sft}",
+                "train.max_steps=60", "train.micro_batch_size=16", "train.seq_len=64", "optim.lr=5e-3",
+                "schedule.warmup_steps=5", "train.eval_every=0", "checkpoint.every=0",
+                "logging.progress=none", "train.threads=1", "sft.val_fraction=0"]
+    assert main(["sft", *(a for o in sft_args for a in ("--set", o))]) == 0
     split = split_disjoint(["compare"], 120, 40, seed=9)
     write_jsonl(split.train, tmp / "prompts.jsonl")
     write_jsonl(split.test, tmp / "held_out.jsonl")
@@ -49,8 +48,9 @@ def world(tmp_path_factory, shared_data_dir) -> SimpleNamespace:
 
 def overrides(w: SimpleNamespace, run_dir: Path, *extra: str) -> list[str]:
     return [
-        f"model.init_from={w.sft}", f"rl.data=[{w.prompts}]", f"rl.val_data=[{w.held_out}]", "rl.group_size=4",
-        "rl.max_new_tokens=6", "rl.temperature=1.0", f"run.dir={run_dir}", f"train.max_steps={STEPS}",
+        f"model.init_from={w.sft}", f"rl.data=[{w.prompts}]", f"rl.val_data=[{w.held_out}]",
+        "rl.group_size=4", "rl.max_new_tokens=6", "rl.temperature=1.0", f"run.dir={run_dir}",
+        f"train.max_steps={STEPS}",
         "train.micro_batch_size=4", "train.grad_accum_steps=2", "train.seq_len=64", "train.precision=fp32",
         "train.threads=1", "train.log_every=1", "train.eval_every=2", "train.eval_batches=100",
         "checkpoint.every=2", "checkpoint.keep_last=3", "optim.lr=3e-3", "schedule.warmup_steps=1",
@@ -113,6 +113,26 @@ def test_rloo_trains(world, tmp_path):
                             "train.max_steps=2", "train.eval_every=0", "checkpoint.every=0")]) == 0
     rows = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_a_reward_model_scores_the_completions(world, tmp_path, capsys):
+    """A reward model trained from the same SFT model (so the same tokenizer) is the RL reward."""
+    rm = tmp_path / "rm"
+    write_jsonl(pairs_of(generate(["compare"], 60, seed=5), 5), tmp_path / "pairs.jsonl")
+    rm_args = [f"model.init_from={world.sft}", f"preference.data=[{tmp_path / 'pairs.jsonl'}]",
+               "preference.val_fraction=0", f"run.dir={rm}", "train.max_steps=2", "train.micro_batch_size=4",
+               "train.seq_len=64", "train.threads=1", "train.eval_every=0", "checkpoint.every=0",
+               "logging.progress=none"]
+    assert main(["reward", *(a for o in rm_args for a in ("--set", o))]) == 0
+    run = tmp_path / "rl"
+    assert main(["rl", *cli(world, run, "rl.rewards={reward_model: 1.0}", f"rl.reward_model={rm}",
+                            "train.max_steps=2", "train.eval_every=0", "checkpoint.every=0")]) == 0
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert len(rows) == 2 and all(r["reward"] == pytest.approx(r["reward_reward_model"]) for r in rows)
+    assert len({r["reward"] for r in rows}) == 2 and "reward_exact_match" not in rows[0]
+    assert main(["rl", *cli(world, tmp_path / "x", "rl.rewards={reward_model: 1.0}",
+                            f"rl.reward_model={world.sft}")]) == 2
+    assert "not a reward model" in capsys.readouterr().err
 
 
 def test_bad_rl_input_exits_2(world, tmp_path, capsys):

@@ -181,8 +181,8 @@ def check_layout(cfg: Config, dims: ParallelDims, objective: Objective, custom_m
 
 
 # -- training and experiments -----------------------------------------------------------------------
-CHAT_OBJECTIVES = ("sft", "dpo", "rl")  # objectives over chat data: a template, fine-tuning a given model
-SECTION_OF = {"sft": "sft", "dpo": "preference", "rl": "rl"}  # where each one's data is configured
+CHAT_OBJECTIVES = ("sft", "dpo", "reward", "rl")  # over chat data: a template, fine-tuning a given model
+SECTION_OF = {"sft": "sft", "dpo": "preference", "reward": "preference", "rl": "rl"}  # where the data is set
 
 
 def _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, resume,
@@ -210,6 +210,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         if train_data is None:  # the sources must exist before run.overwrite deletes the old run
             sources = {"sft": [*cfg.sft.data, *cfg.sft.val_data],
                        "dpo": [*cfg.preference.data, *cfg.preference.val_data],
+                       "reward": [*cfg.preference.data, *cfg.preference.val_data],
                        "rl": [*cfg.rl.data, *cfg.rl.val_data]}.get(cfg.objective.name, cfg.data.sources)
             missing = [src for src in sources if src != "builtin:python" and not Path(src).exists()]
             if missing:
@@ -298,8 +299,17 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         if not resumed and cfg.model.init_from:
             say(f"initialised the weights from {cfg.model.init_from}")
         vocab = cfg.model.vocab_size
+    if cfg.objective.name == "reward" and not custom:  # a reward model: the scalar head, always trained
+        from lmforge.models.transformer import add_score_head
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.run.seed)
+            add_score_head(model)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"score_head": True})})
     if cfg.finetune.method != "full" or sft:
         say(apply_finetune(model, cfg.finetune, seed=cfg.run.seed).line())
+        if cfg.objective.name == "reward" and not custom:
+            model.score.requires_grad_(True)  # PEFT's modules_to_save for a sequence-classification model
     if isinstance(objective, Preference) and objective.needs_reference and objective.reference is None:
         objective.reference = _summed(_reference(model, cfg, dims, device, data, source_vocab, say))
     if isinstance(objective, PolicyGradient) and objective.rollout is None:
@@ -367,10 +377,15 @@ def _chat_loader(cfg: Config, data, name: str, batch_size: int, **kw):
     from lmforge.data.chat_loader import ChatLoader, PreferenceLoader, PromptLoader
 
     split = data.split(name)
-    if cfg.objective.name == "dpo":
-        return PreferenceLoader(split, cfg.seq_len, batch_size, **kw)
+    if cfg.objective.name in ("dpo", "reward"):
+        margins = [i.get("margin") for i in data.info(name) or []] or None
+        return PreferenceLoader(split, cfg.seq_len, batch_size, margins=margins, **kw)
     if cfg.objective.name == "rl":
-        return PromptLoader(split, data.info(name), cfg.seq_len, batch_size, **kw)
+        info = data.info(name)
+        if info is None:
+            raise DataError(f"{data.dir} holds RL prompts without their answers; prepare the data again "
+                            "(delete the dir)")
+        return PromptLoader(split, info, cfg.seq_len, batch_size, **kw)
     return ChatLoader(split, cfg.seq_len, batch_size, packing=cfg.sft.packing, **kw)
 
 
@@ -393,8 +408,33 @@ def _rollout(model: nn.Module, cfg: Config, data, reference):
     from lmforge.finetune.rollout import Rollout
 
     stops = stop_ids(data.template, data.tokenizer)
+    scorer = _reward_model(cfg, data, _device_of(model)) if cfg.rl.reward_model else None
     return Rollout(model, data.tokenizer, stops, cfg.rl, cfg.seq_len, reference=reference,
-                   pad_id=data.tokenizer.eos_id)
+                   pad_id=data.tokenizer.eos_id, reward_model=scorer)
+
+
+def _reward_model(cfg: Config, data, device: torch.device):
+    """rl.reward_model as (ids, targets) -> score at each row's last token: an `lmforge reward` run,
+    loaded frozen, which must share the policy's tokenizer (it scores the same token ids)."""
+    import hashlib
+
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.data.sft import TOKENIZER_FILE, load_prepared_sft
+    from lmforge.engine.objectives.reward import sequence_scores
+
+    rm_cfg, source = run_config(cfg.rl.reward_model)
+    if rm_cfg.objective.name != "reward" or not rm_cfg.model.score_head:
+        raise ConfigError(f"rl.reward_model={cfg.rl.reward_model!r} is not a reward model (objective "
+                          f"{rm_cfg.objective.name}); train one with `lmforge reward`")
+    rm_data = load_prepared_sft(data_dir(rm_cfg))
+    digest = lambda d: hashlib.sha256((d.dir / TOKENIZER_FILE).read_bytes()).hexdigest()  # noqa: E731
+    if digest(rm_data) != digest(data):
+        raise ConfigError(f"rl.reward_model={cfg.rl.reward_model!r} uses another tokenizer than the policy "
+                          "(its scores are of token ids): train the reward model from the same base model "
+                          "and chat template")
+    rm, _ = load_finetuned(rm_cfg, source, "model", device)
+    rm.requires_grad_(False).eval()
+    return lambda ids, targets: sequence_scores(rm, ids, targets)
 
 
 def _starting_model(cfg: Config, device: torch.device, chat_data, source_vocab: int | None,
@@ -406,8 +446,9 @@ def _starting_model(cfg: Config, device: torch.device, chat_data, source_vocab: 
     from lmforge.models.resize import init_token_rows, resize_vocab
 
     grow = chat_data is not None and source_vocab is not None and cfg.model.vocab_size > source_vocab
-    model = build_model(cfg.model.model_copy(update={"vocab_size": source_vocab}) if grow else cfg.model,
-                        device=device)
+    # a reward model's score head is added afterwards: the weights it starts from have none
+    arch = cfg.model.model_copy(update={"score_head": False})
+    model = build_model(arch.model_copy(update={"vocab_size": source_vocab}) if grow else arch, device=device)
     if load and cfg.model.init_from:
         load_weights(cfg.model.init_from, model)
     if grow:
@@ -501,7 +542,7 @@ def _input_paths(cfg: Config) -> tuple[Path, ...]:
     sources = [*cfg.data.sources, *cfg.sft.data, *cfg.sft.val_data, *cfg.preference.data,
                *cfg.preference.val_data, *cfg.rl.data, *cfg.rl.val_data]
     paths = [Path(s) for s in sources if s != "builtin:python"]
-    paths += [Path(p) for p in (cfg.model.init_from, cfg.data.tokenizer.path) if p]
+    paths += [Path(p) for p in (cfg.model.init_from, cfg.data.tokenizer.path, cfg.rl.reward_model) if p]
     return tuple(paths)
 
 

@@ -119,7 +119,10 @@ def export_hf(src: str | Path, out_dir: str | Path, overwrite: bool = False,
         eos = tokenizer.eos_id
         stops = eos if turn_end is None or turn_end == eos else [eos, turn_end]
         # lmforge's own tokenizers use one end-of-text token for both ends (GPT-2's convention).
-        to_hf(model, tmp, max_shard_size=max_shard_size, bos_token_id=eos, eos_token_id=stops)
+        # a reward model (sequence classification) finds each row's last token by its padding id
+        pad = eos if getattr(model.cfg, "score_head", False) else None
+        to_hf(model, tmp, max_shard_size=max_shard_size, bos_token_id=eos, eos_token_id=stops,
+              pad_token_id=pad)
         if chat_template is not None:  # a fine-tuned run: its tokenizer (template tokens added) and template
             tokenizer.save_hf(tmp, model_max_length=cfg.model.max_seq_len, chat_template=chat_template)
         elif tokenizer_dir is not None and (tokenizer_dir / "tokenizer_config.json").is_file():

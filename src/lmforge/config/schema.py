@@ -109,6 +109,9 @@ class ModelConfig(Section):
     bias: bool = Field(False, description="Biases in every linear layer and in LayerNorm (GPT-2 style).")
     qkv_bias: bool = Field(False, description="Biases in the q/k/v projections only (Qwen2 style).")
     tie_embeddings: bool = Field(True, description="Share the input embedding and output projection.")
+    score_head: bool = Field(False, description="A scalar head `score` (d_model -> 1, no bias) beside the "
+                             "output projection: a reward model (objective reward) reads it at a sequence's "
+                             "last token; exported as ...ForSequenceClassification with num_labels 1.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention, residual and embeddings.")
     sliding_window: int | None = Field(
         None, ge=1, description="Attend to at most this many previous tokens (Mistral style)."
@@ -317,11 +320,12 @@ class TrainConfig(Section):
 class ObjectiveConfig(Section):
     """What a training step minimises. Each objective declares the batches it takes."""
 
-    name: Literal["causal_lm", "sft", "dpo", "rl"] = Field(
+    name: Literal["causal_lm", "sft", "dpo", "reward", "rl"] = Field(
         "causal_lm", description="causal_lm: next-token prediction over every target token (pretraining); "
         "sft: supervised fine-tuning on the chat data of the sft section (loss on the tokens sft.loss_on "
         "picks); dpo: preference optimisation on the pairs of the preference section (the DPO family, "
-        "SimPO, ORPO: preference.loss); rl: reinforcement learning on sampled completions of the rl "
+        "SimPO, ORPO: preference.loss); reward: a reward model (a scalar score head, Bradley-Terry loss) on "
+        "the same pairs; rl: reinforcement learning on sampled completions of the rl "
         "section's prompts, scored by rewards (GRPO, RLOO: rl.algorithm)."
     )
 
@@ -387,6 +391,10 @@ class PreferenceConfig(Section):
     sft_weight: float = Field(0.0, ge=0.0, description="Add this times the chosen completion's token-mean "
                               "NLL to each pair's loss (RPO, Pang et al. 2024; TRL's loss_type [..., 'sft']: "
                               "keeps DPO from lowering the chosen answers' likelihood with the rejected).")
+    center_rewards_coefficient: float = Field(
+        0.0, ge=0.0, description="Reward models: add this times (r_chosen + r_rejected)^2 to each pair's "
+        "loss, which keeps the scores centred on 0 (TRL's center_rewards_coefficient; 0: off)."
+    )
 
 
 class RLConfig(Section):
@@ -412,11 +420,15 @@ class RLConfig(Section):
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of the completions.")
     top_k: int | None = Field(None, ge=1, description="Sample from the k most likely tokens only.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    rewards: dict[Literal["exact_match", "format"], float] = Field(
+    rewards: dict[Literal["exact_match", "format", "reward_model"], float] = Field(
         default_factory=lambda: {"exact_match": 1.0}, description="Reward functions and their weights, "
         "summed: exact_match (1 when the reply's answer equals the record's 'answer', by the shipped task's "
-        "checker when the record names one), format (1 when the reply is one line and ends its turn)."
+        "checker when the record names one), format (1 when the reply is one line and ends its turn), "
+        "reward_model (the score of rl.reward_model for prompt + reply)."
     )
+    reward_model: str | None = Field(None, description="A reward model (an `lmforge reward` run or "
+                                     "checkpoint dir) scoring each prompt + completion, for "
+                                     "rewards.reward_model; it must use the policy's tokenizer.")
     scale_rewards: Literal["group", "batch", "none"] | None = Field(
         None, description="Divide advantages by the std of the group (grpo's default), of the whole batch, "
         "or not at all (Dr. GRPO; rloo's default). rloo takes none or batch (whitening)."
@@ -443,6 +455,9 @@ class RLConfig(Section):
                              "or batch")
         if not self.rewards or any(w == 0 for w in self.rewards.values()):
             raise ValueError("rl.rewards needs at least one reward function with a non-zero weight")
+        if ("reward_model" in self.rewards) != (self.reward_model is not None):
+            raise ValueError("rl.rewards.reward_model and rl.reward_model go together: the weight of the "
+                             "reward model's score, and the reward model (an `lmforge reward` run dir)")
         return self
 
     @property

@@ -112,12 +112,14 @@ class PreferenceBatch:
     P..2P-1 the rejected ones of the same pairs (TRL's concatenated layout: one forward for both),
     right-padded; targets are IGNORE_INDEX everywhere but the completion tokens. `ref_logps` (2P,)
     are the reference model's summed completion log-probs when they were computed ahead (else the
-    objective computes them). `real_tokens` counts the positions that are not padding."""
+    objective computes them). `real_tokens` counts the positions that are not padding. `margins` (P,):
+    each pair's required reward margin (a reward model's Bradley-Terry loss), when its records gave one."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
     ref_logps: torch.Tensor | None = None
     real_tokens: int = 0
+    margins: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.input_ids.size(0) % 2:
@@ -137,13 +139,16 @@ class PreferenceBatch:
         if all(b.ref_logps is not None for b in batches):
             refs = torch.cat([b.ref_logps[: b.pairs] for b in batches]
                              + [b.ref_logps[b.pairs :] for b in batches])
+        margins = None
+        if all(b.margins is not None for b in batches):
+            margins = torch.cat([b.margins for b in batches])
         return cls(halves(lambda b: b.input_ids, 0), halves(lambda b: b.targets, IGNORE_INDEX), refs,
-                   sum(b.real_tokens for b in batches))
+                   sum(b.real_tokens for b in batches), margins)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PreferenceBatch:
-        refs = None if self.ref_logps is None else self.ref_logps.to(device, non_blocking=non_blocking)
-        return PreferenceBatch(self.input_ids.to(device, non_blocking=non_blocking),
-                               self.targets.to(device, non_blocking=non_blocking), refs, self.real_tokens)
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return PreferenceBatch(move(self.input_ids), move(self.targets), move(self.ref_logps),
+                               self.real_tokens, move(self.margins))
 
     @property
     def device(self) -> torch.device:

@@ -220,10 +220,18 @@ class PreferenceLoader(ChatLoader):
     A pair is the unit an epoch shuffles; a batch is right-padded to its longest sequence, chosen rows
     first. Stateful and resumable exactly, as ChatLoader."""
 
-    def __init__(self, split: SFTSplit, seq_len: int, batch_size: int, **kw) -> None:
+    def __init__(self, split: SFTSplit, seq_len: int, batch_size: int, margins: list | None = None,
+                 **kw) -> None:
         if len(split) % 2:
             raise DataError(f"a preference split holds chosen/rejected example pairs; it has {len(split)} "
                             "examples")
+        if margins is not None and len(margins) != len(split) // 2:
+            raise DataError(f"the preference split has {len(split) // 2} pairs but {len(margins)} margins; "
+                            "prepare the data again")
+        # each pair's margin (reward models), 0 for a pair without one; None when no pair has one
+        self.margins = None
+        if margins is not None and any(m is not None for m in margins):
+            self.margins = np.asarray([0.0 if m is None else float(m) for m in margins], dtype=np.float32)
         super().__init__(split, seq_len, batch_size, packing=False, **kw)
 
     def _make_units(self, lengths: np.ndarray) -> list[list[int]]:
@@ -241,7 +249,11 @@ class PreferenceLoader(ChatLoader):
             ids[r, :n] = x
             targets[r, : n - 1] = np.where(m[1:], x[1:], IGNORE_INDEX)
             real += n
-        return PreferenceBatch(torch.from_numpy(ids), torch.from_numpy(targets), real_tokens=real)
+        margins = None
+        if self.margins is not None:
+            margins = torch.from_numpy(self.margins[[pair[0] // 2 for pair in rows]])
+        return PreferenceBatch(torch.from_numpy(ids), torch.from_numpy(targets), real_tokens=real,
+                               margins=margins)
 
 
 class PromptLoader(ChatLoader):

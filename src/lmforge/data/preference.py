@@ -17,6 +17,8 @@ on_bad="fail"). A pair becomes two `Conversation`s whose loss is taken on the co
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +43,7 @@ class PreferencePair:
     chosen: Messages  # the completion only, ending with an assistant message
     rejected: Messages
     where: str
+    margin: float | None = None  # how much higher the chosen one should score (reward models; TRL's field)
 
     def conversations(self) -> tuple[Conversation, Conversation]:
         """(prompt + chosen, prompt + rejected), each with its loss on the completion only."""
@@ -105,6 +108,11 @@ def to_pair(record: Any, where: str) -> PreferencePair:
                               _completion(list(full_r[shared:]), "rejected"), where)
     if pair.chosen == pair.rejected:
         raise BadRecord("'chosen' and 'rejected' are the same completion: the pair says nothing")
+    margin = record.get("margin")
+    if margin is not None:
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+            raise BadRecord(f"'margin' must be a finite number, got {margin!r}")
+        pair = dataclasses.replace(pair, margin=float(margin))
     return pair
 
 

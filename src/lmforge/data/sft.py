@@ -38,6 +38,7 @@ FORMAT = 1
 KIND = "sft"
 PREFERENCE_KIND = "preference"  # the same layout: examples 2i and 2i+1 are pair i's chosen and rejected
 PROMPT_KIND = "prompts"  # RL: each example a prompt (no loss tokens), its record's info in {split}_info.json
+# (preference data keeps each pair's margin there)
 KINDS = (KIND, PREFERENCE_KIND, PROMPT_KIND)
 INFO_FILE = "{split}_info.json"
 
@@ -45,7 +46,8 @@ INFO_FILE = "{split}_info.json"
 def kind_of(cfg: Config) -> str:
     """What the run's chat data dir holds: conversations (objective sft), preference pairs (dpo) or
     prompts (rl)."""
-    return {"dpo": PREFERENCE_KIND, "rl": PROMPT_KIND}.get(cfg.objective.name, KIND)
+    kinds = {"dpo": PREFERENCE_KIND, "reward": PREFERENCE_KIND, "rl": PROMPT_KIND}
+    return kinds.get(cfg.objective.name, KIND)
 
 
 def _sources(cfg: Config) -> tuple[list[str], list[str], float]:
@@ -153,9 +155,12 @@ class PreparedSFT:
         ]
         return SFTSplit(*arrays)
 
-    def info(self, name: str) -> list[dict]:
-        """RL prompts: each example's record info (answer, task, ...), what its rewards check."""
+    def info(self, name: str) -> list[dict] | None:
+        """RL prompts: each example's record info (answer, task, ...), what its rewards check;
+        preference pairs: each pair's margin. None where the dir has none (prepared before margins)."""
         path = self.dir / INFO_FILE.format(split=name)
+        if not path.exists():
+            return None
         try:
             info = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
@@ -295,7 +300,8 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
     again; otherwise that is an error."""
     kind = kind_of(cfg)
     if not _sources(cfg)[0]:
-        key, what = ("sft.data", "chat data") if kind == KIND else ("preference.data", "preference pairs")
+        key, what = {KIND: ("sft.data", "chat data"), PROMPT_KIND: ("rl.data", "prompts")}.get(
+            kind, ("preference.data", "preference pairs"))
         raise DataError(
             f"objective {cfg.objective.name} needs {what}: set {key} to .jsonl / .parquet files or a saved "
             "datasets dir"
@@ -414,6 +420,8 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
         made = [example(c) for c in convs]
         if all(e is not None for e in made):  # a pair is kept whole or not at all
             examples[split].extend(made)
+            if kind == PREFERENCE_KIND:
+                infos[split].append({"margin": item.margin})
 
     if kind == PREFERENCE_KIND:
         from lmforge.data.preference import read_pairs
@@ -453,7 +461,7 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
         split = SFTSplit.of(exs)
         for part, arr in (("ids", split.ids), ("mask", split.mask), ("offsets", split.offsets)):
             np.save(dir / f"{name}_{part}.npy", arr, allow_pickle=False)
-        if kind == PROMPT_KIND:
+        if kind in (PROMPT_KIND, PREFERENCE_KIND):
             (dir / INFO_FILE.format(split=name)).write_text(json.dumps(infos[name]), encoding="utf-8")
         splits[name] = {
             "examples": len(split),

@@ -33,7 +33,7 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
     result = {"step": run.step, "split": cfg.eval.split, "weights": weights, **out}
     suffix = "" if weights == "model" else f"_{weights}"
     atomic_write_json(run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}{suffix}.json", result)
-    unit = {"dpo": "pairs", "rl": "loss targets"}.get(cfg.objective.name, "tokens")
+    unit = {"dpo": "pairs", "reward": "pairs", "rl": "loss targets"}.get(cfg.objective.name, "tokens")
     extra = "".join(f"  {k} {v:.4f}" for k, v in out.items() if k not in ("loss", "ppl", "tokens", "bpb"))
     say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} {unit}): loss {out['loss']:.4f}  "
         f"ppl {out['ppl']:.2f}" + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else "") + extra)

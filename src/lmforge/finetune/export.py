@@ -27,7 +27,7 @@ from lmforge.finetune.setup import check_adapter_run, load_finetuned, load_merge
 
 def run_template(cfg) -> ChatTemplate | None:
     """The chat template a fine-tuned run was trained with (None for a pretraining run)."""
-    if cfg.objective.name not in ("sft", "dpo", "rl"):
+    if cfg.objective.name not in ("sft", "dpo", "reward", "rl"):
         return None
     from lmforge.data.sft import load_prepared_sft
 

@@ -6,6 +6,8 @@
                equal to the answer, stripped.
   format       1 when the reply ended its turn (a stop token, not the length limit) and is one
                non-empty line: the shape every shipped task asks for.
+  reward_model a reward model's score of prompt + reply (`lmforge reward`; computed by the rollout on
+               the token ids, so the reward model must share the policy's tokenizer).
 
 `score_replies` sums the configured functions with their weights (TRL's reward_funcs and
 reward_weights, summed before the advantages are taken).
@@ -39,9 +41,13 @@ REWARDS: dict[str, Callable[[str, dict, bool], float]] = {"exact_match": exact_m
 
 def score_replies(weights: dict[str, float], texts: Sequence[str], infos: Sequence[dict],
                   stopped: Sequence[bool]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(weighted sum (N,), each function's unweighted reward (N,)) of the replies `texts`."""
+    """(weighted sum (N,), each function's unweighted reward (N,)) of the replies `texts`, over the
+    text rewards of `weights` (a reward model's score is added by the rollout)."""
     parts = {name: torch.tensor([REWARDS[name](t, i, s) for t, i, s in zip(texts, infos, stopped)],
                                 dtype=torch.float32)
-             for name in weights}
+             for name in weights if name in REWARDS}
+    if not parts:
+        n = len(texts)
+        return torch.zeros(n), {}
     total = sum(weights[name] * part for name, part in parts.items())
     return total, parts

@@ -31,15 +31,20 @@ from lmforge.finetune.rewards import score_replies
 from lmforge.models.generation import sample_replies
 
 TokenLogps = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, targets) -> (N, T) log-probs
+Scores = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids, targets) -> (N,) reward-model scores
 
 
 class Rollout:
     """PromptBatch -> RolloutBatch with `policy` (the model being trained, unwrapped)."""
 
     def __init__(self, policy: nn.Module, tokenizer: Tokenizer, stops: set[int], cfg: RLConfig, seq_len: int,
-                 reference: TokenLogps | None = None, pad_id: int = 0) -> None:
+                 reference: TokenLogps | None = None, pad_id: int = 0,
+                 reward_model: Scores | None = None) -> None:
         self.policy, self.tokenizer, self.stops, self.cfg = policy, tokenizer, frozenset(stops), cfg
         self.seq_len, self.reference, self.pad_id = seq_len, reference, pad_id
+        self.reward_model = reward_model
+        if ("reward_model" in cfg.rewards) != (reward_model is not None):
+            raise ValueError("rewards.reward_model needs a reward model (and a reward model a weight)")
 
     @property
     def device(self) -> torch.device:
@@ -63,6 +68,10 @@ class Rollout:
         ids, targets, real = _rows(prompts, completions, self.pad_id)
         ids, targets = ids.to(device), targets.to(device)
         rewards, parts = rewards.to(device), {k: v.to(device) for k, v in parts.items()}
+        if self.reward_model is not None:
+            with torch.no_grad():
+                parts["reward_model"] = self.reward_model(ids, targets).detach().float()
+            rewards = rewards + cfg.rewards["reward_model"] * parts["reward_model"]
         ref = old = None
         if cfg.beta > 0 and self.reference is not None:
             with torch.no_grad():

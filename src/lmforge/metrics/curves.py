@@ -12,7 +12,8 @@ from lmforge.utils.io import check_replaceable
 
 
 def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike, title: str = "") -> Path | None:
-    """Draw train/val loss (top) and learning rate (bottom) against step. None if nothing to draw."""
+    """Draw train/val loss (top; an RL run's mean reward instead) and learning rate (bottom) against
+    step. None if nothing to draw."""
     records = read_metrics(metrics_path)
     train = [r for r in records if "loss" in r and "event" not in r]
     val = [r for r in records if "val_loss" in r]
@@ -21,12 +22,15 @@ def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike, ti
     plt = pyplot()
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True,
                                          gridspec_kw={"height_ratios": [3, 1]})
+    # An RL run's loss says little (its mean is ~0 by construction): its curve is the reward.
+    key, what = ("reward", "reward") if any("reward" in r for r in train) else ("loss", "loss")
     if train:
-        ax_loss.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss", lw=1.2)
+        ax_loss.plot([r["step"] for r in train], [r[key] for r in train], label=f"train {what}", lw=1.2)
         ax_lr.plot([r["step"] for r in train], [r["lr"] for r in train], color="tab:green", lw=1.2)
     if val:
-        ax_loss.plot([r["step"] for r in val], [r["val_loss"] for r in val], "o-", label="val loss",
-                     color="tab:orange", ms=4)
+        shown = [r for r in val if f"val_{key}" in r]
+        ax_loss.plot([r["step"] for r in shown], [r[f"val_{key}"] for r in shown], "o-", color="tab:orange",
+                     label=f"val {what}" + (" (greedy)" if key == "reward" else ""), ms=4)
     for kind, color in (("ema", "tab:purple"), ("swa", "tab:brown")):
         avg = [r for r in val if f"val_loss_{kind}" in r]
         if avg:
@@ -35,7 +39,7 @@ def plot_curves(metrics_path: str | os.PathLike, out_path: str | os.PathLike, ti
     for i, r in enumerate(r for r in records if r.get("event") in ("loss_spike", "nonfinite")):
         ax_loss.axvline(r.get("spike_step", r["step"]), color="tab:red", alpha=0.4, lw=1,
                         label="loss spike / non-finite" if i == 0 else None)
-    ax_loss.set_ylabel("loss (nats/token)")
+    ax_loss.set_ylabel("mean reward" if key == "reward" else "loss (nats/token)")
     ax_loss.set_title(title)
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()

@@ -106,6 +106,8 @@ class Transformer(nn.Module):
             self.norm = build_norm(cfg)
             if not cfg.tie_embeddings:
                 self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            if cfg.score_head:
+                self.score = nn.Linear(cfg.d_model, 1, bias=False)
             if cfg.pos_embedding == "rope":
                 # Non-persistent: derived from the config, never part of a checkpoint.
                 shape = (cfg.max_seq_len, cfg.resolved_head_dim)
@@ -138,7 +140,7 @@ class Transformer(nn.Module):
         edge_std = 1e-4 if cfg.init == "small_init" else cfg.init_std  # embeddings, output head
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                if name == "output":
+                if name in ("output", "score"):
                     nn.init.normal_(m.weight, mean=0.0, std=edge_std)
                 elif cfg.init == "xavier":
                     nn.init.xavier_uniform_(m.weight)
@@ -335,3 +337,15 @@ def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> T
         model.to_empty(device=device)
         model.init_weights()
     return model
+
+
+def add_score_head(model: Transformer, std: float | None = None) -> nn.Linear:
+    """Give `model` (built without one) the scalar head `score` of a reward model, N(0, std) (default
+    model.init_std, as transformers initialises a sequence-classification head), on the model's
+    device and dtype; `model.cfg.score_head` becomes True so its config rebuilds it."""
+    ref = model.tok_embeddings.weight
+    head = nn.Linear(model.cfg.d_model, 1, bias=False, device=ref.device, dtype=ref.dtype)
+    nn.init.normal_(head.weight, mean=0.0, std=model.cfg.init_std if std is None else std)
+    model.score = head
+    model.cfg = model.cfg.model_copy(update={"score_head": True})
+    return head

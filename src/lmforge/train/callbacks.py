@@ -121,7 +121,7 @@ class MetricsLogging(Callback):
             f"step {metrics['step']}: val_loss {metrics['val_loss']:.4f}  val_ppl {metrics['val_ppl']:.2f}"
             + (f"  val_bpb {metrics['val_bpb']:.4f}" if "val_bpb" in metrics else "")
             + "".join(f"  {k} {v:.4f}" for k, v in metrics.items()
-                      if k.startswith(("val_loss_", "val_reward")))
+                      if k.startswith(("val_loss_", "val_reward", "val_accuracy")))
         )
 
     def on_save(self, trainer: Trainer, path: Path) -> None:

@@ -7,10 +7,11 @@ from lmforge.engine.objectives.base import Objective, ObjectiveModule, Objective
 from lmforge.engine.objectives.causal_lm import CausalLM
 from lmforge.engine.objectives.policy_gradient import PolicyGradient
 from lmforge.engine.objectives.preference import Preference
+from lmforge.engine.objectives.reward import RewardModel
 from lmforge.engine.objectives.sft import SFT
 
 OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT, Preference.name: Preference,
-                                          PolicyGradient.name: PolicyGradient}
+                                          PolicyGradient.name: PolicyGradient, RewardModel.name: RewardModel}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -18,6 +19,6 @@ def build_objective(cfg: Config) -> Objective:
     return OBJECTIVES[cfg.objective.name].from_config(cfg)
 
 
-__all__ = ["OBJECTIVES", "SFT", "CausalLM", "PolicyGradient", "Preference",
+__all__ = ["OBJECTIVES", "SFT", "CausalLM", "PolicyGradient", "Preference", "RewardModel",
            "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
            "build_objective"]

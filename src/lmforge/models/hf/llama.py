@@ -33,6 +33,7 @@ KEYS = KeyMap(
         ("tok_embeddings.weight", "model.embed_tokens.weight"),
         ("norm.weight", "model.norm.weight"),
         ("output.weight", "lm_head.weight"),
+        ("score.weight", "score.weight"),
         ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
         ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
         ("layers.{i}.attn.wq.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
@@ -210,8 +211,11 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
                 low_freq_factor=scaling.low_freq_factor,
                 high_freq_factor=scaling.high_freq_factor,
             )
+    arch = ARCHITECTURES[model_type]
+    if cfg.score_head:  # a reward model: the backbone and its scalar head (sequence classification)
+        arch = arch.replace("ForCausalLM", "ForSequenceClassification")
     out: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[model_type]],
+        "architectures": [arch],
         "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -235,6 +239,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     }
     if scaling is not None:
         out["rope_scaling"] = dict(rope)
+    if cfg.score_head:
+        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if model_type == "llama":
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
     elif model_type == "mistral":
@@ -284,8 +290,11 @@ def hf_name(our_name: str, cfg: ModelConfig) -> str:
 def export_tensors(
     state: Mapping[str, torch.Tensor], cfg: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every parameter, in our order; the tied head is not written."""
+    """(HF name, tensor) for every parameter, in our order; the tied head is not written, nor the
+    output projection of a reward model (...ForSequenceClassification has the score head instead)."""
     for ours, tensor in state.items():
+        if ours == "output.weight" and cfg.score_head:
+            continue
         name = KEYS.to_hf(ours)
         assert name is not None, f"no HF name for {ours}"
         yield name, tensor
