@@ -93,7 +93,14 @@ def cmd_rl(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from lmforge.data.instruct_tasks import generate, pairs_of, split_disjoint, task_names, write_jsonl
+    from lmforge.data.instruct_tasks import (
+        generate,
+        pairs_of,
+        split_disjoint,
+        task_names,
+        unpaired_of,
+        write_jsonl,
+    )
 
     if args.list:
         print("\n".join(task_names()))
@@ -102,13 +109,20 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         if path:
             check_replaceable(path)
     tasks = args.tasks.split(",") if args.tasks else None
-    shape = (lambda records: pairs_of(records, args.seed)) if args.pairs else (lambda records: records)
+    if args.pairs and args.unpaired:
+        raise LmforgeError("give --pairs or --unpaired, not both")
+    if args.unpaired:
+        shape = lambda records: unpaired_of(pairs_of(records, args.seed))  # noqa: E731
+    elif args.pairs:
+        shape = lambda records: pairs_of(records, args.seed)  # noqa: E731
+    else:
+        shape = lambda records: records  # noqa: E731
     if args.test_out:
         split = split_disjoint(tasks, args.n, args.n_test, args.seed, args.difficulty, args.system)
-        write_jsonl(shape(split.train), args.out, overwrite=args.overwrite)
-        write_jsonl(shape(split.test), args.test_out, overwrite=args.overwrite)
-        print(f"wrote {len(split.train):,} training records to {args.out} and {len(split.test):,} held-out "
-              f"records to {args.test_out} ({split.n_dropped:,} test prompts also in train were dropped)")
+        n_train = write_jsonl(shape(split.train), args.out, overwrite=args.overwrite)
+        n_test = write_jsonl(shape(split.test), args.test_out, overwrite=args.overwrite)
+        print(f"wrote {n_train:,} training records to {args.out} and {n_test:,} held-out records to "
+              f"{args.test_out} ({split.n_dropped:,} test prompts also in train were dropped)")
     else:
         n = write_jsonl(shape(generate(tasks, args.n, args.seed, args.difficulty, args.system)), args.out,
                         overwrite=args.overwrite)
@@ -309,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--n-test", type=int, default=200, help="held-out records to aim for")
             p.add_argument("--overwrite", action="store_true", help="replace existing output files")
             p.add_argument("--list", action="store_true", help="print the task names and exit")
+            p.add_argument("--unpaired", action="store_true", help="write KTO's unpaired records: each "
+                           "pair's chosen answer (label true) and rejected answer (label false) apart")
             p.add_argument("--pairs", action="store_true", help="write preference pairs (prompt, chosen: the "
                            "answer, rejected: a wrong answer of the same task) for DPO-style training")
             continue

@@ -15,7 +15,7 @@ import pytest
 from conftest import TINY, tiny_overrides
 from lmforge.cli import main
 from lmforge.config import load_config
-from lmforge.data.instruct_tasks import pairs_of, split_disjoint, write_jsonl
+from lmforge.data.instruct_tasks import pairs_of, split_disjoint, unpaired_of, write_jsonl
 from lmforge.metrics.loggers import read_metrics
 from lmforge.train.callbacks import Callback
 from lmforge.train.trainer import Trainer, train
@@ -36,7 +36,10 @@ def world(tmp_path_factory, shared_data_dir) -> SimpleNamespace:
     split = split_disjoint(None, 200, 40, seed=2)
     write_jsonl(pairs_of(split.train, 2), tmp / "pairs.jsonl")
     write_jsonl(pairs_of(split.test, 2), tmp / "held_out.jsonl")
-    return SimpleNamespace(tmp=tmp, base=base, pairs=tmp / "pairs.jsonl", held_out=tmp / "held_out.jsonl")
+    write_jsonl(unpaired_of(pairs_of(split.train, 2)), tmp / "unpaired.jsonl")
+    write_jsonl(unpaired_of(pairs_of(split.test, 2)), tmp / "unpaired_held_out.jsonl")
+    return SimpleNamespace(tmp=tmp, base=base, pairs=tmp / "pairs.jsonl", held_out=tmp / "held_out.jsonl",
+                           unpaired=tmp / "unpaired.jsonl", unpaired_held_out=tmp / "unpaired_held_out.jsonl")
 
 
 def overrides(w: SimpleNamespace, run_dir: Path, *extra: str) -> list[str]:
@@ -106,6 +109,30 @@ def test_simpo_needs_no_reference_and_orpo_trains(world, tmp_path):
         assert len(rows) == 2 and all(math.isfinite(r["loss"]) for r in rows)
 
 
+def test_kto_on_unpaired_examples(world, tmp_path, capsys):
+    """KTO: at step 1 policy = reference and z = 0, so every example's loss is 1 - sigmoid(0) = 0.5;
+    the policy then moves off the reference (rewards and z leave 0); a crashed run resumes bit for bit."""
+    extra = ("finetune.method=lora", "finetune.r=4", "finetune.alpha=8", "preference.loss=kto",
+             f"preference.data=[{world.unpaired}]", f"preference.val_data=[{world.unpaired_held_out}]")
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert main(["dpo", *cli(world, straight, *extra)]) == 0
+    rows = read_metrics(straight / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    assert train_rows[0]["loss"] == pytest.approx(0.5, abs=1e-6) and train_rows[0]["kl"] == 0.0
+    assert any(r["kl"] > 0 and r["reward_desirable"] != 0 for r in train_rows[2:])  # the policy moved
+    assert "val_reward_desirable" in [r for r in rows if "val_loss" in r][-1]
+    config = load_config(None, overrides(world, crashed, "objective.name=dpo", *extra))
+    with pytest.raises(Crash):
+        Trainer(config, callbacks=[CrashAt(5)]).fit()
+    assert main(["dpo", *cli(world, crashed, *extra), "--resume"]) == 0
+    compared = ("step", "loss", "grad_norm", "kl", "reward_desirable", "val_loss")
+    curve = lambda d: [{k: r[k] for k in compared if k in r} for r in read_metrics(d / "metrics.jsonl")]  # noqa: E731
+    assert curve(straight) == curve(crashed)
+    capsys.readouterr()
+    assert main(["eval", str(straight)]) == 0
+    assert "reward_undesirable" in capsys.readouterr().out
+
+
 def test_bad_preference_input_exits_2(world, tmp_path, capsys):
     missing = tmp_path / "nope.jsonl"
     assert main(["dpo", *cli(world, tmp_path / "a", f"preference.data=[{missing}]")]) == 2
@@ -118,5 +145,7 @@ def test_bad_preference_input_exits_2(world, tmp_path, capsys):
     assert "no usable training pair" in err and "same completion" in err
     assert main(["dpo", *cli(world, tmp_path / "c", "objective.name=sft")]) == 2
     assert "trains objective dpo" in capsys.readouterr().err
-    assert main(["dpo", *cli(world, tmp_path / "d", "preference.loss=kto")]) == 2
+    assert main(["dpo", *cli(world, tmp_path / "d", "preference.loss=nope")]) == 2
     assert "preference.loss" in capsys.readouterr().err
+    assert main(["dpo", *cli(world, tmp_path / "e", "preference.loss=kto")]) == 2  # pairs are not unpaired
+    assert "needs 'label'" in capsys.readouterr().err

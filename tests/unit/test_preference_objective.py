@@ -199,3 +199,39 @@ def test_sft_weight_adds_the_chosen_token_mean_nll():
     nll = -(logps[:3] / counts[:3]).sum()
     torch.testing.assert_close(rpo, plain + 0.7 * nll, rtol=1e-6, atol=1e-6)
     assert nll > 1.0  # the term is far above rounding
+
+
+def test_unpaired_loader_builds_mismatched_twins_and_kto_uses_them():
+    """Example i's twin is its prompt + example i-1's completion; KTO's z comes from the twins only."""
+    from lmforge.data.chat_loader import UnpairedLoader
+    from lmforge.engine.objectives.preference import KTO
+    from lmforge.engine.preference_loss import kto_losses, kto_reference_point, sequence_logps
+
+    rng = np.random.default_rng(3)
+    exs = []
+    for i in range(6):
+        p, c = 2 + i % 3, 1 + i % 2
+        ids = rng.integers(2, 60, p + c).astype(np.int32)
+        exs.append(Example(ids, np.r_[np.zeros(p, bool), np.ones(c, bool)]))
+    split = SFTSplit.of(exs)
+    labels = [True, False, True, True, False, False]
+    batch = UnpairedLoader(split, labels, 32, 3, shuffle=False).next_batch()
+    assert batch.rows == 6 and batch.desirable.tolist() == labels[:3]
+    for i in range(3):
+        x, m = split.example(i)
+        prev_x, prev_m = split.example((i - 1) % 3)
+        want = np.r_[x[~m], prev_x[prev_m]]
+        row = batch.input_ids[3 + i, : len(want)].numpy()
+        assert (row == want).all()
+        t = batch.targets[3 + i]
+        assert (t != IGNORE_INDEX).sum() == prev_m.sum()  # the twin's loss is on the borrowed completion
+    model = tiny_model(1)
+    ref = lambda b: completion_logps(tiny_model(2), b)[0]  # noqa: E731
+    obj = KTO(beta=0.3, desirable_weight=1.0, undesirable_weight=1.5, reference=ref)
+    b = obj.batch_of(batch)
+    out = obj(model, b)
+    logps, _ = sequence_logps(model(b.input_ids), b.targets)
+    z = kto_reference_point(logps[3:], b.ref_logps[3:])
+    want, _ = kto_losses(logps[:3], b.ref_logps[:3], b.desirable, z, beta=0.3, undesirable_weight=1.5)
+    torch.testing.assert_close(out.loss, want.sum(), rtol=1e-6, atol=1e-7)
+    assert obj.num_targets(b) == 3 and float(out.metrics["kl"]) == pytest.approx(float(z))

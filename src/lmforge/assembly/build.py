@@ -377,6 +377,11 @@ def _chat_loader(cfg: Config, data, name: str, batch_size: int, **kw):
     from lmforge.data.chat_loader import ChatLoader, PreferenceLoader, PromptLoader
 
     split = data.split(name)
+    if cfg.objective.name == "dpo" and cfg.preference.loss == "kto":
+        from lmforge.data.chat_loader import UnpairedLoader
+
+        labels = [bool(i.get("label")) for i in data.info(name) or []]
+        return UnpairedLoader(split, labels, cfg.seq_len, batch_size, **kw)
     if cfg.objective.name in ("dpo", "reward"):
         margins = [i.get("margin") for i in data.info(name) or []] or None
         return PreferenceLoader(split, cfg.seq_len, batch_size, margins=margins, **kw)

@@ -379,10 +379,15 @@ class PreferenceConfig(Section):
         default_factory=list, description="Held-out pairs (empty: preference.val_fraction of the data)."
     )
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of the pairs held out.")
-    loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo"] = Field(
+    loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "kto"] = Field(
         "sigmoid", description="sigmoid: DPO (conservative DPO with label_smoothing > 0); ipo; hinge (SLiC); "
-        "robust: rDPO; simpo and orpo need no reference model. The formulas are TRL's."
+        "robust: rDPO; simpo and orpo need no reference model; kto: KTO on unpaired records (prompt, "
+        "completion, label: `lmforge tasks --unpaired` writes some). The formulas are TRL's."
     )
+    desirable_weight: float = Field(1.0, gt=0.0, description="KTO: weight of the desirable examples' loss.")
+    undesirable_weight: float = Field(1.0, gt=0.0, description="KTO: weight of the undesirable examples' "
+                                      "loss (TRL: keep desirable_weight x #desirable / (undesirable_weight x "
+                                      "#undesirable) within [1, 4/3]).")
     beta: float = Field(0.1, gt=0.0, description="Strength of the KL tie to the reference (DPO's beta; IPO's "
                         "tau; SimPO's and ORPO's beta / lambda).")
     label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="Assumed fraction of flipped labels "

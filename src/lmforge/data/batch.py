@@ -239,3 +239,39 @@ class RolloutBatch:
     @property
     def rows(self) -> int:
         return self.input_ids.size(0)
+
+
+@dataclass(frozen=True)
+class UnpairedBatch:
+    """KTO's unpaired examples: `input_ids`, `targets` (2B, T), rows 0..B-1 the examples (prompt +
+    completion, targets on the completion only) and rows B..2B-1 their mismatched twins (example i's
+    prompt with example i-1's completion, as TRL's KTO builds them), whose log-probs estimate the KL
+    reference point; right-padded. `desirable` (B,) bool: each example's label. `ref_logps` (2B,): the
+    reference model's summed completion log-probs when computed ahead."""
+
+    input_ids: torch.Tensor
+    targets: torch.Tensor
+    desirable: torch.Tensor
+    ref_logps: torch.Tensor | None = None
+    real_tokens: int = 0
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> UnpairedBatch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return UnpairedBatch(move(self.input_ids), move(self.targets), move(self.desirable),
+                             move(self.ref_logps), self.real_tokens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def examples(self) -> int:
+        return self.desirable.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.real_tokens
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.size(0)

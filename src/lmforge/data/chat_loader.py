@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from lmforge.data.batch import IGNORE_INDEX, ChatBatch, PreferenceBatch, PromptBatch
+from lmforge.data.batch import IGNORE_INDEX, ChatBatch, PreferenceBatch, PromptBatch, UnpairedBatch
 from lmforge.data.sft import SFTSplit
 from lmforge.errors import DataError
 
@@ -283,3 +283,41 @@ class PromptLoader(ChatLoader):
     def collate(self, rows: list[list[int]]) -> PromptBatch:  # type: ignore[override]
         prompts = tuple(tuple(int(t) for t in self.split.example(r[0])[0]) for r in rows)
         return PromptBatch(prompts, tuple(self.info[r[0]] for r in rows), self.seed)
+
+
+class UnpairedLoader(ChatLoader):
+    """`UnpairedBatch`es of `batch_size` KTO examples (prompt + completion, loss on the completion) and
+    each one's label. An example is the unit an epoch shuffles; each batch also holds, for example i,
+    its prompt followed by example i-1's completion (the batch's last for the first), cut to seq_len:
+    the mismatched pairs whose log-ratio is KTO's reference point. Stateful and resumable, as
+    ChatLoader."""
+
+    def __init__(self, split: SFTSplit, labels: list[bool], seq_len: int, batch_size: int, **kw) -> None:
+        if len(labels) != len(split):
+            raise DataError(f"the unpaired split has {len(split)} examples but {len(labels)} labels; prepare "
+                            "the data again")
+        self.labels = np.asarray(labels, dtype=bool)
+        super().__init__(split, seq_len, batch_size, packing=False, **kw)
+
+    def collate(self, rows: list[list[int]]) -> UnpairedBatch:  # type: ignore[override]
+        parts = []
+        for r in rows:
+            x, m = self.split.example(r[0])
+            start = int(np.argmax(m)) if m.any() else len(x)  # the first completion token
+            parts.append((x[:start], x[start:]))
+        seqs = list(parts)
+        seqs += [(parts[i][0], parts[i - 1][1]) for i in range(len(parts))]  # mismatched: KL estimate
+        width = min(self.seq_len, max(len(p) + len(c) for p, c in seqs))
+        ids = np.full((len(seqs), width), self.pad_id, dtype=np.int64)
+        targets = np.full((len(seqs), width), IGNORE_INDEX, dtype=np.int64)
+        real = 0
+        for r, (p, c) in enumerate(seqs):
+            x = np.concatenate([p, c])[:width]
+            n = len(x)
+            ids[r, :n] = x
+            # position k predicts x[k + 1]; completion tokens start at len(p)
+            k = np.arange(n - 1)
+            targets[r, : n - 1] = np.where(k + 1 >= len(p), x[1:], IGNORE_INDEX)
+            real += n
+        labels = torch.from_numpy(self.labels[[r[0] for r in rows]])
+        return UnpairedBatch(torch.from_numpy(ids), torch.from_numpy(targets), labels, real_tokens=real)

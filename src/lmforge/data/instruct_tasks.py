@@ -367,6 +367,18 @@ def pairs_of(records: Sequence[dict], seed: int) -> list[dict]:
     return out
 
 
+def unpaired_of(pairs: Sequence[dict]) -> list[dict]:
+    """KTO's unpaired records from preference records (TRL's `unpair_preference_dataset`): each pair
+    gives {"prompt", "completion": chosen, "label": true} and {"prompt", "completion": rejected,
+    "label": false}, in that order, with the pair's other fields."""
+    out = []
+    for p in pairs:
+        extra = {k: v for k, v in p.items() if k not in ("prompt", "chosen", "rejected")}
+        out.append({"prompt": p["prompt"], "completion": p["chosen"], "label": True, **extra})
+        out.append({"prompt": p["prompt"], "completion": p["rejected"], "label": False, **extra})
+    return out
+
+
 def generate_pairs(tasks: Sequence[str] | None, n: int, seed: int, difficulty: int | dict[str, int] = 1,
                    system: str | None = None) -> list[dict]:
     """`n` preference records (see `pairs_of`) with the prompts and answers of `generate(...)` with the

@@ -39,20 +39,24 @@ KIND = "sft"
 PREFERENCE_KIND = "preference"  # the same layout: examples 2i and 2i+1 are pair i's chosen and rejected
 PROMPT_KIND = "prompts"  # RL: each example a prompt (no loss tokens), its record's info in {split}_info.json
 # (preference data keeps each pair's margin there)
-KINDS = (KIND, PREFERENCE_KIND, PROMPT_KIND)
+UNPAIRED_KIND = "unpaired"  # KTO: each example one (prompt, completion), its label in {split}_info.json
+KINDS = (KIND, PREFERENCE_KIND, PROMPT_KIND, UNPAIRED_KIND)
 INFO_FILE = "{split}_info.json"
 
 
 def kind_of(cfg: Config) -> str:
     """What the run's chat data dir holds: conversations (objective sft), preference pairs (dpo) or
     prompts (rl)."""
+    if cfg.objective.name == "dpo" and cfg.preference.loss == "kto":
+        return UNPAIRED_KIND
     kinds = {"dpo": PREFERENCE_KIND, "reward": PREFERENCE_KIND, "rl": PROMPT_KIND}
     return kinds.get(cfg.objective.name, KIND)
 
 
 def _sources(cfg: Config) -> tuple[list[str], list[str], float]:
     """(data, val_data, val_fraction) of the section the objective reads."""
-    s = {PREFERENCE_KIND: cfg.preference, PROMPT_KIND: cfg.rl}.get(kind_of(cfg), cfg.sft)
+    sections = {PREFERENCE_KIND: cfg.preference, UNPAIRED_KIND: cfg.preference, PROMPT_KIND: cfg.rl}
+    s = sections.get(kind_of(cfg), cfg.sft)
     return list(s.data), list(s.val_data), s.val_fraction
 TEMPLATE_FILE = "chat_template.jinja"
 SPLITS = ("train", "val")
@@ -353,7 +357,8 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
         raise
     for name, sp in meta["splits"].items():
         n = sp["examples"]
-        what = {PREFERENCE_KIND: f"{n // 2:,} pairs", PROMPT_KIND: f"{n:,} prompts"}.get(
+        what = {PREFERENCE_KIND: f"{n // 2:,} pairs", PROMPT_KIND: f"{n:,} prompts",
+                UNPAIRED_KIND: f"{n:,} unpaired examples"}.get(
             kind, f"{n:,} conversations")
         console(f"{kind} {name}: {what}, {sp['tokens']:,} tokens, {sp['loss_tokens']:,} with loss")
     return load_prepared_sft(out)
@@ -374,7 +379,7 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
     bad_examples: list[str] = []
 
     # a preference pair's completions carry the loss, whatever sft.loss_on says for conversations
-    loss_on = "assistant" if kind == PREFERENCE_KIND else s.loss_on
+    loss_on = "assistant" if kind in (PREFERENCE_KIND, UNPAIRED_KIND) else s.loss_on
 
     def example(conv: Conversation) -> Example | None:
         try:
@@ -416,6 +421,11 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
                 examples[split].append(ex)
                 infos[split].append(item.info)
             return
+        if kind == UNPAIRED_KIND:
+            if (ex := example(item.conversation())) is not None:
+                examples[split].append(ex)
+                infos[split].append({"label": item.desirable})
+            return
         convs = item.conversations() if kind == PREFERENCE_KIND else (item,)
         made = [example(c) for c in convs]
         if all(e is not None for e in made):  # a pair is kept whole or not at all
@@ -427,6 +437,10 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
         from lmforge.data.preference import read_pairs
 
         read = lambda sources: read_pairs(sources, s.on_bad_record, stats)  # noqa: E731
+    elif kind == UNPAIRED_KIND:
+        from lmforge.data.preference import read_unpaired
+
+        read = lambda sources: read_unpaired(sources, s.on_bad_record, stats)  # noqa: E731
     elif kind == PROMPT_KIND:
         from lmforge.data.prompts import read_prompts
 
@@ -451,7 +465,8 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
             + ("cut to it" if s.overlong == "truncate" else "dropped")
         )
     if not examples["train"]:
-        what = {PREFERENCE_KIND: "pair in preference.data", PROMPT_KIND: "prompt in rl.data"}.get(
+        what = {PREFERENCE_KIND: "pair in preference.data", PROMPT_KIND: "prompt in rl.data",
+                UNPAIRED_KIND: "unpaired example in preference.data"}.get(
             kind, "conversation in sft.data")
         raise DataError(f"no usable training {what} ({stats.summary()}); check the records and sft.format")
     tok.save(dir / TOKENIZER_FILE)
@@ -461,7 +476,7 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
         split = SFTSplit.of(exs)
         for part, arr in (("ids", split.ids), ("mask", split.mask), ("offsets", split.offsets)):
             np.save(dir / f"{name}_{part}.npy", arr, allow_pickle=False)
-        if kind in (PROMPT_KIND, PREFERENCE_KIND):
+        if kind in (PROMPT_KIND, PREFERENCE_KIND, UNPAIRED_KIND):
             (dir / INFO_FILE.format(split=name)).write_text(json.dumps(infos[name]), encoding="utf-8")
         splits[name] = {
             "examples": len(split),

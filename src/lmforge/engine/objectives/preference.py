@@ -22,10 +22,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from lmforge.data.batch import PreferenceBatch
+from lmforge.data.batch import PreferenceBatch, UnpairedBatch
 from lmforge.engine.loss import logits_of
 from lmforge.engine.objectives.base import Objective, ObjectiveOutput
-from lmforge.engine.preference_loss import PAIR_LOSSES, REFERENCE_FREE, pair_losses, sequence_logps
+from lmforge.engine.preference_loss import (
+    PAIR_LOSSES,
+    REFERENCE_FREE,
+    kto_losses,
+    kto_reference_point,
+    pair_losses,
+    sequence_logps,
+)
 from lmforge.errors import ConfigError
 
 Reference = Callable[[PreferenceBatch], torch.Tensor]  # batch -> (2P,) summed completion log-probs
@@ -43,7 +50,7 @@ class Preference(Objective):
     def __init__(self, loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0,
                  simpo_gamma: float = 0.5, sft_weight: float = 0.0,
                  reference: Reference | None = None) -> None:
-        if loss not in PAIR_LOSSES:
+        if loss not in (*PAIR_LOSSES, "kto"):
             raise ConfigError(f"preference loss {loss!r} is not one of {', '.join(PAIR_LOSSES)}")
         self.loss, self.beta = loss, beta
         self.label_smoothing, self.simpo_gamma, self.sft_weight = label_smoothing, simpo_gamma, sft_weight
@@ -55,6 +62,9 @@ class Preference(Objective):
         if cfg.train.loss_chunk_tokens:
             raise ConfigError("train.loss_chunk_tokens is not implemented for objective dpo (its loss needs "
                               "each sequence's log-probabilities); set it to 0")
+        if p.loss == "kto":
+            return KTO(beta=p.beta, desirable_weight=p.desirable_weight,
+                       undesirable_weight=p.undesirable_weight)
         return cls(loss=p.loss, beta=p.beta, label_smoothing=p.label_smoothing, simpo_gamma=p.simpo_gamma,
                    sft_weight=p.sft_weight)
 
@@ -112,3 +122,44 @@ class Preference(Objective):
         if ref_c is not None:  # the same for the reference model: where the policy started
             metrics["ref_logp_accuracy"] = (ref_c > ref_r).float().sum()
         return ObjectiveOutput(losses.sum(), metrics)
+
+
+class KTO(Preference):
+    """KTO (Ethayarajh et al. 2024) on unpaired examples (`UnpairedBatch`): objective dpo with
+    preference.loss=kto. One forward covers the examples and their mismatched twins; the reference
+    point z is the batch's mean policy-minus-reference log-ratio of the twins, clamped at 0 and
+    detached (per micro-batch and rank; TRL averages it over the processes of a step). The loss is
+    summed over examples, the step divides by the examples of the whole step (TRL's mean). Metrics:
+    the rewards b (p - r) of the desirable and the undesirable examples (each a mean over its own),
+    their policy log-probs, and z (`kl`, a mean over micro-batches)."""
+
+    batch_type = UnpairedBatch
+
+    def __init__(self, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+                 reference: Reference | None = None) -> None:
+        super().__init__(loss="kto", beta=beta, reference=reference)
+        self.desirable_weight, self.undesirable_weight = desirable_weight, undesirable_weight
+
+    def num_targets(self, batch: UnpairedBatch) -> int:
+        return batch.examples
+
+    def __call__(self, model: nn.Module, batch: UnpairedBatch) -> ObjectiveOutput:
+        logps, _ = sequence_logps(logits_of(model(batch.input_ids)), batch.targets)  # (2B,)
+        ref = self.reference_logps(batch)
+        b = batch.examples
+        z = kto_reference_point(logps[b:].detach(), ref[b:])
+        losses, rewards = kto_losses(logps[:b], ref[:b], batch.desirable, z, beta=self.beta,
+                                     desirable_weight=self.desirable_weight,
+                                     undesirable_weight=self.undesirable_weight)
+        good, bad = batch.desirable, ~batch.desirable
+        one = torch.ones((), device=logps.device)
+        metrics = {
+            "reward_desirable": rewards[good].sum(),
+            "reward_undesirable": rewards[bad].sum(),
+            "logp_desirable": logps[:b][good].detach().sum(),
+            "logp_undesirable": logps[:b][bad].detach().sum(),
+            "kl": z,
+        }
+        counts = {"reward_desirable": good.sum().float(), "reward_undesirable": bad.sum().float(),
+                  "logp_desirable": good.sum().float(), "logp_undesirable": bad.sum().float(), "kl": one}
+        return ObjectiveOutput(losses.sum(), metrics, counts)
