@@ -171,6 +171,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_constitution(args: argparse.Namespace) -> int:
+    from lmforge.tools.constitution import load_constitution, run_constitution
+
+    if args.write_default:
+        from pathlib import Path
+
+        import yaml
+
+        from lmforge.utils.io import atomic_write_text
+
+        check_replaceable(args.write_default)
+        principles = [vars(p) for p in load_constitution(None)]
+        atomic_write_text(Path(args.write_default), yaml.safe_dump(principles, sort_keys=False, width=100))
+        print(f"wrote the default constitution ({len(principles)} principles) to {args.write_default}")
+        return 0
+    if not args.path or not args.prompts or not args.out:
+        raise LmforgeError("give the model (a run, checkpoint or Hugging Face dir), --prompts FILE and "
+                           "-o DIR")
+    run_constitution(args.path, args.prompts, args.out, constitution=args.constitution, overrides=args.set,
+                     max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                     feedback=not args.no_feedback, limit=args.limit, overwrite=args.overwrite)
+    return 0
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from lmforge.checkpoint.hf_io import import_hf
 
@@ -271,6 +295,9 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
                    "or RLOO by rl.algorithm), full or with adapters"),
     "sft": (cmd_sft, "fine-tune on chat data (objective sft): full, LoRA, DoRA or QLoRA (the finetune "
             "section)"),
+    "constitution": (cmd_constitution, "Constitutional AI data: a model critiques and revises its answers "
+                     "against principles (SFT data, revision pairs) and judges pairs of them (AI-feedback "
+                     "pairs for DPO)"),
     "tasks": (cmd_tasks, "write verifiable instruction tasks (arithmetic, strings, recall...) as chat JSONL"),
     "eval": (cmd_eval, "validation loss, perplexity and bits per byte of a run or checkpoint"),
     "generate": (cmd_generate, "sample text from a run or checkpoint"),
@@ -327,6 +354,22 @@ def build_parser() -> argparse.ArgumentParser:
                            "pair's chosen answer (label true) and rejected answer (label false) apart")
             p.add_argument("--pairs", action="store_true", help="write preference pairs (prompt, chosen: the "
                            "answer, rejected: a wrong answer of the same task) for DPO-style training")
+            continue
+        if name == "constitution":
+            p.add_argument("path", nargs="?", help="the model: a run dir, checkpoint dir or Hugging Face dir")
+            p.add_argument("--prompts", action="append", default=[], help="JSONL / Parquet prompts (prompt: "
+                           "string or messages, or chat messages); repeatable")
+            p.add_argument("-o", "--out", help="output dir: sft.jsonl, revisions.jsonl, feedback.jsonl")
+            p.add_argument("--constitution", help="YAML / JSON principles (name, critique, revision); "
+                           "default: lmforge's (see --write-default)")
+            p.add_argument("--write-default", metavar="FILE", help="write the default constitution to FILE "
+                           "(to edit) and exit")
+            p.add_argument("--max-new-tokens", type=int, default=64, help="longest answer / critique")
+            p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of answers")
+            p.add_argument("--seed", type=int, default=0, help="seed of the principles drawn and the samples")
+            p.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
+            p.add_argument("--no-feedback", action="store_true", help="skip the AI-feedback pairs")
+            p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
             continue
         if name in ("train", "sft", "dpo", "reward", "rl"):
             p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its "
