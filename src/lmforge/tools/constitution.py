@@ -212,8 +212,8 @@ def run_constitution(path: str | Path, prompts_files: list[str], out: str | Path
     say(f"constitution: {counts['prompts']:,} prompts -> {counts['sft']:,} revised answers (sft.jsonl), "
         f"{counts['revision_pairs']:,} revision pairs (revisions.jsonl), {counts['feedback_pairs']:,} "
         f"AI-feedback pairs (feedback.jsonl) in {out}"
-        + (f"; {too_long[0]:,} steps stopped at the model's {model.cfg.max_seq_len}-token context"
-           if too_long[0] else ""))
+        + (f"; {too_long[0]:,} generation step(s) stopped at the model's {model.cfg.max_seq_len}-token "
+           "context" if too_long[0] else ""))
     return counts
 
 
