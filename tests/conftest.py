@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from lmforge.config import Config, load_config
+from lmforge.train.callbacks import Callback
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "debug" / "tiny.yaml"
@@ -37,3 +38,18 @@ def tiny_cfg(tmp_path, shared_data_dir):
         return load_config(TINY, tiny_overrides(tmp_path / "run", shared_data_dir, *extra))
 
     return make
+
+
+class Crash(RuntimeError):
+    """What `CrashAt` raises: a run dying mid-way, for the crash + resume tests."""
+
+
+class CrashAt(Callback):
+    """Dies after step `at` (pick a step that is not a checkpoint: the resumed run must redo steps)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_step_end(self, trainer, step, result):
+        if step == self.at:
+            raise Crash(f"crash after step {step}")

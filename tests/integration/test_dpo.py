@@ -12,12 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import TINY, tiny_overrides
+from conftest import TINY, Crash, CrashAt, tiny_overrides
 from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.data.instruct_tasks import pairs_of, split_disjoint, unpaired_of, write_jsonl
 from lmforge.metrics.loggers import read_metrics
-from lmforge.train.callbacks import Callback
 from lmforge.train.trainer import Trainer, train
 
 STEPS = 6
@@ -55,18 +54,6 @@ def overrides(w: SimpleNamespace, run_dir: Path, *extra: str) -> list[str]:
 def cli(w: SimpleNamespace, run_dir: Path, *extra: str) -> list[str]:
     return [a for o in overrides(w, run_dir, *extra) for a in ("--set", o)]
 
-
-class Crash(RuntimeError):
-    pass
-
-
-class CrashAt(Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, trainer, step, result):
-        if step == self.step:
-            raise Crash(f"crash after step {step}")
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import TINY, tiny_overrides
+from conftest import TINY, Crash, CrashAt, tiny_overrides
 from lmforge.assembly import build_run
 from lmforge.checkpoint.runs import load_model, run_config
 from lmforge.cli import main
@@ -26,7 +26,6 @@ from lmforge.config import load_config
 from lmforge.data.instruct_tasks import split_disjoint, write_jsonl
 from lmforge.finetune.setup import load_finetuned
 from lmforge.metrics.loggers import read_metrics
-from lmforge.train.callbacks import Callback
 from lmforge.train.trainer import Trainer, train
 
 STEPS = 8
@@ -117,20 +116,6 @@ def test_sft_cli_end_to_end(world, tmp_path, capsys):
     assert main(args) == 0
     assert capsys.readouterr().out == reply  # greedy: the same reply again
 
-
-class Crash(Exception):
-    pass
-
-
-class CrashAt(Callback):
-    """Dies after step `at` (a step that is not a checkpoint): the resumed run must redo steps."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_step_end(self, trainer, step, result):
-        if step == self.at:
-            raise Crash(f"crash after step {step}")
 
 
 METHODS = {

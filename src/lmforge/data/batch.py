@@ -14,6 +14,26 @@ import torch
 IGNORE_INDEX = -100  # a target that carries no loss (padding, prompt tokens, positions past a document)
 
 
+class PaddedRows:
+    """What every batch of right-padded rows reports: where it lives, the real (non-padding) input
+    tokens throughput counts, and its rows (`input_ids` (rows, T) and `real_tokens` of the subclass)."""
+
+    input_ids: torch.Tensor
+    real_tokens: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    @property
+    def num_tokens(self) -> int:
+        return self.real_tokens
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.size(0)
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     """Next-token prediction: `input_ids` (B, T) and `targets` (B, T), targets[i] = the token after
@@ -58,7 +78,7 @@ class TokenBatch:
 
 
 @dataclass(frozen=True)
-class ChatBatch:
+class ChatBatch(PaddedRows):
     """Fine-tuning rows: `input_ids`, `targets` (B, T) as in TokenBatch, and for packed rows
     `position_ids` (B, T), restarting at 0 with each conversation, and `segment_ids` (B, T), the
     conversation each position belongs to (-1 for padding): attention never crosses a segment.
@@ -92,22 +112,8 @@ class ChatBatch:
         return ChatBatch(move(self.input_ids), move(self.targets), move(self.position_ids),
                          move(self.segment_ids), self.real_tokens)
 
-    @property
-    def device(self) -> torch.device:
-        return self.input_ids.device
-
-    @property
-    def num_tokens(self) -> int:
-        """Real (non-padding) input tokens: what throughput counts."""
-        return self.real_tokens
-
-    @property
-    def rows(self) -> int:
-        return self.input_ids.size(0)
-
-
 @dataclass(frozen=True)
-class PreferenceBatch:
+class PreferenceBatch(PaddedRows):
     """Preference pairs: `input_ids`, `targets` (2P, T), rows 0..P-1 the chosen sequences and rows
     P..2P-1 the rejected ones of the same pairs (TRL's concatenated layout: one forward for both),
     right-padded; targets are IGNORE_INDEX everywhere but the completion tokens. `ref_logps` (2P,)
@@ -151,22 +157,8 @@ class PreferenceBatch:
                                self.real_tokens, move(self.margins))
 
     @property
-    def device(self) -> torch.device:
-        return self.input_ids.device
-
-    @property
     def pairs(self) -> int:
         return self.input_ids.size(0) // 2
-
-    @property
-    def num_tokens(self) -> int:
-        """Real (non-padding) input tokens: what throughput counts."""
-        return self.real_tokens
-
-    @property
-    def rows(self) -> int:
-        return self.input_ids.size(0)
-
 
 @dataclass(frozen=True)
 class PromptBatch:
@@ -198,7 +190,7 @@ class PromptBatch:
 
 
 @dataclass(frozen=True)
-class RolloutBatch:
+class RolloutBatch(PaddedRows):
     """Sampled completions, scored: rows of prompt + completion, right-padded (`input_ids`, and
     `targets` holding the next token on completion positions only, IGNORE_INDEX elsewhere), in
     consecutive groups of `group_size` completions of one prompt. `advantages` (N,) one per row;
@@ -228,21 +220,8 @@ class RolloutBatch:
     def completion_mask(self) -> torch.Tensor:
         return self.targets != IGNORE_INDEX
 
-    @property
-    def device(self) -> torch.device:
-        return self.input_ids.device
-
-    @property
-    def num_tokens(self) -> int:
-        return self.real_tokens
-
-    @property
-    def rows(self) -> int:
-        return self.input_ids.size(0)
-
-
 @dataclass(frozen=True)
-class UnpairedBatch:
+class UnpairedBatch(PaddedRows):
     """KTO's unpaired examples: `input_ids`, `targets` (2B, T), rows 0..B-1 the examples (prompt +
     completion, targets on the completion only) and rows B..2B-1 their mismatched twins (example i's
     prompt with example i-1's completion, as TRL's KTO builds them), whose log-probs estimate the KL
@@ -261,17 +240,5 @@ class UnpairedBatch:
                              move(self.ref_logps), self.real_tokens)
 
     @property
-    def device(self) -> torch.device:
-        return self.input_ids.device
-
-    @property
     def examples(self) -> int:
         return self.desirable.numel()
-
-    @property
-    def num_tokens(self) -> int:
-        return self.real_tokens
-
-    @property
-    def rows(self) -> int:
-        return self.input_ids.size(0)

@@ -381,16 +381,20 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
     # a preference pair's completions carry the loss, whatever sft.loss_on says for conversations
     loss_on = "assistant" if kind in (PREFERENCE_KIND, UNPAIRED_KIND) else s.loss_on
 
+    def bad(where: str, e: DataError) -> None:
+        """A record the template or the content checks refuse: fatal, or skipped and counted."""
+        if isinstance(e, TemplateError) or s.on_bad_record == "fail":
+            raise DataError(f"{where}: {e}") from None
+        counts["bad_content"] += 1
+        if len(bad_examples) < 5:
+            bad_examples.append(f"{where}: {e}")
+
     def example(conv: Conversation) -> Example | None:
         try:
             check_contents(conv, specials)
             ex = label_mask(conv, template, tok, loss_on)
         except DataError as e:
-            if isinstance(e, TemplateError) or s.on_bad_record == "fail":
-                raise DataError(f"{conv.where}: {e}") from None
-            counts["bad_content"] += 1
-            if len(bad_examples) < 5:
-                bad_examples.append(f"{conv.where}: {e}")
+            bad(conv.where, e)
             return None
         fitted = fit(ex, cfg.seq_len, s.overlong)
         if fitted is None:
@@ -404,11 +408,7 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
             check_contents(Conversation(item.messages, item.where), specials)
             ids, _ = tok.encode_chat(template.render(list(item.messages), add_generation_prompt=True))
         except DataError as e:
-            if isinstance(e, TemplateError) or s.on_bad_record == "fail":
-                raise DataError(f"{item.where}: {e}") from None
-            counts["bad_content"] += 1
-            if len(bad_examples) < 5:
-                bad_examples.append(f"{item.where}: {e}")
+            bad(item.where, e)
             return None
         if len(ids) >= cfg.seq_len:  # no room left for a reply
             counts["dropped_overlong"] += 1
