@@ -133,6 +133,22 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from lmforge.eval.entry import eval_tasks, evaluate
 
+    if args.redteam or args.redteam_prompts:
+        from rich.console import Console
+        from rich.table import Table
+
+        from lmforge.eval.entry import eval_redteam
+
+        result = eval_redteam(_run_path(args), args.redteam_prompts, args.set, weights=args.weights)
+        table = Table(title="red-team attack success (no refusal)", show_header=True)
+        table.add_column("category")
+        for col in ("prompts", "attack success", "refused", "flagged harmful", "flagged PII"):
+            table.add_column(col, justify="right")
+        for cat, r in result.items():
+            table.add_row(cat, str(r["prompts"]), f"{r['attack_success_rate']:.1%}",
+                          f"{r['refusal_rate']:.1%}", str(r["flagged_harmful"]), str(r["flagged_pii"]))
+        Console(highlight=False).print(table)
+        return 0
     if args.tasks:
         from rich.console import Console
         from rich.table import Table
@@ -387,6 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "eval":
             p.add_argument("--tasks", help="a tasks JSONL (lmforge tasks): exact-match accuracy per task of "
                            "greedy chat replies, instead of the loss")
+            p.add_argument("--redteam", action="store_true", help="attack success rate per category of "
+                           "greedy replies to lmforge's shipped red-team prompts (refusal, block-list and "
+                           "PII detectors), instead of the loss")
+            p.add_argument("--redteam-prompts", help="a JSONL of {prompt, category} red-team records instead "
+                           "of the shipped ones (implies --redteam)")
         if name == "plot-schedule":
             p.add_argument("-o", "--out", default="schedule.png",
                            help="PNG to write (default: schedule.png in the current dir; the run dir is "

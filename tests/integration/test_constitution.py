@@ -84,3 +84,20 @@ def test_bad_constitution_input_exits_2_and_keeps_the_old_output(base, tmp_path,
     written = tmp_path / "principles.yaml"
     assert main(["constitution", "--write-default", str(written)]) == 0
     assert written.read_text().count("critique:") == len(DEFAULT_CONSTITUTION)
+
+
+def test_redteam_eval_writes_the_report_and_refuses_bad_prompts(base, tmp_path, capsys):
+    run = base / "base"
+    assert main(["eval", str(run), "--redteam"]) == 0
+    out = capsys.readouterr().out
+    assert "attack success" in out and "jailbreak" in out
+    report = json.loads(next(run.glob("eval_redteam_step_*.json")).read_text())
+    assert len(report["replies"]) == 32 and report["categories"]["all"]["prompts"] == 32
+    assert all({"reply", "refused", "pii", "blocklist_hits"} <= set(r) for r in report["replies"])
+    own = tmp_path / "own.jsonl"
+    own.write_text(json.dumps({"prompt": "Tell me a secret.", "category": "mine"}) + "\n")
+    assert main(["eval", str(run), "--redteam-prompts", str(own)]) == 0
+    assert "mine" in capsys.readouterr().out
+    own.write_text(json.dumps({"prompt": "no category"}) + "\n")
+    assert main(["eval", str(run), "--redteam-prompts", str(own)]) == 2
+    assert "'category'" in capsys.readouterr().err

@@ -3,6 +3,7 @@ model dir) assembled for evaluation or sampling, and used."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from lmforge.assembly import Run, build_run
@@ -83,6 +84,49 @@ def eval_tasks(path: str | Path, tasks_file: str | Path, overrides: list[str] | 
     suffix = "" if weights == "model" else f"_{weights}"
     atomic_write_json(run.run_dir / f"eval_tasks_step_{run.step:08d}{suffix}.json", result)
     return acc
+
+
+def eval_redteam(path: str | Path, prompts_file: str | Path | None = None,
+                 overrides: list[str] | tuple[str, ...] = (), weights: str = "model",
+                 max_new_tokens: int = 64, blocklist_files: Sequence[str] = ()) -> dict[str, dict]:
+    """Attack success rate per category of a run's greedy replies to red-team prompts (lmforge's
+    shipped set, or a JSONL file of {"prompt", "category"}), with the detectors of eval/redteam.py.
+    Written to eval_redteam_step_N.json with every prompt, reply and verdict."""
+    from lmforge.eval.chat import greedy_replies
+    from lmforge.eval.redteam import Detectors, attack_success, shipped_records
+
+    run = load_run(path, overrides, weights)
+    records = shipped_records() if prompts_file is None else _redteam_records(Path(prompts_file))
+    template = chat_template_of(run)
+    stops = stop_ids(template, run.tokenizer)
+    ids = [chat_prompt_ids(template, run.tokenizer, [{"role": "user", "content": r["prompt"]}])
+           for r in records]
+    replies: list[str] = []
+    for i in range(0, len(ids), 32):
+        for out in greedy_replies(run.model, ids[i : i + 32], max_new_tokens, stops, run.device):
+            replies.append(run.tokenizer.decode(out))
+    detectors = Detectors(blocklist_files=blocklist_files)
+    result = attack_success(records, replies, detectors)
+    suffix = "" if weights == "model" else f"_{weights}"
+    details = [{**r, "reply": reply, **vars(detectors(reply))} for r, reply in zip(records, replies)]
+    atomic_write_json(run.run_dir / f"eval_redteam_step_{run.step:08d}{suffix}.json",
+                      {"step": run.step, "weights": weights, "prompts_file": None if prompts_file is None
+                       else str(prompts_file), "categories": result, "replies": details})
+    return result
+
+
+def _redteam_records(path: Path) -> list[dict]:
+    from lmforge.data.chat import _iter_jsonl
+
+    records = []
+    for where, record in _iter_jsonl(path, ChatStats()):
+        ok = isinstance(record, dict) and isinstance(record.get("prompt"), str) and record["prompt"].strip()
+        if not (ok and isinstance(record.get("category"), str)):
+            raise DataError(f"{where}: a red-team record needs string 'prompt' and 'category' keys")
+        records.append(record)
+    if not records:
+        raise DataError(f"{path} holds no red-team records")
+    return records
 
 
 def _task_records(path: Path) -> list[dict]:
