@@ -24,6 +24,8 @@ STEPS = 4
 METHODS = {
     "lora-kl": ("finetune.method=lora", "finetune.r=4", "finetune.alpha=8", "rl.beta=0.05"),
     "full-kl": ("finetune.method=full", "rl.beta=0.05", "rl.loss_aggregation=seq-mean-token-mean"),
+    "ppo-lora": ("finetune.method=lora", "finetune.r=4", "finetune.alpha=8", "rl.algorithm=ppo",
+                 "rl.beta=0.05", "rl.group_size=2"),
 }
 
 
@@ -72,9 +74,13 @@ def test_rl_runs_logs_rewards_and_resumes_bit_identically(world, tmp_path, metho
     assert len(train_rows) == STEPS
     # sampled answers are sometimes right and sometimes not: the groups carry a learning signal
     assert any(r["mixed_groups"] > 0 for r in train_rows)
+    if "rl.algorithm=ppo" in extra:  # the value head learns the returns
+        assert all(k in train_rows[-1] for k in ("value_loss", "value", "returns"))
     assert all(0.0 <= r["reward"] <= 1.0 and r["reward_exact_match"] == r["reward"] for r in train_rows)
-    assert all(r["kl"] >= 0.0 for r in train_rows) and train_rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)
-    assert any(r["kl"] > 0 for r in train_rows[1:])  # the policy moved off its reference
+    if "rl.algorithm=ppo" not in extra:  # grpo's k3 estimate is >= 0; ppo penalises (and logs) k1
+        assert all(r["kl"] >= 0.0 for r in train_rows)
+    assert train_rows[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert any(r["kl"] != 0 for r in train_rows[1:])  # the policy moved off its reference
     val = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in val] == [2, 4] and 0.0 <= val[-1]["val_reward"] <= 1.0
 
@@ -82,7 +88,8 @@ def test_rl_runs_logs_rewards_and_resumes_bit_identically(world, tmp_path, metho
     with pytest.raises(Crash):
         Trainer(config, callbacks=[CrashAt(3)]).fit()
     assert main(["rl", *cli(world, crashed, *extra), "--resume"]) == 0
-    compared = ("step", "loss", "grad_norm", "lr", "reward", "kl", "completion_tokens", "val_reward")
+    compared = ("step", "loss", "grad_norm", "lr", "reward", "kl", "completion_tokens", "val_reward",
+                "value_loss")
     curve = lambda d: [{k: r[k] for k in compared if k in r} for r in read_metrics(d / "metrics.jsonl")]  # noqa: E731
     assert curve(straight) == curve(crashed)
 

@@ -299,17 +299,18 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         if not resumed and cfg.model.init_from:
             say(f"initialised the weights from {cfg.model.init_from}")
         vocab = cfg.model.vocab_size
-    if cfg.objective.name == "reward" and not custom:  # a reward model: the scalar head, always trained
-        from lmforge.models.transformer import add_score_head
+    head = _scalar_head(cfg)  # a reward model's score or PPO's value head: added, always trained
+    if head and not custom:
+        from lmforge.models.transformer import add_head
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.run.seed)
-            add_score_head(model)
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"score_head": True})})
+            add_head(model, head)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={f"{head}_head": True})})
     if cfg.finetune.method != "full" or sft:
         say(apply_finetune(model, cfg.finetune, seed=cfg.run.seed).line())
-        if cfg.objective.name == "reward" and not custom:
-            model.score.requires_grad_(True)  # PEFT's modules_to_save for a sequence-classification model
+        if head and not custom:
+            getattr(model, head).requires_grad_(True)  # PEFT's modules_to_save
     if isinstance(objective, Preference) and objective.needs_reference and objective.reference is None:
         objective.reference = _summed(_reference(model, cfg, dims, device, data, source_vocab, say))
     if isinstance(objective, PolicyGradient) and objective.rollout is None:
@@ -369,6 +370,15 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         lock=lock,
         template=data.template if sft else None,
     )
+
+
+def _scalar_head(cfg: Config) -> str | None:
+    """The scalar head the objective trains beside the model: score (reward), value (PPO) or None."""
+    if cfg.objective.name == "reward":
+        return "score"
+    if cfg.objective.name == "rl" and cfg.rl.algorithm == "ppo":
+        return "value"
+    return None
 
 
 def _chat_loader(cfg: Config, data, name: str, batch_size: int, **kw):
@@ -451,8 +461,8 @@ def _starting_model(cfg: Config, device: torch.device, chat_data, source_vocab: 
     from lmforge.models.resize import init_token_rows, resize_vocab
 
     grow = chat_data is not None and source_vocab is not None and cfg.model.vocab_size > source_vocab
-    # a reward model's score head is added afterwards: the weights it starts from have none
-    arch = cfg.model.model_copy(update={"score_head": False})
+    # a reward model's or PPO's scalar head is added afterwards: the weights it starts from have none
+    arch = cfg.model.model_copy(update={"score_head": False, "value_head": False})
     model = build_model(arch.model_copy(update={"vocab_size": source_vocab}) if grow else arch, device=device)
     if load and cfg.model.init_from:
         load_weights(cfg.model.init_from, model)

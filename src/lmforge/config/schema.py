@@ -112,6 +112,9 @@ class ModelConfig(Section):
     score_head: bool = Field(False, description="A scalar head `score` (d_model -> 1, no bias) beside the "
                              "output projection: a reward model (objective reward) reads it at a sequence's "
                              "last token; exported as ...ForSequenceClassification with num_labels 1.")
+    value_head: bool = Field(False, description="A scalar head `value` (d_model -> 1, no bias): PPO's critic "
+                             "on the policy's own hidden states (objective rl, rl.algorithm=ppo); not "
+                             "exported.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention, residual and embeddings.")
     sliding_window: int | None = Field(
         None, ge=1, description="Attend to at most this many previous tokens (Mistral style)."
@@ -415,12 +418,19 @@ class RLConfig(Section):
     val_data: list[str] = Field(default_factory=list, description="Held-out prompts (empty: rl.val_fraction "
                                 "of the data). Validation scores the greedy reply to each.")
     val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of the prompts held out.")
-    algorithm: Literal["grpo", "rloo"] = Field(
+    algorithm: Literal["grpo", "rloo", "ppo"] = Field(
         "grpo", description="grpo: group-normalised advantages and a clipped per-token loss (TRL's "
         "GRPOTrainer); rloo: leave-one-out baselines and a clipped sequence-level loss, its KL penalty in "
-        "the reward (TRL's RLOOTrainer)."
+        "the reward (TRL's RLOOTrainer); ppo: a value head on the policy, per-token KL-penalty rewards, "
+        "GAE advantages, the clipped policy and value losses."
     )
-    group_size: int = Field(8, ge=2, description="Completions sampled per prompt (TRL's num_generations).")
+    group_size: int = Field(8, ge=1, description="Completions sampled per prompt (TRL's num_generations; "
+                            "grpo and rloo need 2 or more, ppo takes 1).")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount of GAE.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE's lambda.")
+    vf_coef: float = Field(0.1, ge=0.0, description="PPO: weight of the value loss.")
+    cliprange_value: float | None = Field(0.2, gt=0.0, description="PPO: clip range of the value around the "
+                                          "sampling-time value (None: unclipped).")
     max_new_tokens: int = Field(32, ge=1, description="Longest completion (TRL's max_completion_length).")
     temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of the completions.")
     top_k: int | None = Field(None, ge=1, description="Sample from the k most likely tokens only.")
@@ -455,6 +465,9 @@ class RLConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
+        if self.algorithm != "ppo" and self.group_size < 2:
+            raise ValueError(f"rl.group_size={self.group_size}: {self.algorithm} compares completions of a "
+                             "prompt with each other and needs 2 or more")
         if self.algorithm == "rloo" and self.scale_rewards == "group":
             raise ValueError("rl.scale_rewards=group is for grpo; rloo's leave-one-out baseline takes none "
                              "or batch")

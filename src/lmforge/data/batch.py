@@ -197,7 +197,8 @@ class RolloutBatch(PaddedRows):
     `rewards` (N,) the scalar rewards they came from, `reward_parts` each reward function's;
     `old_logps` / `ref_logps` (N, T): the sampling policy's and the reference model's log-probs of
     the target tokens (0 elsewhere), or None (old: the policy that samples is the one trained, so the
-    ratio is 1; ref: no KL penalty)."""
+    ratio is 1; ref: no KL penalty). PPO adds token-level `advantages` (N, T), `old_values` (N, T) (the
+    value head's at sampling time) and `returns` (N, T)."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
@@ -208,13 +209,16 @@ class RolloutBatch(PaddedRows):
     ref_logps: torch.Tensor | None = None
     reward_parts: dict[str, torch.Tensor] | None = None
     real_tokens: int = 0
+    old_values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         parts = None if self.reward_parts is None else {k: move(v) for k, v in self.reward_parts.items()}
         return RolloutBatch(move(self.input_ids), move(self.targets), move(self.advantages),
                             move(self.rewards), self.group_size, move(self.old_logps),
-                            move(self.ref_logps), parts, self.real_tokens)
+                            move(self.ref_logps), parts, self.real_tokens, move(self.old_values),
+                            move(self.returns))
 
     @property
     def completion_mask(self) -> torch.Tensor:

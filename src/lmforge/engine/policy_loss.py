@@ -20,6 +20,14 @@ accumulation and data parallelism equal one big batch.
   advantage rloo   r - mean of the other G - 1 rewards of its group        (scale=batch: then whitened)
   token loss       -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + beta KL,   rho = p / p_old
   KL (k3)          exp(ref - logp) - (ref - logp) - 1                     (Schulman's unbiased, >= 0)
+
+PPO (RLHF as InstructGPT / TRL's former PPOTrainer / OpenRLHF / torchtune do it): per-token rewards
+-beta (log p_old - log p_ref) with the sequence's score added at its last token (`token_rewards`),
+GAE advantages and returns over the completion (`gae`), advantages whitened over the batch's
+completion tokens (`masked_whiten`), and the clipped value loss (`value_losses`)
+
+  delta_t = r_t + gamma V_t+1 - V_t,   A_t = sum_k (gamma lambda)^k delta_t+k,   R_t = A_t + V_t
+  value   0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ SCALINGS = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 __all__ = [
+    "gae",
+    "masked_whiten",
+    "token_rewards",
+    "value_losses",
     "AGGREGATIONS",
     "ESTIMATORS",
     "KL_ESTIMATORS",
@@ -168,3 +180,60 @@ def aggregate_count(mask: torch.Tensor, mode: str) -> int:
     if mode not in AGGREGATIONS:
         raise ValueError(f"loss aggregation {mode!r} is not one of {', '.join(AGGREGATIONS)}")
     return int(mask.shape[0])
+
+
+def token_rewards(scores: torch.Tensor, old_logps: torch.Tensor, ref_logps: torch.Tensor | None,
+                  mask: torch.Tensor, beta: float) -> torch.Tensor:
+    """PPO's per-token rewards (N, T): -beta (log p_old - log p_ref) on every completion token (k1, the
+    KL penalty as a reward) and each sequence's score (N,) added at its last completion token."""
+    m = mask.to(old_logps.dtype)
+    rewards = torch.zeros_like(old_logps)
+    if beta and ref_logps is not None:
+        rewards = -beta * (old_logps - ref_logps) * m
+    pos = torch.arange(mask.size(1), device=mask.device).expand_as(mask)
+    last = torch.where(mask, pos, -1).amax(-1)  # (N,): -1 for a row without completion tokens
+    has = last >= 0
+    rows = torch.arange(mask.size(0), device=mask.device)[has]
+    return rewards.index_put((rows, last[has]), scores[has].to(rewards.dtype), accumulate=True)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over each row's completion tokens: (advantages, returns), both
+    (N, T) and 0 off the mask. The value after a completion's last token is 0 (the episode ends)."""
+    m = mask.to(values.dtype)
+    v = values * m
+    r = rewards * m
+    adv = torch.zeros_like(v)
+    last = torch.zeros_like(v[:, 0])
+    for t in range(v.size(1) - 1, -1, -1):
+        next_v = v[:, t + 1] if t + 1 < v.size(1) else torch.zeros_like(last)
+        delta = r[:, t] + gamma * next_v - v[:, t]
+        last = (delta + gamma * lam * last) * m[:, t]
+        adv[:, t] = last
+    return adv, (adv + v) * m
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+                  ) -> torch.Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked entries (unbiased variance, as TRL's whiten), 0 off
+    the mask; shift_mean=False adds the mean back."""
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    var = ((x - mean).square() * m).sum() / (n - 1).clamp(min=1)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * m
+
+
+def value_losses(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None
+                 ) -> torch.Tensor:
+    """PPO's clipped value loss per token: 0.5 max((V - R)^2, (V_old + clip(V - V_old) - R)^2); without
+    `clip`, 0.5 (V - R)^2."""
+    loss = (values - returns).square()
+    if clip is not None:
+        clipped = old_values + torch.clamp(values - old_values, -clip, clip)
+        loss = torch.max(loss, (clipped - returns).square())
+    return 0.5 * loss

@@ -25,7 +25,7 @@ from lmforge.config.schema import RLConfig
 from lmforge.data.batch import IGNORE_INDEX, PromptBatch, RolloutBatch
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.engine.loss import logits_of
-from lmforge.engine.policy_loss import group_advantages
+from lmforge.engine.policy_loss import gae, group_advantages, masked_whiten, token_rewards
 from lmforge.engine.preference_loss import token_logps
 from lmforge.finetune.rewards import score_replies
 from lmforge.models.generation import sample_replies
@@ -76,6 +76,8 @@ class Rollout:
         if cfg.beta > 0 and self.reference is not None:
             with torch.no_grad():
                 ref = self.reference(ids, targets).detach()
+        if cfg.algorithm == "ppo":
+            return self._ppo(batch, ids, targets, rewards, parts, ref, group, real)
         scored = rewards
         if cfg.algorithm == "rloo" and ref is not None:  # TRL: the KL penalty is part of the reward
             with torch.no_grad():
@@ -89,6 +91,35 @@ class Rollout:
         advantages = group_advantages(scored, group, cfg.algorithm, cfg.reward_scaling)
         return RolloutBatch(ids, targets, advantages, rewards, group, old_logps=old, ref_logps=ref,
                             reward_parts=parts, real_tokens=real)
+
+    @torch.no_grad()
+    def _ppo(self, batch: PromptBatch, ids: torch.Tensor, targets: torch.Tensor, rewards: torch.Tensor,
+             parts: dict, ref: torch.Tensor | None, group: int, real: int) -> RolloutBatch:
+        """PPO's batch: the sampling policy's log-probs and values (one forward, eval mode), per-token
+        KL-penalty rewards with the score at the last token, GAE, advantages whitened over the batch."""
+        cfg, policy = self.cfg, self.policy
+        was = policy.training
+        policy.eval()
+        try:
+            old, values = _policy_forward(policy, ids, targets)
+        finally:
+            policy.train(was)
+        mask = targets != IGNORE_INDEX
+        # values[t] is the value of the state that predicts token t + 1: the one the token's reward follows
+        per_token = token_rewards(rewards, old, ref, mask, cfg.beta)
+        advantages, returns = gae(per_token, values, mask, cfg.gamma, cfg.lam)
+        if not batch.greedy:
+            advantages = masked_whiten(advantages, mask)
+        return RolloutBatch(ids, targets, advantages, rewards, group, old_logps=old, ref_logps=ref,
+                            reward_parts=parts, real_tokens=real, old_values=values * mask, returns=returns)
+
+
+def _policy_forward(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token log-probs of the targets, the value head's value at every position) (N, T) of one
+    forward: the hidden states feed both the output projection and `model.value`."""
+    logits, hidden = model(ids, head=lambda h, w: (torch.nn.functional.linear(h, w), h))
+    return token_logps(logits, targets), model.value(hidden).squeeze(-1).float()
 
 
 def _rows(prompts: list[list[int]], completions: list[list[int]], pad_id: int

@@ -108,6 +108,8 @@ class Transformer(nn.Module):
                 self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             if cfg.score_head:
                 self.score = nn.Linear(cfg.d_model, 1, bias=False)
+            if cfg.value_head:
+                self.value = nn.Linear(cfg.d_model, 1, bias=False)
             if cfg.pos_embedding == "rope":
                 # Non-persistent: derived from the config, never part of a checkpoint.
                 shape = (cfg.max_seq_len, cfg.resolved_head_dim)
@@ -140,7 +142,7 @@ class Transformer(nn.Module):
         edge_std = 1e-4 if cfg.init == "small_init" else cfg.init_std  # embeddings, output head
         for name, m in self.named_modules():
             if isinstance(m, nn.Linear):
-                if name in ("output", "score"):
+                if name in ("output", "score", "value"):
                     nn.init.normal_(m.weight, mean=0.0, std=edge_std)
                 elif cfg.init == "xavier":
                     nn.init.xavier_uniform_(m.weight)
@@ -339,13 +341,16 @@ def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> T
     return model
 
 
-def add_score_head(model: Transformer, std: float | None = None) -> nn.Linear:
-    """Give `model` (built without one) the scalar head `score` of a reward model, N(0, std) (default
-    model.init_std, as transformers initialises a sequence-classification head), on the model's
-    device and dtype; `model.cfg.score_head` becomes True so its config rebuilds it."""
+def add_head(model: Transformer, name: str, std: float | None = None) -> nn.Linear:
+    """Give `model` (built without it) the scalar head `name`: "score" (a reward model's) or "value"
+    (PPO's critic), N(0, std) (default model.init_std, as transformers initialises a
+    sequence-classification head), on the model's device and dtype; `model.cfg.<name>_head` becomes
+    True so its config rebuilds it."""
+    if name not in ("score", "value"):
+        raise ValueError(f"unknown head {name!r}: score or value")
     ref = model.tok_embeddings.weight
     head = nn.Linear(model.cfg.d_model, 1, bias=False, device=ref.device, dtype=ref.dtype)
     nn.init.normal_(head.weight, mean=0.0, std=model.cfg.init_std if std is None else std)
-    model.score = head
-    model.cfg = model.cfg.model_copy(update={"score_head": True})
+    setattr(model, name, head)
+    model.cfg = model.cfg.model_copy(update={f"{name}_head": True})
     return head

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lmforge.data.batch import PromptBatch, RolloutBatch
@@ -33,6 +34,7 @@ from lmforge.engine.policy_loss import (
     kl_estimate,
     policy_token_losses,
     sequence_losses,
+    value_losses,
 )
 from lmforge.engine.preference_loss import token_logps
 from lmforge.errors import ConfigError
@@ -46,9 +48,11 @@ class PolicyGradient(Objective):
 
     def __init__(self, algorithm: str = "grpo", aggregation: str = "token-mean", clip_eps: float = 0.2,
                  clip_eps_high: float | None = None, beta: float = 0.0, kl: str = "k3",
-                 norm_length: int | None = None, rollout: Rollout | None = None) -> None:
-        if algorithm not in ("grpo", "rloo"):
-            raise ConfigError(f"rl.algorithm {algorithm!r} is not one of grpo, rloo")
+                 norm_length: int | None = None, rollout: Rollout | None = None, vf_coef: float = 0.1,
+                 cliprange_value: float | None = 0.2) -> None:
+        if algorithm not in ("grpo", "rloo", "ppo"):
+            raise ConfigError(f"rl.algorithm {algorithm!r} is not one of grpo, rloo, ppo")
+        self.vf_coef, self.cliprange_value = vf_coef, cliprange_value
         if aggregation not in AGGREGATIONS:
             raise ConfigError(f"rl.loss_aggregation {aggregation!r} is not one of {', '.join(AGGREGATIONS)}")
         self.algorithm, self.aggregation = algorithm, aggregation
@@ -64,7 +68,12 @@ class PolicyGradient(Objective):
                               "each token's log-probability); set it to 0")
         return cls(algorithm=r.algorithm, aggregation=r.loss_aggregation, clip_eps=r.clip_eps,
                    clip_eps_high=r.clip_eps_high, beta=r.beta, kl=r.kl_estimator,
-                   norm_length=r.max_new_tokens)
+                   norm_length=r.max_new_tokens, vf_coef=r.vf_coef, cliprange_value=r.cliprange_value)
+
+    def check_model(self, model: nn.Module) -> None:
+        if self.algorithm == "ppo" and not isinstance(getattr(model, "value", None), nn.Module):
+            raise ConfigError("rl.algorithm=ppo needs a model with a value head (model.value_head: true; the "
+                              "assembly adds one to lmforge's Transformer)")
 
     def batch_of(self, raw) -> RolloutBatch:
         """Prompts become scored completions here (before the compiled forward, without gradients)."""
@@ -85,6 +94,8 @@ class PolicyGradient(Objective):
         return aggregate_count(batch.completion_mask, self.aggregation)
 
     def __call__(self, model: nn.Module, batch: RolloutBatch) -> ObjectiveOutput:
+        if self.algorithm == "ppo":
+            return self._ppo(model, batch)
         logps = token_logps(logits_of(model(batch.input_ids)), batch.targets)  # (N, T), 0 off completions
         mask = batch.completion_mask
         old = batch.old_logps if batch.old_logps is not None else logps.detach()
@@ -101,6 +112,27 @@ class PolicyGradient(Objective):
             loss = aggregate(out.losses, mask, self.aggregation, self.norm_length)
             ratio, kl = out.ratio, out.kl
         return ObjectiveOutput(loss, *self._metrics(batch, mask, ratio, kl))
+
+    def _ppo(self, model: nn.Module, batch: RolloutBatch) -> ObjectiveOutput:
+        """PPO: the clipped policy loss on the batch's (whitened GAE) advantages plus vf_coef x the
+        clipped value loss against its returns, per completion token; the KL is in the rewards."""
+        logits, hidden = model(batch.input_ids, head=lambda h, w: (F.linear(h, w), h))
+        logps = token_logps(logits, batch.targets)
+        values = model.value(hidden).squeeze(-1).float()
+        mask = batch.completion_mask
+        old = batch.old_logps if batch.old_logps is not None else logps.detach()
+        pg = policy_token_losses(logps, old, batch.advantages, clip_low=self.clip_eps,
+                                 clip_high=self.clip_eps_high)
+        old_values = batch.old_values if batch.old_values is not None else values.detach()
+        vl = value_losses(values, old_values, batch.returns, self.cliprange_value)
+        loss = aggregate(pg.losses + self.vf_coef * vl, mask, self.aggregation, self.norm_length)
+        kl = None if batch.ref_logps is None else kl_estimate(logps.detach(), batch.ref_logps, "k1")
+        metrics, counts = self._metrics(batch, mask, pg.ratio, kl)
+        tokens = mask.sum().float()
+        metrics["value_loss"], counts["value_loss"] = (vl.detach() * mask).sum(), tokens
+        metrics["value"], counts["value"] = (values.detach() * mask).sum(), tokens
+        metrics["returns"], counts["returns"] = (batch.returns * mask).sum(), tokens
+        return ObjectiveOutput(loss, metrics, counts)
 
     def _metrics(self, batch: RolloutBatch, mask: torch.Tensor, ratio: torch.Tensor, kl: torch.Tensor | None
                  ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -293,8 +293,8 @@ def export_tensors(
     """(HF name, tensor) for every parameter, in our order; the tied head is not written, nor the
     output projection of a reward model (...ForSequenceClassification has the score head instead)."""
     for ours, tensor in state.items():
-        if ours == "output.weight" and cfg.score_head:
-            continue
+        if (ours == "output.weight" and cfg.score_head) or ours.startswith("value."):
+            continue  # PPO's value head is training machinery, not part of the model
         name = KEYS.to_hf(ours)
         assert name is not None, f"no HF name for {ours}"
         yield name, tensor

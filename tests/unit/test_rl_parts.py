@@ -221,3 +221,83 @@ def test_metric_sums_use_their_own_counts():
     means = sums.means(LOCAL, targets=3)
     assert means == {"a": pytest.approx(0.5), "b": pytest.approx(2.0)}
     assert math.isfinite(means["a"])
+
+
+# ---- PPO ---------------------------------------------------------------------------------------------
+def _completion_mask(starts, ends, width):
+    pos = torch.arange(width)[None]
+    return (pos >= torch.tensor(starts)[:, None]) & (pos < torch.tensor(ends)[:, None])
+
+
+def test_gae_is_the_discounted_sum_of_td_errors_over_each_completion():
+    from lmforge.engine.policy_loss import gae
+
+    g = torch.Generator().manual_seed(0)
+    mask = _completion_mask([2, 0, 4], [7, 3, 9], 9)
+    rewards = torch.randn(3, 9, generator=g, dtype=torch.float64)
+    values = torch.randn(3, 9, generator=g, dtype=torch.float64)
+    for gamma, lam in ((1.0, 0.95), (0.9, 0.8), (1.0, 1.0), (0.99, 0.0)):
+        adv, ret = gae(rewards, values, mask, gamma, lam)
+        for r in range(3):
+            idx = mask[r].nonzero().flatten().tolist()
+            v = [float(values[r, t]) for t in idx] + [0.0]  # the episode ends after the last token
+            deltas = [float(rewards[r, t]) + gamma * v[i + 1] - v[i] for i, t in enumerate(idx)]
+            for i, t in enumerate(idx):
+                want = sum((gamma * lam) ** k * d for k, d in enumerate(deltas[i:]))
+                assert float(adv[r, t]) == pytest.approx(want, abs=1e-12)
+                assert float(ret[r, t]) == pytest.approx(want + v[i], abs=1e-12)
+        assert float(adv[~mask].abs().max()) == 0.0 and float(ret[~mask].abs().max()) == 0.0
+    # lambda = 1, gamma = 1: the return is the sum of the rewards still to come
+    adv, ret = gae(rewards, values, mask, 1.0, 1.0)
+    r0 = rewards[0, 2:7]
+    torch.testing.assert_close(ret[0, 2:7], r0.flip(0).cumsum(0).flip(0), rtol=0, atol=1e-12)
+
+
+def test_token_rewards_whiten_and_value_loss():
+    from lmforge.engine.policy_loss import masked_whiten, token_rewards, value_losses
+
+    mask = _completion_mask([1, 2], [4, 3], 5)
+    old = torch.tensor([[0.0, -1.0, -2.0, -0.5, 0.0], [0.0, 0.0, -3.0, 0.0, 0.0]])
+    ref = old - 0.25
+    r = token_rewards(torch.tensor([1.0, -2.0]), old, ref, mask, beta=0.4)
+    want = torch.tensor([[0, -0.1, -0.1, -0.1 + 1.0, 0], [0, 0, -0.1 - 2.0, 0, 0]])
+    torch.testing.assert_close(r, want)
+    x = torch.tensor([[9.0, 1.0, 2.0, 3.0, 9.0], [9.0, 9.0, 6.0, 9.0, 9.0]])
+    vals = torch.tensor([1.0, 2.0, 3.0, 6.0])
+    w = masked_whiten(x, mask)
+    torch.testing.assert_close(w[mask], (vals - vals.mean()) / (vals.var() + 1e-8).sqrt())
+    assert float(w[~mask].abs().max()) == 0.0
+    v, v_old = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.5, 0.5, 0.5])
+    ret = torch.tensor([0.0, 1.0, 2.0])
+    # clip 0.2: V moves at most 0.2 from V_old; the larger of the two squared errors counts (the third:
+    # V = R exactly, but the clipped value 0.7 is 1.3 away)
+    torch.testing.assert_close(value_losses(v, v_old, ret, 0.2), 0.5 * torch.tensor([1.0, 1.0, 1.3**2]))
+    torch.testing.assert_close(value_losses(v, v_old, ret, None), 0.5 * (v - ret) ** 2)
+
+
+def test_ppo_rollout_and_loss(model):
+    from lmforge.models.transformer import add_head
+
+    torch.manual_seed(1)
+    cfg = ModelConfig(d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64, vocab_size=V)
+    policy = build_model(cfg)
+    add_head(policy, "value")
+    rl = RLConfig(algorithm="ppo", group_size=1, max_new_tokens=5, rewards={"format": 1.0}, beta=0.1)
+    roll = Rollout(policy, CharTokenizer(), {STOP}, rl, 64,
+                   reference=lambda ids, t: token_logps(model(ids), t))
+    batch = roll(PromptBatch(((5, 6, 7), (8, 9), (10, 11, 12)), ({"answer": "1"},) * 3, seed=4))
+    mask = batch.completion_mask
+    assert batch.advantages.shape == mask.shape and batch.returns.shape == mask.shape
+    assert float(batch.advantages[mask].mean()) == pytest.approx(0.0, abs=1e-6)  # whitened
+    obj = PolicyGradient(algorithm="ppo", aggregation="token-mean", vf_coef=0.5, cliprange_value=0.2)
+    obj.check_model(policy)
+    out = obj(policy, batch)
+    # ratio 1 and values equal to the sampling-time ones: -A + 0.5 x 0.5 (V - R)^2 per token
+    hidden = policy(batch.input_ids, head=lambda h, w: h)
+    values = policy.value(hidden).squeeze(-1)
+    want = (-batch.advantages + 0.25 * (values - batch.returns) ** 2)[mask].sum()
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(values[mask].detach(), batch.old_values[mask], rtol=1e-5, atol=1e-6)
+    assert set(out.metrics) >= {"value_loss", "value", "returns", "kl", "reward"}
+    with pytest.raises(Exception, match="value head"):
+        obj.check_model(model)
