@@ -18,6 +18,11 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first, pinned to the release lmforge is tested with (override with LMFORGE_TORCH).
   "$VENV/bin/python" -m pip install --quiet "torch==${LMFORGE_TORCH:-2.13.0}"
   "$VENV/bin/python" -m pip install --quiet -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+  if [ "$EXTRAS" = "test" ]; then
+    # A test reference only: tests/parity/test_ppo_torchtune.py loads two torch-only files of torchtune's
+    # PPO code, so its heavy dependencies (torchao, torchdata, datasets, ...) are left out.
+    "$VENV/bin/python" -m pip install --quiet --no-deps "torchtune==0.6.1"
+  fi
   echo "$want" > "$stamp"
 fi
 export PATH="$VENV/bin:$PATH"
