@@ -168,8 +168,8 @@ def _worker(spec_file: str, out_dir: str) -> None:
 
     results = {}
     for name, ovr in json.loads(Path(spec_file).read_text()).items():
-        try:
-            Trainer(load_config(None, ovr)).fit()
+        try:  # "--resume" among the overrides: continue the run in its run.dir
+            Trainer(load_config(None, [o for o in ovr if o != "--resume"]), resume="--resume" in ovr).fit()
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc()
