@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from lmforge.checkpoint.manager import list_checkpoints
 from lmforge.checkpoint.run_dir import RunLock, mark_job, open_run_dir, restarted_job_owns
 from lmforge.checkpoint.runs import (
     check_rebuildable,
@@ -295,8 +296,10 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         model = model.to(device)
         vocab = _check_custom_model(model, tokenizer, train_src, device)
     else:
-        model = _starting_model(cfg, device, data if sft else None, source_vocab, load=not resumed)
-        if not resumed and cfg.model.init_from:
+        # A resumed run without a checkpoint yet (it died before its first) starts like a new one.
+        fresh = not resumed or not on_rank0(lambda: bool(list_checkpoints(Path(cfg.run.dir) / "checkpoints")))
+        model = _starting_model(cfg, device, data if sft else None, source_vocab, load=fresh)
+        if fresh and cfg.model.init_from:
             say(f"initialised the weights from {cfg.model.init_from}")
         vocab = cfg.model.vocab_size
     head = _scalar_head(cfg)  # a reward model's score or PPO's value head: added, always trained
@@ -311,8 +314,11 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         say(apply_finetune(model, cfg.finetune, seed=cfg.run.seed).line())
         if head and not custom:
             getattr(model, head).requires_grad_(True)  # PEFT's modules_to_save
+    refs = None
     if isinstance(objective, Preference) and objective.needs_reference and objective.reference is None:
         objective.reference = _summed(_reference(model, cfg, dims, device, data, source_vocab, say))
+        if cfg.preference.precompute_reference:
+            refs = _precompute_reference(objective, cfg, data, say)
     if isinstance(objective, PolicyGradient) and objective.rollout is None:
         if dims.fsdp or dims.tp > 1 or dims.pp > 1:
             raise ConfigError("objective rl samples completions with the whole model on each rank: one "
@@ -337,7 +343,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     val_rows = tc.micro_batch_size * (dims.microbatches(tc.grad_accum_steps) if dims.pp > 1 else 1)
     val_loader = None
     if sft:
-        train_loader, val_loader = _chat_loaders(cfg, data, dims, world, val_rows)
+        train_loader, val_loader = _chat_loaders(cfg, data, dims, world, val_rows, refs)
     else:
         train_loader = TokenLoader(train_src, cfg.seq_len, tc.micro_batch_size, seed=cfg.run.seed,
                                    rank=dims.dp_rank, world_size=dims.dp_size)
@@ -404,16 +410,46 @@ def _chat_loader(cfg: Config, data, name: str, batch_size: int, **kw):
     return ChatLoader(split, cfg.seq_len, batch_size, packing=cfg.sft.packing, **kw)
 
 
-def _chat_loaders(cfg: Config, data, dims: ParallelDims, world: World, val_rows: int):
+def _chat_loaders(cfg: Config, data, dims: ParallelDims, world: World, val_rows: int, refs=None):
     tc = cfg.train
     pad = data.tokenizer.eos_id
+    ref = (lambda name: {"ref_logps": refs[name]}) if refs else (lambda name: {})  # noqa: E731
     train = _chat_loader(cfg, data, "train", tc.micro_batch_size, seed=cfg.run.seed, rank=dims.dp_rank,
-                         world_size=dims.dp_size, pad_id=pad)
+                         world_size=dims.dp_size, pad_id=pad, **ref("train"))
     val = None
     if len(data.split("val")):
         val = _chat_loader(cfg, data, "val", val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
-                           world_size=dims.dp_size, shuffle=False, drop_last=world.world_size > 1, pad_id=pad)
+                           world_size=dims.dp_size, shuffle=False, drop_last=world.world_size > 1, pad_id=pad,
+                           **ref("val"))
     return train, val
+
+
+@torch.no_grad()
+def _precompute_reference(objective: Preference, cfg: Config, data, say) -> dict[str, np.ndarray]:
+    """The reference model's summed completion log-probs of every pair of each split, (pairs, 2) as
+    (chosen, rejected), computed once in batches of train.micro_batch_size pairs; the objective then
+    lets the reference go (a frozen copy is freed)."""
+    from lmforge.data.chat_loader import PreferenceLoader
+
+    if cfg.preference.loss == "kto":
+        raise ConfigError("preference.precompute_reference does not apply to loss kto: its reference point "
+                          "comes from pairs of examples within each batch; set it to false")
+    out = {}
+    for name in ("train", "val"):
+        split = data.split(name)
+        if not len(split):
+            continue
+        loader = PreferenceLoader(split, cfg.seq_len, cfg.train.micro_batch_size, shuffle=False,
+                                  drop_last=False, pad_id=data.tokenizer.eos_id)
+        parts = []
+        for batch in loader.iter_eval_batches():
+            ref = objective.reference(batch).float().cpu()
+            parts.append(torch.stack([ref[: batch.pairs], ref[batch.pairs :]], 1))
+        out[name] = torch.cat(parts).numpy()
+    objective.reference = None
+    say(f"reference log-probs computed ahead for {sum(len(v) for v in out.values()):,} pairs; the reference "
+        "model is freed")
+    return out
 
 
 def _rollout(model: nn.Module, cfg: Config, data, reference):

@@ -387,6 +387,12 @@ class PreferenceConfig(Section):
         "robust: rDPO; simpo and orpo need no reference model; kto: KTO on unpaired records (prompt, "
         "completion, label: `lmforge tasks --unpaired` writes some). The formulas are TRL's."
     )
+    precompute_reference: bool = Field(
+        False, description="Compute the reference model's log-probs of every pair once before training (and "
+        "again on resume), then free the reference: full fine-tuning keeps no frozen copy in memory while it "
+        "trains, LoRA skips a forward per step. Not with loss kto (its reference point pairs examples of a "
+        "batch)."
+    )
     desirable_weight: float = Field(1.0, gt=0.0, description="KTO: weight of the desirable examples' loss.")
     undesirable_weight: float = Field(1.0, gt=0.0, description="KTO: weight of the undesirable examples' "
                                       "loss (TRL: keep desirable_weight x #desirable / (undesirable_weight x "

@@ -221,7 +221,7 @@ class PreferenceLoader(ChatLoader):
     first. Stateful and resumable exactly, as ChatLoader."""
 
     def __init__(self, split: SFTSplit, seq_len: int, batch_size: int, margins: list | None = None,
-                 **kw) -> None:
+                 ref_logps: np.ndarray | None = None, **kw) -> None:
         if len(split) % 2:
             raise DataError(f"a preference split holds chosen/rejected example pairs; it has {len(split)} "
                             "examples")
@@ -232,6 +232,10 @@ class PreferenceLoader(ChatLoader):
         self.margins = None
         if margins is not None and any(m is not None for m in margins):
             self.margins = np.asarray([0.0 if m is None else float(m) for m in margins], dtype=np.float32)
+        if ref_logps is not None and tuple(ref_logps.shape) != (len(split) // 2, 2):
+            raise DataError(f"reference log-probs of shape {tuple(ref_logps.shape)} for {len(split) // 2} "
+                            "pairs")
+        self.ref_logps = ref_logps  # (pairs, 2): the reference model's (chosen, rejected), computed ahead
         super().__init__(split, seq_len, batch_size, packing=False, **kw)
 
     def _make_units(self, lengths: np.ndarray) -> list[list[int]]:
@@ -249,11 +253,14 @@ class PreferenceLoader(ChatLoader):
             ids[r, :n] = x
             targets[r, : n - 1] = np.where(m[1:], x[1:], IGNORE_INDEX)
             real += n
-        margins = None
+        margins = refs = None
+        pairs = [pair[0] // 2 for pair in rows]
         if self.margins is not None:
-            margins = torch.from_numpy(self.margins[[pair[0] // 2 for pair in rows]])
-        return PreferenceBatch(torch.from_numpy(ids), torch.from_numpy(targets), real_tokens=real,
-                               margins=margins)
+            margins = torch.from_numpy(self.margins[pairs])
+        if self.ref_logps is not None:
+            refs = torch.from_numpy(np.concatenate([self.ref_logps[pairs, 0], self.ref_logps[pairs, 1]]))
+        return PreferenceBatch(torch.from_numpy(ids), torch.from_numpy(targets), ref_logps=refs,
+                               real_tokens=real, margins=margins)
 
 
 class PromptLoader(ChatLoader):

@@ -43,7 +43,7 @@ from lmforge.parallel.world import World
 from lmforge.train.averaging import build_averages
 from lmforge.train.callbacks import Callback, EarlyStopping, MetricsLogging, state_key
 from lmforge.train.stability import NonFiniteGuard, Spike, SpikeDetector
-from lmforge.utils.rng import RNGState, seed_everything
+from lmforge.utils.rng import RNGState
 
 
 class TrainingDiverged(LmforgeError):
@@ -437,8 +437,8 @@ class Trainer:
                 raise CheckpointError(
                     f"--resume: no checkpoint in {self.ckpt.root} could be read ({detail}); nothing was "
                     "changed. Restore a readable checkpoint, or start a new run (another run.dir)")
+            # The assembly built the starting model as for a new run (nothing was loaded): train from step 0.
             self.console.warn(f"{self.ckpt.root} holds no checkpoint yet: starting the run from step 0")
-            self._reinitialise()
             return
         if failed:
             moved = on_rank0(lambda: [str(self.ckpt.set_aside(p)) for p, _ in failed])
@@ -457,20 +457,6 @@ class Trainer:
             if kind not in loaded.averages:  # averaging turned on after this checkpoint: start it here
                 avg.reset(self.model)
         self._last_saved_step = self.step
-
-    def _reinitialise(self) -> None:
-        """Undo what a failed partial load may have written: fresh weights and optimizer state."""
-        if self.run.custom_model:
-            raise CheckpointError(f"no usable checkpoint in {self.ckpt.root}, and a model object of your own "
-                                  "cannot be re-initialised here; start a new run (another run.dir)")
-        seed_everything(self.cfg.run.seed)
-        self.model.init_weights()
-        if self.cfg.model.init_from:
-            from lmforge.checkpoint.runs import load_weights
-
-            load_weights(self.cfg.model.init_from, self.model)
-        self.optimizer.state.clear()
-        self.progress.load_state_dict(Progress().state_dict())
 
     # -- signals: a preempted job (SIGTERM) or Ctrl-C saves at the next step boundary ----------
     def _install_signal_handlers(self) -> dict[int, Any]:
