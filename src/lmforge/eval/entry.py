@@ -36,8 +36,9 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
     atomic_write_json(run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}{suffix}.json", result)
     unit = {"dpo": "pairs", "reward": "pairs", "rl": "loss targets"}.get(cfg.objective.name, "tokens")
     extra = "".join(f"  {k} {v:.4f}" for k, v in out.items() if k not in ("loss", "ppl", "tokens", "bpb"))
-    say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} {unit}): loss {out['loss']:.4f}  "
-        f"ppl {out['ppl']:.2f}" + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else "") + extra)
+    ppl = f"  ppl {out['ppl']:.2f}" if cfg.objective.name in ("causal_lm", "sft") else ""  # token losses only
+    say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} {unit}): loss {out['loss']:.4f}"
+        + ppl + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else "") + extra)
     return result
 
 

@@ -51,6 +51,9 @@ class Callback:
         """When the loop ends: `metrics` are fit()'s final metrics, None when it ended with an error."""
 
 
+TOKEN_LOSSES = ("causal_lm", "sft")  # objectives whose loss is per token, so exp(loss) is a perplexity
+
+
 class MetricsLogging(Callback):
     """metrics.jsonl (and TensorBoard), the console and curves.png: train records at log steps
     (loss and grad norm averaged over the window, lr, tokens/s, MFU, memory), validation records,
@@ -118,7 +121,9 @@ class MetricsLogging(Callback):
     def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:
         self.logger.log(metrics)
         trainer.console(
-            f"step {metrics['step']}: val_loss {metrics['val_loss']:.4f}  val_ppl {metrics['val_ppl']:.2f}"
+            f"step {metrics['step']}: val_loss {metrics['val_loss']:.4f}"
+            # perplexity means something for token losses only (not pairs, scores or policy gradients)
+            + (f"  val_ppl {metrics['val_ppl']:.2f}" if trainer.cfg.objective.name in TOKEN_LOSSES else "")
             + (f"  val_bpb {metrics['val_bpb']:.4f}" if "val_bpb" in metrics else "")
             + "".join(f"  {k} {v:.4f}" for k, v in metrics.items()
                       if k.startswith(("val_loss_", "val_reward", "val_accuracy")))
