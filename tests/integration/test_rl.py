@@ -124,9 +124,12 @@ def test_a_reward_model_scores_the_completions(world, tmp_path, capsys):
     rows = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
     assert len(rows) == 2 and all(r["reward"] == pytest.approx(r["reward_reward_model"]) for r in rows)
     assert len({r["reward"] for r in rows}) == 2 and "reward_exact_match" not in rows[0]
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "mine.txt").write_text("kept")  # refused before run.overwrite touches anything
     assert main(["rl", *cli(world, tmp_path / "x", "rl.rewards={reward_model: 1.0}",
-                            f"rl.reward_model={world.sft}")]) == 2
+                            f"rl.reward_model={world.sft}", "run.overwrite=true")]) == 2
     assert "not a reward model" in capsys.readouterr().err
+    assert (tmp_path / "x" / "mine.txt").read_text() == "kept"
 
 
 def test_bad_rl_input_exits_2(world, tmp_path, capsys):

@@ -222,6 +222,8 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
                                     ".jsonl or .parquet files, folders of them or a saved datasets dir")
                 raise DataError(f"data source {missing[0]!r} does not exist (resolved: {where}); give a "
                                 "file, a folder or 'builtin:python'")
+        if cfg.objective.name == "rl" and cfg.rl.reward_model:  # checked before run.overwrite acts too
+            _reward_model_config(cfg.rl.reward_model)
         locks: list[RunLock] = []  # rank 0's, kept here: the lock is a file descriptor, not broadcast
 
         def open_dir() -> bool:
@@ -464,19 +466,26 @@ def _rollout(model: nn.Module, cfg: Config, data, reference):
                    pad_id=data.tokenizer.eos_id, reward_model=scorer)
 
 
+def _reward_model_config(path: str) -> tuple[Config, Path]:
+    """(config, weights dir) of rl.reward_model, refused unless it is an `lmforge reward` run."""
+    from lmforge.checkpoint.runs import run_config
+
+    rm_cfg, source = run_config(path)
+    if rm_cfg.objective.name != "reward" or not rm_cfg.model.score_head:
+        raise ConfigError(f"rl.reward_model={path!r} is not a reward model (objective "
+                          f"{rm_cfg.objective.name}); train one with `lmforge reward`")
+    return rm_cfg, source
+
+
 def _reward_model(cfg: Config, data, device: torch.device):
     """rl.reward_model as (ids, targets) -> score at each row's last token: an `lmforge reward` run,
     loaded frozen, which must share the policy's tokenizer (it scores the same token ids)."""
     import hashlib
 
-    from lmforge.checkpoint.runs import run_config
     from lmforge.data.sft import TOKENIZER_FILE, load_prepared_sft
     from lmforge.engine.objectives.reward import sequence_scores
 
-    rm_cfg, source = run_config(cfg.rl.reward_model)
-    if rm_cfg.objective.name != "reward" or not rm_cfg.model.score_head:
-        raise ConfigError(f"rl.reward_model={cfg.rl.reward_model!r} is not a reward model (objective "
-                          f"{rm_cfg.objective.name}); train one with `lmforge reward`")
+    rm_cfg, source = _reward_model_config(cfg.rl.reward_model)
     rm_data = load_prepared_sft(data_dir(rm_cfg))
     digest = lambda d: hashlib.sha256((d.dir / TOKENIZER_FILE).read_bytes()).hexdigest()  # noqa: E731
     if digest(rm_data) != digest(data):
