@@ -73,7 +73,17 @@ def test_overwrite_never_deletes_an_input(tiny_cfg, tmp_path):
     before = tree_hash(tmp_path / "run")
     with pytest.raises(LmforgeError, match=r"run.overwrite would delete .*checkpoints, which is part of "
                                            r".*step_00000002, an input of this run"):
-        Trainer(tiny_cfg("train.max_steps=2", "run.overwrite=true", f"model.init_from={ckpt}"))
+        Trainer(tiny_cfg("train.max_steps=2", "run.overwrite=true", f"model.init_from={ckpt}",
+                         f"data.dir={tmp_path / 'data2'}"))  # the checkpoint's tokenizer: other data
+    assert tree_hash(tmp_path / "run") == before
+
+
+def test_overwrite_refused_for_mismatched_data_keeps_the_old_run(tiny_cfg, tmp_path):
+    """A data dir prepared with other settings is refused before run.overwrite deletes the old run."""
+    Trainer(tiny_cfg("train.max_steps=2")).fit()
+    before = tree_hash(tmp_path / "run")
+    with pytest.raises(LmforgeError, match=r"was prepared with different settings \(tokenizer differ\)"):
+        Trainer(tiny_cfg("train.max_steps=2", "run.overwrite=true", "data.tokenizer.vocab_size=320"))
     assert tree_hash(tmp_path / "run") == before
 
 

@@ -222,6 +222,10 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
                                     ".jsonl or .parquet files, folders of them or a saved datasets dir")
                 raise DataError(f"data source {missing[0]!r} does not exist (resolved: {where}); give a "
                                 "file, a folder or 'builtin:python'")
+            if cfg.objective.name not in CHAT_OBJECTIVES:
+                from lmforge.data.prepare import check_reusable
+
+                on_rank0(lambda: check_reusable(cfg))
         if cfg.objective.name == "rl" and cfg.rl.reward_model:  # checked before run.overwrite acts too
             _reward_model_config(cfg.rl.reward_model)
         locks: list[RunLock] = []  # rank 0's, kept here: the lock is a file descriptor, not broadcast

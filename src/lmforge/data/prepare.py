@@ -145,6 +145,14 @@ def prepare(cfg: Config, console: Callable[[str], object] = print) -> PreparedDa
     return load_prepared(out)
 
 
+def check_reusable(cfg: Config) -> None:
+    """DataError now when data.dir holds data prepared with other settings: a run checks this before
+    run.overwrite replaces its old run dir, so a refused run leaves the old run as it was."""
+    settings = _settings(cfg)
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    _existing(data_dir(cfg), settings, fingerprint)
+
+
 def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
     d, seed = cfg.data, cfg.run.seed
     if d.tokenizer.path:
