@@ -149,6 +149,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
                           f"{r['refusal_rate']:.1%}", str(r["flagged_harmful"]), str(r["flagged_pii"]))
         Console(highlight=False).print(table)
         return 0
+    if args.tasks and not args.tasks.lower().endswith(".jsonl"):
+        return _eval_harness(args)
     if args.tasks:
         from rich.console import Console
         from rich.table import Table
@@ -165,6 +167,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
         Console(highlight=False).print(table)
         return 0
     evaluate(_run_path(args), args.set, weights=args.weights)
+    return 0
+
+
+def _eval_harness(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from lmforge.eval.harness import eval_harness
+
+    items = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    out = eval_harness(_run_path(args), items, args.set, weights=args.weights, num_fewshot=args.num_fewshot,
+                       limit=args.limit, batch_size=args.batch_size, seed=args.seed)
+    table = Table(title=f"tasks at step {out['step']}", show_header=True)
+    table.add_column("task")
+    table.add_column("metric")
+    for col in ("value", "± stderr", "chance"):
+        table.add_column(col, justify="right")
+    for name, r in out["tasks"].items():
+        for k, v in r["metrics"].items():
+            err, chance = r["stderr"].get(k), r["chance"].get(k)
+            table.add_row(name, k, f"{v:.4f}", "" if err is None else f"{err:.4f}",
+                          "" if chance is None else f"{chance:.4f}")
+    Console(highlight=False).print(table)
     return 0
 
 
@@ -401,8 +426,16 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--chat", action="store_true", help="the prompt is a user message: render it with "
                            "the run's chat template and print the assistant's reply")
         if name == "eval":
-            p.add_argument("--tasks", help="a tasks JSONL (lmforge tasks): exact-match accuracy per task of "
-                           "greedy chat replies, instead of the loss")
+            p.add_argument("--tasks", help="task evaluation instead of the loss: comma-separated task files "
+                           "in lm-evaluation-harness's YAML format, dirs of them, or builtin:code (tasks "
+                           "lmforge builds from installed packages' code); or one tasks JSONL (lmforge "
+                           "tasks) for exact-match accuracy of greedy chat replies")
+            p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt "
+                           "(default: each task file's num_fewshot, else 0)")
+            p.add_argument("--limit", type=float, default=None, help="first N documents of each task (a "
+                           "number below 1: that fraction)")
+            p.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
+            p.add_argument("--seed", type=int, default=1234, help="seed of the few-shot draws")
             p.add_argument("--redteam", action="store_true", help="attack success rate per category of "
                            "greedy replies to lmforge's shipped red-team prompts (refusal, block-list and "
                            "PII detectors), instead of the loss")

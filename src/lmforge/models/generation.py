@@ -9,7 +9,7 @@ Evaluation (exact match, `lmforge generate`) and RL rollouts share it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -76,10 +76,14 @@ def sample_replies(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
+    is_done: Callable[[list[int]], bool] | None = None,
 ) -> list[list[int]]:
     """The continuation of each prompt, up to and including its first stop token (a row that reaches
     max_new_tokens, or the model's max_seq_len, without one ends there). temperature 0 is greedy;
-    otherwise tokens are drawn with `generator`. The model runs in eval mode; its mode is restored."""
+    otherwise tokens are drawn with `generator`. The model runs in eval mode; its mode is restored.
+
+    is_done: a further test of a row's tokens so far (stop strings): sampling ends once every row
+    has a stop token or passes it; such a row is returned whole (the caller cuts it)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise LmforgeError("every prompt needs at least one token")
     max_len = model.cfg.max_seq_len
@@ -112,6 +116,11 @@ def sample_replies(
             nxt = sample_next(logits, temperature, top_k, top_p, generator)  # (N,)
             out.append(nxt)
             done |= torch.isin(nxt, stop)
+            if is_done is not None:
+                rows = torch.stack(out, 1).tolist()
+                for i in (~done).nonzero().flatten().tolist():
+                    if is_done(rows[i]):
+                        done[i] = True
             if bool(done.all()):
                 break
             mask[:, end] = 1
