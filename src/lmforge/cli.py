@@ -151,6 +151,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     if args.tasks and not args.tasks.lower().endswith(".jsonl"):
         return _eval_harness(args)
+    if len(args.path) > 1:
+        raise LmforgeError("several runs are compared with --tasks only; give one run otherwise")
+    args.path = args.path[0] if args.path else None
     if args.tasks:
         from rich.console import Console
         from rich.table import Table
@@ -174,11 +177,24 @@ def _eval_harness(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from lmforge.eval.harness import eval_harness
+    from lmforge.eval.harness import comparison_rows, eval_harness
 
     items = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    out = eval_harness(_run_path(args), items, args.set, weights=args.weights, num_fewshot=args.num_fewshot,
-                       limit=args.limit, batch_size=args.batch_size, seed=args.seed)
+    paths = _eval_paths(args)
+    outs = eval_harness(paths, items, args.set, weights=args.weights, num_fewshot=args.num_fewshot,
+                        limit=args.limit, batch_size=args.batch_size, seed=args.seed, chat=args.chat,
+                        multiturn=args.fewshot_as_multiturn, all_checkpoints=args.all_checkpoints,
+                        compare_out=args.compare_out)
+    console = Console(highlight=False)
+    if len(outs) > 1:
+        table = Table(title="runs side by side (eval_compare.md)", show_header=True)
+        for col in ["task", "metric", *paths] + (["B - A", "z"] if len(outs) == 2 else []):
+            table.add_column(str(col))
+        for row in comparison_rows(outs):
+            table.add_row(*row)
+        console.print(table)
+        return 0
+    out = outs[0]
     table = Table(title=f"tasks at step {out['step']}", show_header=True)
     table.add_column("task")
     table.add_column("metric")
@@ -189,8 +205,15 @@ def _eval_harness(args: argparse.Namespace) -> int:
             err, chance = r["stderr"].get(k), r["chance"].get(k)
             table.add_row(name, k, f"{v:.4f}", "" if err is None else f"{err:.4f}",
                           "" if chance is None else f"{chance:.4f}")
-    Console(highlight=False).print(table)
+    console.print(table)
     return 0
+
+
+def _eval_paths(args: argparse.Namespace) -> list[str]:
+    if args.path:
+        return list(args.path)
+    args.path = None
+    return [_run_path(args)]  # -c CONFIG: its run.dir
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -420,7 +443,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "run with different settings")
         if name in ("eval", "generate"):
             p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+        if name == "generate":
             p.add_argument("path", nargs="?", help="run dir or checkpoint dir (default: run.dir of -c)")
+        if name == "eval":
+            p.add_argument("path", nargs="*", help="run dir, checkpoint dir or Hugging Face dir (default: "
+                           "run.dir of -c); with --tasks, several are compared side by side")
         if name == "generate":
             p.add_argument("--prompt", help="text to continue (same as --set generate.prompt=...)")
             p.add_argument("--chat", action="store_true", help="the prompt is a user message: render it with "
@@ -436,6 +463,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "number below 1: that fraction)")
             p.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
             p.add_argument("--seed", type=int, default=1234, help="seed of the few-shot draws")
+            p.add_argument("--chat", action="store_true", help="--tasks prompts as conversations rendered "
+                           "with the run's chat template (a fine-tuned model)")
+            p.add_argument("--fewshot-as-multiturn", action="store_true", help="with --chat: each few-shot "
+                           "example its own user and assistant turn (default: one user message)")
+            p.add_argument("--all-checkpoints", action="store_true", help="--tasks on every kept checkpoint "
+                           "of the run: curves in eval_curves.md / eval_curves.png")
+            p.add_argument("--compare-out", default=None, help="with several runs: the comparison report "
+                           "(default: eval_compare.md in the current dir)")
             p.add_argument("--redteam", action="store_true", help="attack success rate per category of "
                            "greedy replies to lmforge's shipped red-team prompts (refusal, block-list and "
                            "PII detectors), instead of the loss")

@@ -36,7 +36,7 @@ def trained(tmp_path_factory) -> Path:
             "logging.progress=none",
             "train.max_steps=200",
             "train.eval_every=200",
-            "checkpoint.every=200",
+            "checkpoint.every=100",
             "model.max_seq_len=256",
             "data.tokenizer.vocab_size=1024",
             "train.threads=2",
@@ -155,3 +155,58 @@ def test_a_generation_that_never_stops_is_bounded(trained, tmp_path):
     for s in res.samples:
         assert 1 <= len(run.tokenizer.encode(s["response"])) <= 9 + 1  # decode/encode may merge differently
     assert res.metrics["exact_match"] in (0.0, 1 / 3, 2 / 3, 1.0)
+
+
+def test_all_checkpoints_give_curves_and_two_runs_a_comparison(trained, tmp_path, capsys):
+    task = write_task(
+        tmp_path,
+        "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_target: label\ndoc_to_choice: choices\n",
+        [{"q": "x = 1", "choices": ["y = 2", "z = 3"], "label": 0}] * 6,
+    )
+    assert main(["eval", str(trained), "--tasks", str(task), "--all-checkpoints"]) == 0
+    curves = (trained / "eval_curves.md").read_text()
+    assert "| task | metric | step 100 | step 200 |" in curves
+    assert (trained / "eval_curves.png").read_bytes()[:4] == b"\x89PNG"
+    older = trained / "checkpoints" / "step_00000100"
+    out = tmp_path / "cmp.md"
+    assert main(["eval", str(trained), str(older), "--tasks", str(task), "--compare-out", str(out)]) == 0
+    table = out.read_text()
+    assert "B - A" in table
+    a = json.loads((trained / "eval_harness_step_00000200.json").read_text())["tasks"]["task"]["metrics"]
+    b = json.loads((trained / "eval_harness_step_00000100.json").read_text())["tasks"]["task"]["metrics"]
+    row = next(line for line in table.splitlines() if line.startswith("| task | acc |"))
+    assert row.split(" | ")[4] == f"{100 * (b['acc'] - a['acc']):.2f}%"
+    capsys.readouterr()
+    assert main(["eval", str(trained), str(older)]) == 2  # two runs without --tasks: refused
+    assert "compared with --tasks only" in capsys.readouterr().err
+
+
+def test_train_eval_tasks_logs_task_scores(tiny_cfg, tmp_path):
+    from lmforge.metrics.loggers import read_metrics
+
+    task = write_task(
+        tmp_path,
+        "task: pick\noutput_type: multiple_choice\ndoc_to_text: q\ndoc_to_target: label\n"
+        "doc_to_choice: choices\n",
+        [{"q": "The", "choices": [" module", " zzqx"], "label": 0}] * 5,
+    )
+    Trainer(tiny_cfg("train.max_steps=4", "train.eval_every=2", f"train.eval_tasks=[{task}]")).fit()
+    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "val_loss" in r]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        assert 0.0 <= r["task/pick/acc"] <= 1.0 and "task/pick/brier_score" in r
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_train_eval_tasks_checked_before_the_run_dir_is_touched(tiny_cfg, tmp_path):
+    from lmforge.errors import LmforgeError
+
+    Trainer(tiny_cfg("train.max_steps=2")).fit()
+    before = snapshot(tmp_path / "run")
+    bad = write_task(tmp_path, "output_type: multiple_choice\ndoc_to_text: q\n")  # no target, no choices
+    with pytest.raises(LmforgeError, match="key 'doc_to_choice' is missing"):
+        Trainer(tiny_cfg("train.max_steps=2", "run.overwrite=true", f"train.eval_tasks=[{bad}]"))
+    assert snapshot(tmp_path / "run") == before

@@ -1,6 +1,8 @@
 """Task evaluation (lmforge.eval.tasks / scorer) against lm-evaluation-harness's own HFLM on the
-exported model: the same local task YAMLs, per-document log-likelihoods at float32 1e-5, the same
-greedy / acc / acc_norm / exact-match verdicts, the same rolling log-likelihoods and generations.
+exported model, both in float64: the same local task YAMLs give the same prompts, per-document
+log-likelihoods within 1e-9, the same greedy / acc / acc_norm / exact-match verdicts, the same rolling
+log-likelihoods and generations; with --apply_chat_template (few-shot as one message and as turns)
+the same ChatML prompts and scores.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 from lmforge.config.schema import ModelConfig
+from lmforge.data.chat_template import ChatTemplate, stop_ids
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.eval.scorer import Scorer
 from lmforge.eval.tasks import load_task, run_task
@@ -25,7 +28,7 @@ pytest.importorskip("transformers")
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "pydoc_topics.jsonl"
 MAX_LEN = 96
-ATOL = 1e-5
+ATOL = 1e-9  # float64 on both sides: the same function, computed in another order
 
 
 def paragraphs() -> list[str]:
@@ -43,6 +46,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("harness")
     texts = paragraphs()
     tok = Tokenizer.train(texts, vocab_size=400)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])  # ChatML's, for the chat-template prompts
     cfg = ModelConfig(
         vocab_size=tok.vocab_size,
         d_model=32,
@@ -60,9 +64,12 @@ def setup(tmp_path_factory):
             if p.dim() > 1:
                 p.mul_(8.0)
     model.eval()
+    model_fp64 = build_model(cfg, torch.device("cpu"))
+    model_fp64.load_state_dict(model.state_dict())
+    model_fp64.double().eval()
     hf_dir = root / "hf"
     to_hf(model, hf_dir)
-    tok.save_hf(hf_dir, MAX_LEN)
+    tok.save_hf(hf_dir, MAX_LEN, chat_template=ChatTemplate.chatml().source)
 
     rng = random.Random(0)
     data = root / "data"
@@ -122,7 +129,7 @@ def setup(tmp_path_factory):
         'doc_to_text: ""\ndoc_to_target: text\n'
         "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
     )
-    return dict(model=model, tok=tok, hf_dir=hf_dir, tasks=tasks)
+    return dict(model=model_fp64, tok=tok, hf_dir=hf_dir, tasks=tasks)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +142,7 @@ def harness(setup):
     from lm_eval.tasks import TaskManager
 
     lm = HFLM(
-        pretrained=str(setup["hf_dir"]), batch_size=4, max_length=MAX_LEN, device="cpu", dtype="float32"
+        pretrained=str(setup["hf_dir"]), batch_size=4, max_length=MAX_LEN, device="cpu", dtype="float64"
     )
     tm = TaskManager(include_path=str(setup["tasks"]), include_defaults=False)
     names = ["t_mc", "t_mc_fewshot", "t_gen", "t_ll", "t_roll"]
@@ -201,12 +208,64 @@ def test_loglikelihood_and_rolling(setup, harness):
         assert s["loglikelihood"] == pytest.approx(ll, abs=ATOL)
         assert s["greedy"] == bool(greedy)
     agg = harness["results"]["t_ll"]
-    assert res.metrics["perplexity"] == pytest.approx(agg["perplexity,none"], rel=1e-5)
+    assert res.metrics["perplexity"] == pytest.approx(agg["perplexity,none"], rel=1e-12)
     assert res.metrics["acc"] == pytest.approx(agg["acc,none"], abs=1e-12)
 
     res = ours(setup, "t_roll")
     for s, t in zip(res.samples, by_doc(harness["samples"]["t_roll"])):
-        assert s["loglikelihood"] == pytest.approx(t["resps"][0][0], abs=1e-4)
+        assert s["loglikelihood"] == pytest.approx(t["resps"][0][0], abs=ATOL)
     agg = harness["results"]["t_roll"]
     for m in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
-        assert res.metrics[m] == pytest.approx(agg[f"{m},none"], rel=1e-5)
+        assert res.metrics[m] == pytest.approx(agg[f"{m},none"], rel=1e-12)
+
+
+@pytest.fixture(scope="module")
+def harness_chat(setup):
+    """The harness with --apply_chat_template, few-shot examples as one user message and as turns."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    lm = HFLM(
+        pretrained=str(setup["hf_dir"]), batch_size=4, max_length=MAX_LEN, device="cpu", dtype="float64"
+    )
+    tm = TaskManager(include_path=str(setup["tasks"]), include_defaults=False)
+    return {
+        multiturn: simple_evaluate(
+            model=lm,
+            tasks=["t_mc", "t_mc_fewshot"],
+            task_manager=tm,
+            log_samples=True,
+            bootstrap_iters=10,
+            apply_chat_template=True,
+            fewshot_as_multiturn=multiturn,
+        )
+        for multiturn in (False, True)
+    }
+
+
+@pytest.mark.parametrize("multiturn", [False, True])
+def test_chat_template_prompts_equal_the_harness(setup, harness_chat, multiturn):
+    template = ChatTemplate.chatml()
+    scorer = Scorer(
+        setup["model"], setup["tok"], batch_size=5, chat=True, stops=stop_ids(template, setup["tok"])
+    )
+    render = lambda messages: template.render(messages, add_generation_prompt=True)  # noqa: E731
+    for name in ("t_mc", "t_mc_fewshot"):
+        res = run_task(load_task(setup["tasks"] / f"{name}.yaml"), scorer, chat=render, multiturn=multiturn)
+        theirs = by_doc(harness_chat[multiturn]["samples"][name])
+        assert len(theirs) == len(res.samples) == 16
+        for s, t in zip(res.samples, theirs):
+            assert s["context"] == t["arguments"][0][0]
+            assert "<|im_start|>assistant" in s["context"]
+            assert [a[1] for a in t["arguments"]] == s["choices"]  # no delimiter after a chat prompt
+            lls = [r[0][0] for r in t["resps"]]
+            assert torch.allclose(
+                torch.tensor(s["loglikelihoods"], dtype=torch.float64),
+                torch.tensor(lls, dtype=torch.float64),
+                atol=ATOL,
+                rtol=0,
+            )
+        agg = harness_chat[multiturn]["results"][name]
+        assert res.metrics["acc"] == pytest.approx(agg["acc,none"], abs=1e-12)
+        assert res.metrics["acc_norm"] == pytest.approx(agg["acc_norm,none"], abs=1e-12)

@@ -314,6 +314,15 @@ class TrainConfig(Section):
     log_every: int = Field(10, ge=1, description="Log metrics every this many steps.")
     eval_every: int = Field(200, ge=0, description="Validate every this many steps (0: only at the end).")
     eval_batches: int = Field(20, ge=1, description="Validation micro-batches per evaluation.")
+    eval_tasks: list[str] = Field(
+        default_factory=list, description="Task evaluation at every validation: task files in "
+        "lm-evaluation-harness's YAML format, dirs of them, or builtin:code (lmforge eval --tasks); the "
+        "scores are logged as task/<task>/<metric> (metrics.jsonl, TensorBoard)."
+    )
+    eval_tasks_limit: float | None = Field(
+        200, gt=0, description="Documents per task at each task evaluation (below 1: that fraction of "
+        "each task; None: all of them)."
+    )
     loss_chunk_tokens: int = Field(
         0, ge=0, description="Compute the output projection and cross-entropy this many tokens at a time, "
         "never holding all (tokens x vocab) logits (0: off; e.g. 4096 saves memory at large vocabularies)."

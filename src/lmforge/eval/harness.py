@@ -10,14 +10,16 @@ Written into the run dir (never over anything but an earlier report of the same 
 from __future__ import annotations
 
 import json
+import math
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from lmforge.errors import LmforgeError
 from lmforge.eval import metrics as M
 from lmforge.eval.bundle import BUNDLE, build_bundle
 from lmforge.eval.scorer import Scorer
-from lmforge.eval.tasks import TaskResult, load_tasks, run_task
+from lmforge.eval.tasks import Task, TaskResult, load_tasks, run_task
 from lmforge.utils.io import atomic_write_json, atomic_write_text
 
 
@@ -33,8 +35,20 @@ def resolve_items(items: Sequence[str], workdir: Path) -> list[str]:
     return out
 
 
+def load_task_set(items: Sequence[str], num_fewshot: int | None = None) -> list[Task]:
+    """The tasks `items` name, with every split they use read into memory (the built-in tasks are
+    built in a temporary dir that is gone afterwards)."""
+    with tempfile.TemporaryDirectory(prefix="lmforge-tasks-") as tmp:
+        tasks = load_tasks(resolve_items(items, Path(tmp)), num_fewshot)
+        for t in tasks:
+            t.docs(t.eval_split)
+            if t.num_fewshot and t.fewshot_split is not None:
+                t.docs(t.fewshot_split)
+    return tasks
+
+
 def eval_harness(
-    path: str | Path,
+    paths: str | Path | Sequence[str | Path],
     items: Sequence[str],
     overrides: Sequence[str] = (),
     weights: str = "model",
@@ -42,34 +56,107 @@ def eval_harness(
     limit: float | None = None,
     batch_size: int = 16,
     seed: int = 1234,
+    chat: bool = False,
+    multiturn: bool = False,
+    all_checkpoints: bool = False,
+    compare_out: str | Path | None = None,
     say: Callable[[str], None] = print,
-) -> dict:
-    from lmforge.eval.entry import load_run
+) -> list[dict]:
+    """Evaluate the tasks named by `items` on each run of `paths` (run dirs, checkpoint dirs or HF dirs).
 
-    with tempfile.TemporaryDirectory(prefix="lmforge-tasks-") as tmp:
-        tasks = load_tasks(resolve_items(items, Path(tmp)), num_fewshot)
-        for t in tasks:  # read every task's documents before the model is loaded: errors come first
-            t.docs(t.eval_split)
-        run = load_run(path, list(overrides), weights)
-        scorer = Scorer(
-            run.model,
-            run.tokenizer,
-            device=run.device,
-            batch_size=batch_size,
-            autocast=run.precision.autocast,
+    all_checkpoints: every kept checkpoint of each run, then a curve per task metric
+    (eval_curves.md / eval_curves.png in the run dir). Several paths: a side-by-side comparison of
+    their (latest) results, written to `compare_out` (default eval_compare.md here).
+    chat / multiturn: prompts rendered with each run's chat template (Task.context).
+    Returns the results of each path's last evaluation."""
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    if not paths:
+        raise LmforgeError("give at least one run dir, checkpoint dir or Hugging Face dir")
+    outs = []
+    tasks = load_task_set(items, num_fewshot)  # every document read before a model is loaded
+    if True:
+        for path in paths:
+            targets = checkpoints_of(path) if all_checkpoints else [Path(path)]
+            run_outs = []
+            for target in targets:
+                if len(targets) > 1:
+                    say(f"{target}:")
+                run_outs.append(
+                    evaluate_run(
+                        target, tasks, overrides, weights, limit, batch_size, seed, chat, multiturn, say
+                    )
+                )
+            if all_checkpoints:
+                write_curves(Path(run_outs[-1]["run_dir"]), run_outs)
+            outs.append(run_outs[-1])
+    if len(paths) > 1:
+        write_comparison(Path(compare_out or "eval_compare.md"), [str(p) for p in paths], outs)
+    return outs
+
+
+def checkpoints_of(path: str | Path) -> list[Path]:
+    """The kept checkpoints of the run at `path`, oldest first."""
+    from lmforge.checkpoint.manager import list_checkpoints
+    from lmforge.checkpoint.runs import run_config
+
+    cfg, _ = run_config(path)
+    found = [c.path for c in list_checkpoints(Path(cfg.run.dir) / "checkpoints")]
+    if not found:
+        raise LmforgeError(
+            f"{path}: --all-checkpoints found no checkpoints in {Path(cfg.run.dir) / 'checkpoints'}"
         )
-        results = [run_task(t, scorer, limit=limit, seed=seed, say=say) for t in tasks]
+    return found
+
+
+def evaluate_run(
+    path: Path,
+    tasks: list[Task],
+    overrides: Sequence[str],
+    weights: str,
+    limit: float | None,
+    batch_size: int,
+    seed: int,
+    chat: bool,
+    multiturn: bool,
+    say: Callable[[str], None],
+) -> dict:
+    """One model on every task; results JSON, samples and report written into its run dir."""
+    from lmforge.data.chat_template import stop_ids
+    from lmforge.eval.entry import chat_template_of, load_run
+
+    run = load_run(path, list(overrides), weights)
+    render, stops = None, None
+    if chat:
+        template = chat_template_of(run)
+        stops = stop_ids(template, run.tokenizer)
+        render = lambda messages: template.render(messages, add_generation_prompt=True)  # noqa: E731
+    scorer = Scorer(
+        run.model,
+        run.tokenizer,
+        device=run.device,
+        batch_size=batch_size,
+        autocast=run.precision.autocast,
+        chat=chat,
+        stops=stops,
+    )
+    results = [
+        run_task(t, scorer, limit=limit, seed=seed, say=say, chat=render, multiturn=multiturn) for t in tasks
+    ]
     suffix = "" if weights == "model" else f"_{weights}"
     stem = f"step_{run.step:08d}{suffix}"
     out = {
+        "run_dir": str(run.run_dir),
         "step": run.step,
         "weights": weights,
         "weights_from": str(run.weights_from),
         "seed": seed,
         "limit": limit,
+        "chat": chat,
+        "fewshot_as_multiturn": multiturn,
         "tasks": {r.name: r.to_json() for r in results},
     }
     run_dir = run.run_dir
+    del run, scorer  # the next checkpoint's model is loaded next
     atomic_write_json(run_dir / f"eval_harness_{stem}.json", out)
     lines = []
     for r in results:
@@ -77,6 +164,95 @@ def eval_harness(
     atomic_write_text(run_dir / f"eval_harness_{stem}.samples.jsonl", "\n".join(lines) + "\n")
     write_report(run_dir, stem, out, results)
     return out
+
+
+def _rows(out: dict) -> dict[tuple[str, str], tuple[float, float | None]]:
+    return {
+        (task, k): (v, r["stderr"].get(k))
+        for task, r in out["tasks"].items()
+        for k, v in r["metrics"].items()
+    }
+
+
+def write_curves(run_dir: Path, outs: list[dict]) -> Path:
+    """Task metrics against the training step: eval_curves.md (a table) and eval_curves.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import io
+
+    import matplotlib.pyplot as plt
+
+    from lmforge.utils.io import atomic_write_bytes
+
+    keys = list(_rows(outs[-1]))
+    steps = [o["step"] for o in outs]
+    md = [
+        f"# lmforge eval: {run_dir.name}, task scores by checkpoint",
+        "",
+        "| task | metric | " + " | ".join(f"step {s}" for s in steps) + " |",
+        "|---|---|" + "---|" * len(steps),
+    ]
+    for task, k in keys:
+        values = [_rows(o).get((task, k), (math.nan, None))[0] for o in outs]
+        md.append(f"| {task} | {k} | " + " | ".join(_fmt(k, v) for v in values) + " |")
+    n = len(keys)
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), dpi=100, squeeze=False)
+    for ax, (task, k) in zip(axes.flat, keys):
+        values = [_rows(o).get((task, k), (math.nan, None)) for o in outs]
+        ys = [v for v, _ in values]
+        errs = [e if e is not None else 0.0 for _, e in values]
+        ax.errorbar(steps, ys, yerr=errs, marker="o", capsize=3)
+        chance = outs[-1]["tasks"][task]["chance"].get(k)
+        if chance is not None:
+            ax.axhline(chance, color="gray", linestyle="--", label="chance")
+            ax.legend(fontsize=7)
+        ax.set_title(f"{task}: {k}", fontsize=9)
+        ax.set_xlabel("step")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    atomic_write_bytes(run_dir / "eval_curves.png", buf.getvalue())
+    md += ["", "![task scores by checkpoint](eval_curves.png)"]
+    path = run_dir / "eval_curves.md"
+    atomic_write_text(path, "\n".join(md) + "\n")
+    return path
+
+
+def comparison_rows(outs: list[dict]) -> list[list[str]]:
+    """task, metric, each run's value, and (two runs) the difference with its z-score when both have a
+    standard error (difference / sqrt(se_a^2 + se_b^2): |z| > 2 is unlikely to be noise)."""
+    tables = [_rows(o) for o in outs]
+    keys = [k for k in tables[0] if all(k in t for t in tables[1:])]
+    rows = []
+    for task, k in keys:
+        row = [task, k] + [_fmt(k, t[(task, k)][0]) for t in tables]
+        if len(tables) == 2:
+            (a, sa), (b, sb) = tables[0][(task, k)], tables[1][(task, k)]
+            z = (b - a) / math.sqrt(sa**2 + sb**2) if sa and sb else None
+            row += [_fmt(k, b - a), "" if z is None else f"{z:+.2f}"]
+        rows.append(row)
+    return rows
+
+
+def write_comparison(path: Path, names: list[str], outs: list[dict]) -> Path:
+    header = ["task", "metric", *[f"{n} (step {o['step']})" for n, o in zip(names, outs)]]
+    if len(outs) == 2:
+        header += ["B - A", "z"]
+    md = [
+        "# lmforge eval: runs side by side",
+        "",
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+    ]
+    md += ["| " + " | ".join(r) + " |" for r in comparison_rows(outs)]
+    atomic_write_text(path, "\n".join(md) + "\n")
+    return path
 
 
 def write_report(run_dir: Path, stem: str, out: dict, results: list[TaskResult]) -> Path:

@@ -40,7 +40,9 @@ class Scorer:
     """`model` (an lmforge causal LM, logits (B, T, V)) with its tokenizer.
 
     max_length: the longest input (default: the model's max_seq_len); batch_size: rows per forward;
-    autocast: a context manager factory for the forwards (the run's precision)."""
+    autocast: a context manager factory for the forwards (the run's precision); chat: prompts are
+    rendered conversations, whose control tokens (`<|im_start|>`...) are tokens, as transformers
+    encodes a chat template's text, and generations also stop at `stops` (the template's end of turn)."""
 
     def __init__(
         self,
@@ -51,6 +53,8 @@ class Scorer:
         max_length: int | None = None,
         batch_size: int = 16,
         autocast=None,
+        chat: bool = False,
+        stops: set[int] | None = None,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -59,21 +63,26 @@ class Scorer:
         self.max_length = max_length or model.cfg.max_seq_len
         self.batch_size = batch_size
         self._autocast = autocast or contextlib.nullcontext
+        self.chat = chat
+        self.stops = {tokenizer.eos_id} | set(stops or ())
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode_chat(text)[0] if self.chat else self.tokenizer.encode(text)
 
     # ------------------------------------------------------------------------------ tokenisation
 
     def encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """Context and continuation ids as the harness splits them (see the module docstring)."""
         if context == "":
-            cont = self.tokenizer.encode(continuation)
+            cont = self.encode(continuation)
             eot = self.tokenizer.eos_id
             return ([eot], cont) if not cont or cont[0] != eot else (cont[:1], cont[1:])
         n_spaces = len(context) - len(context.rstrip())
         if n_spaces:
             continuation = context[-n_spaces:] + continuation
             context = context[:-n_spaces]
-        whole = self.tokenizer.encode(context + continuation)
-        ctx = self.tokenizer.encode(context)
+        whole = self.encode(context + continuation)
+        ctx = self.encode(context)
         return ctx, whole[len(ctx) :]
 
     # ------------------------------------------------------------------------------ log-likelihood
@@ -108,7 +117,9 @@ class Scorer:
                     logits = self.model(x.to(self.device))
                 for j, (i, ids, cont) in enumerate(chunk):
                     n = len(cont)
-                    rows_logits = logits[j, len(ids) - n : len(ids)].float()  # predicts cont[0..n-1]
+                    rows_logits = logits[j, len(ids) - n : len(ids)]  # predicts cont[0..n-1]
+                    if rows_logits.dtype in (torch.float16, torch.bfloat16):
+                        rows_logits = rows_logits.float()
                     logp = F.log_softmax(rows_logits, dim=-1)
                     target = torch.as_tensor(cont, device=logp.device)
                     ll = float(logp.gather(1, target[:, None]).sum())
@@ -158,10 +169,10 @@ class Scorer:
                 f"max_gen_toks={max_gen_toks} leaves no room for a prompt in the model's context "
                 f"({self.max_length} tokens)"
             )
-        stops = {self.tokenizer.eos_id}
+        stops = self.stops
         prompts = []
         for c in contexts:
-            ids = self.tokenizer.encode(c) if c else [self.tokenizer.eos_id]
+            ids = self.encode(c) if c else [self.tokenizer.eos_id]
             prompts.append(ids[-room:])
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         out: list[str] = [""] * len(prompts)

@@ -285,20 +285,37 @@ class Task:
 
     # ---------------------------------------------------------------------------------- prompts
 
-    def context(self, index: int, doc: dict, where: str, num_fewshot: int, seed: int) -> str:
-        """The prompt of document `index` of the evaluation split, as the harness builds it."""
+    def context(
+        self,
+        index: int,
+        doc: dict,
+        where: str,
+        num_fewshot: int,
+        seed: int,
+        chat: Callable[[list[dict]], str] | None = None,
+        multiturn: bool = False,
+    ) -> str:
+        """The prompt of document `index` of the evaluation split, as the harness builds it.
+
+        chat: render the prompt as a conversation with this function (a chat template with the
+        generation prompt added), as the harness's --apply_chat_template: the description is the
+        system message; each few-shot example a user turn (text + target_delimiter) and an assistant
+        turn (answer), collapsed into one user message unless `multiturn` (--fewshot_as_multiturn);
+        then the document's text as the last user turn."""
         description = render(self.description, doc, where) if self.description else ""
-        shots = self._shots(index, doc, num_fewshot, seed)
-        parts = [description]
-        for sw, sdoc in shots:
-            parts.append(
-                self.text(sdoc, sw)
-                + self.target_delimiter
-                + self.target_text(sdoc, sw)
-                + self.fewshot_delimiter
-            )
-        parts.append(self.text(doc, where))
-        return "".join(parts)
+        turns: list[tuple[str, str, str]] = []  # (role, content, delimiter after it in plain text)
+        for sw, sdoc in self._shots(index, doc, num_fewshot, seed):
+            turns.append(("user", self.text(sdoc, sw), self.target_delimiter))
+            turns.append(("assistant", self.target_text(sdoc, sw), self.fewshot_delimiter))
+        turns.append(("user", self.text(doc, where), ""))
+        if chat is None:
+            return description + "".join(content + delim for _, content, delim in turns)
+        messages = [{"role": "system", "content": description}] if description else []
+        if multiturn:
+            messages += [{"role": role, "content": content} for role, content, _ in turns]
+        else:
+            messages.append({"role": "user", "content": "".join(c + d for _, c, d in turns)})
+        return chat(messages)
 
     def _shots(self, index: int, doc: dict, n: int, seed: int) -> list[tuple[str, dict]]:
         if n <= 0:
@@ -674,16 +691,25 @@ def run_task(
     limit: float | None = None,
     seed: int = 1234,
     say: Callable[[str], None] | None = None,
+    chat: Callable[[list[dict]], str] | None = None,
+    multiturn: bool = False,
 ) -> TaskResult:
-    """Score `scorer` (eval/scorer.py) on the task's evaluation split."""
+    """Score `scorer` (eval/scorer.py) on the task's evaluation split (with `chat`, prompts are
+    conversations: see Task.context; the scorer must then read special tokens in its text)."""
     docs = task.docs(task.eval_split)
     docs = docs[: select(len(docs), limit)]
-    contexts = [task.context(i, d, w, task.num_fewshot, seed) for i, (w, d) in enumerate(docs)]
+    contexts = [
+        task.context(i, d, w, task.num_fewshot, seed, chat, multiturn) for i, (w, d) in enumerate(docs)
+    ]
     kind = task.output_type
     if say:
-        say(f"{task.name}: {len(docs)} documents, {kind}, {task.num_fewshot}-shot")
+        say(
+            f"{task.name}: {len(docs)} documents, {kind}, {task.num_fewshot}-shot"
+            + (", chat" if chat else "")
+        )
     if kind == "multiple_choice":
-        return _multiple_choice(task, scorer, docs, contexts)
+        # After a chat prompt the answer starts the assistant's turn: no delimiter (as the harness).
+        return _multiple_choice(task, scorer, docs, contexts, "" if chat else task.target_delimiter)
     if kind == "loglikelihood":
         return _loglikelihood(task, scorer, docs, contexts)
     if kind == "loglikelihood_rolling":
@@ -720,13 +746,13 @@ def _scored(scorer, pairs, where_of: Callable[[int], str]) -> list[tuple[float, 
         raise TaskError(f"{where_of(e.index)}: {e}") from None
 
 
-def _multiple_choice(task: Task, scorer, docs, contexts) -> TaskResult:
+def _multiple_choice(task: Task, scorer, docs, contexts, delimiter: str) -> TaskResult:
     pairs, spans, golds, all_choices = [], [], [], []
     for (where, doc), ctx in zip(docs, contexts):
         choices = task.choices(doc, where)
         golds.append(task.gold_index(doc, where, choices))
         spans.append((len(pairs), len(choices)))
-        pairs.extend((ctx, task.target_delimiter + c) for c in choices)
+        pairs.extend((ctx, delimiter + c) for c in choices)
         all_choices.append(choices)
     owner = [k for k, (_, n) in enumerate(spans) for _ in range(n)]
     scores = _scored(scorer, pairs, lambda i: docs[owner[i]][0])

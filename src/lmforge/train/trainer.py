@@ -126,6 +126,11 @@ class Trainer:
     ) -> None:
         cfg = as_config(config)
         self.console = console or Console(cfg.logging.progress, enabled=World.from_env().is_main)
+        self._eval_tasks: list = []
+        if cfg.train.eval_tasks:  # read and checked before the run dir is touched
+            from lmforge.eval.harness import load_task_set
+
+            self._eval_tasks = load_task_set(cfg.train.eval_tasks)
         self.run = build_run(cfg, "train", model=model, train_data=train_data, eval_data=eval_data,
                              tokenizer=tokenizer, objective=objective, resume=resume, say=self.console)
         try:
@@ -146,6 +151,10 @@ class Trainer:
         self.averages = build_averages(self.model, self.cfg.averaging)
         self.early = EarlyStopping(sc.early_stopping_patience, sc.early_stopping_min_delta,
                                    self.cfg.checkpoint.keep_best)
+        if self._eval_tasks and (self.dims is not None and self.dims.pp > 1 or run.tokenizer is None):
+            raise ConfigError("train.eval_tasks needs the run's tokenizer and a model whose forward gives "
+                              "logits on every rank (not pipeline parallelism): unset train.eval_tasks and "
+                              "run lmforge eval --tasks on the checkpoints")
         self.callbacks: list[Callback] = [MetricsLogging(), self.early, *callbacks]
         self.states: dict[str, Any] = {
             "progress": self.progress,
@@ -387,6 +396,7 @@ class Trainer:
             record["val_bpb"] = out["bpb"]
         # the objective's own metrics (preference: reward accuracy and margins), means per target
         record.update({f"val_{k}": v for k, v in out.items() if k not in ("loss", "ppl", "tokens", "bpb")})
+        record.update(self._task_scores())
         if self.cfg.averaging.eval_averaged:
             for kind, avg in self.averages.items():
                 if avg.n_averaged:
@@ -394,6 +404,21 @@ class Trainer:
                         record[f"val_loss_{kind}"] = self._val_loss()["loss"]
         self._last_val = (self.step, out)
         self._emit("on_evaluate", record)
+        return out
+
+    def _task_scores(self) -> dict[str, float]:
+        """train.eval_tasks: every task's metrics on the trained weights, as task/<task>/<metric>. Every
+        rank scores the same documents (sharded layouts run their forwards together); rank 0 logs."""
+        if not self._eval_tasks:
+            return {}
+        from lmforge.eval.scorer import Scorer
+        from lmforge.eval.tasks import run_task
+
+        scorer = Scorer(self.model, self.run.tokenizer, device=self.device, autocast=self.precision.autocast)
+        out = {}
+        for task in self._eval_tasks:
+            result = run_task(task, scorer, limit=self.cfg.train.eval_tasks_limit, seed=self.cfg.run.seed)
+            out.update({f"task/{task.name}/{k}": v for k, v in result.metrics.items()})
         return out
 
     def _val_loss(self) -> dict[str, float]:
