@@ -151,6 +151,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 0
     if args.tasks and not args.tasks.lower().endswith(".jsonl"):
         return _eval_harness(args)
+    if args.data:
+        from lmforge.eval.entry import eval_data
+
+        if len(args.path) > 1:
+            raise LmforgeError("--data evaluates one run; give one run dir")
+        eval_data(args.path[0] if args.path else _run_path(args),
+                  args.data, args.set, weights=args.weights, max_length=args.max_length, stride=args.stride,
+                  batch_size=args.batch_size)
+        return 0
     if len(args.path) > 1:
         raise LmforgeError("several runs are compared with --tasks only; give one run otherwise")
     args.path = args.path[0] if args.path else None
@@ -457,6 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "in lm-evaluation-harness's YAML format, dirs of them, or builtin:code (tasks "
                            "lmforge builds from installed packages' code); or one tasks JSONL (lmforge "
                            "tasks) for exact-match accuracy of greedy chat replies")
+            p.add_argument("--data", help="perplexity, bits per byte, top-1/top-5 token accuracy and "
+                           "calibration on this text (a .txt/.md/.jsonl/.parquet file or a dir of them), in "
+                           "sliding windows, instead of the run's validation split")
+            p.add_argument("--max-length", type=int, default=None, help="--data: tokens per window "
+                           "(default: the model's max_seq_len)")
+            p.add_argument("--stride", type=int, default=None, help="--data: tokens the window moves by "
+                           "(default: half of --max-length; equal to it: disjoint windows)")
             p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt "
                            "(default: each task file's num_fewshot, else 0)")
             p.add_argument("--limit", type=float, default=None, help="first N documents of each task (a "

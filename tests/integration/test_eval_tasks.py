@@ -6,6 +6,7 @@ is bounded."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,23 @@ def test_train_eval_tasks_checked_before_the_run_dir_is_touched(tiny_cfg, tmp_pa
     with pytest.raises(LmforgeError, match="key 'doc_to_choice' is missing"):
         Trainer(tiny_cfg("train.max_steps=2", "run.overwrite=true", f"train.eval_tasks=[{bad}]"))
     assert snapshot(tmp_path / "run") == before
+
+
+def test_eval_data_strided_perplexity_cli(trained, tmp_path, capsys):
+    text = tmp_path / "held.jsonl"
+    text.write_text(
+        "".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 30}) + "\n" for i in range(3))
+    )
+    assert main(["eval", str(trained), "--data", str(text), "--max-length", "128", "--stride", "64"]) == 0
+    out = json.loads((trained / "eval_data_held.jsonl_step_00000200.json").read_text())
+    assert out["documents"] == 3 and out["max_length"] == 128 and out["stride"] == 64
+    assert 0 <= out["top1"] <= out["top5"] <= 1 and out["bpb"] > 0
+    assert out["ppl"] == pytest.approx(math.exp(out["loss"]))
+    assert (trained / "eval_data_held.jsonl_step_00000200_reliability.png").is_file()
+    assert "top-5" in capsys.readouterr().out
+    assert main(["eval", str(trained), "--data", str(text), "--stride", "999"]) == 2
+    assert "stride must be between 1 and max_length" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"txt": "no"}\n')
+    assert main(["eval", str(trained), "--data", str(bad)]) == 2
+    assert f"{bad}:2" in capsys.readouterr().err

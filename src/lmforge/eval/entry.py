@@ -11,7 +11,7 @@ from lmforge.checkpoint.runs import run_config
 from lmforge.data.chat import ChatStats
 from lmforge.data.chat_template import ChatTemplate, stop_ids
 from lmforge.engine.evaluate import evaluate_loss
-from lmforge.errors import DataError
+from lmforge.errors import DataError, LmforgeError
 from lmforge.eval.chat import chat_prompt_ids, task_accuracy
 from lmforge.eval.generate import generate
 from lmforge.utils.io import atomic_write_json
@@ -39,6 +39,39 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
     ppl = f"  ppl {out['ppl']:.2f}" if cfg.objective.name in ("causal_lm", "sft") else ""  # token losses only
     say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} {unit}): loss {out['loss']:.4f}"
         + ppl + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else "") + extra)
+    return result
+
+
+def eval_data(path: str | Path, data: str | Path, overrides: list[str] | tuple[str, ...] = (),
+              weights: str = "model", max_length: int | None = None, stride: int | None = None,
+              batch_size: int = 8, say=print) -> dict:
+    """Perplexity, bits per byte, top-1/top-5 token accuracy and next-token calibration of a run on
+    any text (`lmforge eval RUN --data FILE_OR_DIR`), in sliding windows of max_length tokens moved by
+    `stride` (eval/perplexity.py). Written to eval_data_<name>_step_N.json with a reliability diagram."""
+    import re
+
+    from lmforge.eval.metrics import reliability_diagram
+    from lmforge.eval.perplexity import evaluate_perplexity
+
+    run = load_run(path, overrides, weights)
+    try:
+        out = evaluate_perplexity(run.model, run.tokenizer, data, max_length=max_length, stride=stride,
+                                  batch_size=batch_size, device=run.device, autocast=run.precision.autocast)
+    except ValueError as e:
+        if isinstance(e, LmforgeError):
+            raise
+        raise LmforgeError(f"--data {data}: {e}") from None
+    confidence, correct = out.pop("confidence"), out.pop("correct")
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(data).name) or "data"
+    suffix = "" if weights == "model" else f"_{weights}"
+    stem = f"eval_data_{name}_step_{run.step:08d}{suffix}"
+    result = {"step": run.step, "data": str(data), "weights": weights, **out}
+    atomic_write_json(run.run_dir / f"{stem}.json", result)
+    reliability_diagram(confidence, correct, run.run_dir / f"{stem}_reliability.png",
+                        f"next-token predictions on {name} (step {run.step})")
+    say(f"{run.weights_from}{suffix} on {data} ({out['documents']:,} documents, {out['tokens']:,} tokens, "
+        f"windows of {out['max_length']} by {out['stride']}): loss {out['loss']:.4f}  ppl {out['ppl']:.2f}  "
+        f"bpb {out['bpb']:.4f}  top-1 {out['top1']:.2%}  top-5 {out['top5']:.2%}  ECE {out['ece']:.4f}")
     return result
 
 
