@@ -193,7 +193,7 @@ def _eval_harness(args: argparse.Namespace) -> int:
     outs = eval_harness(paths, items, args.set, weights=args.weights, num_fewshot=args.num_fewshot,
                         limit=args.limit, batch_size=args.batch_size, seed=args.seed, chat=args.chat,
                         multiturn=args.fewshot_as_multiturn, all_checkpoints=args.all_checkpoints,
-                        compare_out=args.compare_out)
+                        compare_out=args.compare_out, contamination=not args.no_contamination)
     console = Console(highlight=False)
     if len(outs) > 1:
         table = Table(title="runs side by side (eval_compare.md)", show_header=True)
@@ -485,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "example its own user and assistant turn (default: one user message)")
             p.add_argument("--all-checkpoints", action="store_true", help="--tasks on every kept checkpoint "
                            "of the run: curves in eval_curves.md / eval_curves.png")
+            p.add_argument("--no-contamination", action="store_true", help="skip the report of each task's "
+                           "13-gram overlap with the run's training data")
             p.add_argument("--compare-out", default=None, help="with several runs: the comparison report "
                            "(default: eval_compare.md in the current dir)")
             p.add_argument("--redteam", action="store_true", help="attack success rate per category of "

@@ -231,3 +231,33 @@ def test_eval_data_strided_perplexity_cli(trained, tmp_path, capsys):
     bad.write_text('{"text": "ok"}\n{"txt": "no"}\n')
     assert main(["eval", str(trained), "--data", str(bad)]) == 2
     assert f"{bad}:2" in capsys.readouterr().err
+
+
+def test_report_flags_documents_copied_from_the_training_data(trained, tmp_path):
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.eval.contamination import training_texts
+
+    cfg, _ = run_config(trained)
+    seen = next(t for t in training_texts(cfg) if len(t.split()) > 200)
+    copied = " ".join(seen.split()[100:140])
+    rows = [{"q": copied, "choices": ["a", "b"], "label": 0}] + [
+        {
+            "q": f"zebra {i} quartz violin meadow lantern orbit canyon whisper falcon ember tide harbor",
+            "choices": ["a", "b"],
+            "label": 1,
+        }
+        for i in range(3)
+    ]
+    task = write_task(
+        tmp_path,
+        "task: leak\noutput_type: multiple_choice\ndoc_to_text: q\ndoc_to_target: label\n"
+        "doc_to_choice: choices\n",
+        rows,
+    )
+    assert main(["eval", str(trained), "--tasks", str(task)]) == 0
+    res = json.loads((trained / "eval_harness_step_00000200.json").read_text())
+    leak = res["contamination"]["tasks"]["leak"]
+    assert (leak["checked"], leak["contaminated"], leak["contaminated_docs"]) == (4, 1, [0])
+    assert "| leak | 4 | 1 | 25.0% |" in (trained / "eval_report_step_00000200.md").read_text()
+    assert main(["eval", str(trained), "--tasks", str(task), "--no-contamination"]) == 0
+    assert json.loads((trained / "eval_harness_step_00000200.json").read_text())["contamination"] is None

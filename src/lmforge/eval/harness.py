@@ -60,6 +60,7 @@ def eval_harness(
     multiturn: bool = False,
     all_checkpoints: bool = False,
     compare_out: str | Path | None = None,
+    contamination: bool = True,
     say: Callable[[str], None] = print,
 ) -> list[dict]:
     """Evaluate the tasks named by `items` on each run of `paths` (run dirs, checkpoint dirs or HF dirs).
@@ -68,30 +69,64 @@ def eval_harness(
     (eval_curves.md / eval_curves.png in the run dir). Several paths: a side-by-side comparison of
     their (latest) results, written to `compare_out` (default eval_compare.md here).
     chat / multiturn: prompts rendered with each run's chat template (Task.context).
+    contamination: each task's word 13-gram overlap with the run's training data (eval/contamination.py).
     Returns the results of each path's last evaluation."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not paths:
         raise LmforgeError("give at least one run dir, checkpoint dir or Hugging Face dir")
     outs = []
     tasks = load_task_set(items, num_fewshot)  # every document read before a model is loaded
-    if True:
-        for path in paths:
-            targets = checkpoints_of(path) if all_checkpoints else [Path(path)]
-            run_outs = []
-            for target in targets:
-                if len(targets) > 1:
-                    say(f"{target}:")
-                run_outs.append(
-                    evaluate_run(
-                        target, tasks, overrides, weights, limit, batch_size, seed, chat, multiturn, say
-                    )
+    for path in paths:
+        overlap = contamination_of(path, tasks, limit, say) if contamination else None
+        targets = checkpoints_of(path) if all_checkpoints else [Path(path)]
+        run_outs = []
+        for target in targets:
+            if len(targets) > 1:
+                say(f"{target}:")
+            run_outs.append(
+                evaluate_run(
+                    target, tasks, overrides, weights, limit, batch_size, seed, chat, multiturn, say, overlap
                 )
-            if all_checkpoints:
-                write_curves(Path(run_outs[-1]["run_dir"]), run_outs)
-            outs.append(run_outs[-1])
+            )
+        if all_checkpoints:
+            write_curves(Path(run_outs[-1]["run_dir"]), run_outs)
+        outs.append(run_outs[-1])
     if len(paths) > 1:
         write_comparison(Path(compare_out or "eval_compare.md"), [str(p) for p in paths], outs)
     return outs
+
+
+CONTAMINATION_MAX_CHARS = 500_000_000  # training text read for the overlap report, at most
+
+
+def contamination_of(
+    path: str | Path, tasks: list[Task], limit: float | None, say: Callable[[str], None]
+) -> dict:
+    """Word 13-gram overlap of each task's documents (every string in a document, as the curation
+    step's decontamination reads eval files) with the training split of the run at `path`."""
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.data.curate.steps.decontaminate import _strings
+    from lmforge.errors import DataError
+    from lmforge.eval.contamination import run_contamination
+    from lmforge.eval.tasks import select
+
+    cfg, _ = run_config(path)
+    if not (Path(cfg.run.dir) / "config.yaml").is_file():
+        return {"skipped": "a Hugging Face model dir: lmforge does not know its training data"}
+    docs = {}
+    for t in tasks:
+        kept = t.docs(t.eval_split)
+        docs[t.name] = ["\n\n".join(_strings(d)) for _, d in kept[: select(len(kept), limit)]]
+    try:
+        out = run_contamination(cfg, docs, max_chars=CONTAMINATION_MAX_CHARS)
+    except DataError as e:
+        return {"skipped": f"the training data cannot be read: {e}"}
+    flagged = {k: v["contaminated"] for k, v in out["tasks"].items() if v["contaminated"]}
+    say(
+        "contamination (13-gram overlap with the training data): "
+        + (", ".join(f"{k} {n} documents" for k, n in flagged.items()) if flagged else "none found")
+    )
+    return out
 
 
 def checkpoints_of(path: str | Path) -> list[Path]:
@@ -119,6 +154,7 @@ def evaluate_run(
     chat: bool,
     multiturn: bool,
     say: Callable[[str], None],
+    contamination: dict | None = None,
 ) -> dict:
     """One model on every task; results JSON, samples and report written into its run dir."""
     from lmforge.data.chat_template import stop_ids
@@ -154,6 +190,7 @@ def evaluate_run(
         "chat": chat,
         "fewshot_as_multiturn": multiturn,
         "tasks": {r.name: r.to_json() for r in results},
+        "contamination": contamination,
     }
     run_dir = run.run_dir
     del run, scorer  # the next checkpoint's model is loaded next
@@ -297,9 +334,32 @@ def write_report(run_dir: Path, stem: str, out: dict, results: list[TaskResult])
                 f"{r.name} (step {out['step']})",
             )
             md.append(f"![{r.name} reliability]({figures.name}/{png.name})")
+    md += _contamination_md(out.get("contamination"))
     path = run_dir / f"eval_report_{stem}.md"
     atomic_write_text(path, "\n".join(md) + "\n")
     return path
+
+
+def _contamination_md(c: dict | None) -> list[str]:
+    if not c:
+        return []
+    md = ["", f"## Contamination (word {c.get('ngram', 13)}-gram overlap with the training data)", ""]
+    if "skipped" in c:
+        return md + [f"Not measured: {c['skipped']}."]
+    t = c["training"]
+    md += [
+        f"Training data read: {t['documents']:,} documents, {t['chars']:,} characters"
+        + (" (stopped at the reading budget)" if t.get("budget_hit") else "")
+        + ".",
+        "",
+        "| task | documents checked | contaminated | fraction | mean n-gram overlap | too short |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in c["tasks"].items():
+        frac = "" if r["contaminated_fraction"] is None else f"{100 * r['contaminated_fraction']:.1f}%"
+        mean = "" if r["mean_overlap"] is None else f"{100 * r['mean_overlap']:.2f}%"
+        md.append(f"| {name} | {r['checked']} | {r['contaminated']} | {frac} | {mean} | {r['too_short']} |")
+    return md
 
 
 def _fmt(metric: str, value: float) -> str:
