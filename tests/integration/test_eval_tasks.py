@@ -67,11 +67,18 @@ def test_cli_writes_results_samples_and_report(trained, capsys):
     out = capsys.readouterr().out
     assert "code_word_order" in out and "bits_per_byte" in out
     res = json.loads((trained / "eval_harness_step_00000200.json").read_text())
-    assert set(res["tasks"]) == {"code_next_line", "code_word_order", "code_line_completion", "code_bpb"}
+    assert set(res["tasks"]) == {
+        "code_next_line",
+        "code_word_order",
+        "code_line_completion",
+        "code_bpb",
+        "code_functions",
+    }
+    assert set(res["tasks"]["code_functions"]["metrics"]) == {"pass@1", "pass@5"}
     assert res["tasks"]["code_word_order"]["n_docs"] == 12
     assert 0.0 <= res["tasks"]["code_word_order"]["calibration"]["ece"] <= 1.0
     samples = (trained / "eval_harness_step_00000200.samples.jsonl").read_text().splitlines()
-    assert len(samples) == 12 * 3 + 12  # three tasks of 12 documents, and code_bpb's 12 chunks
+    assert len(samples) == 12 * 5  # five tasks of 12 documents (code_bpb: chunks)
     report = (trained / "eval_report_step_00000200.md").read_text()
     assert "| code_word_order | multiple_choice | 0 | 12 | acc |" in report
     png = trained / "eval_report_step_00000200" / "code_word_order_reliability.png"
@@ -261,3 +268,30 @@ def test_report_flags_documents_copied_from_the_training_data(trained, tmp_path)
     assert "| leak | 4 | 1 | 25.0% |" in (trained / "eval_report_step_00000200.md").read_text()
     assert main(["eval", str(trained), "--tasks", str(task), "--no-contamination"]) == 0
     assert json.loads((trained / "eval_harness_step_00000200.json").read_text())["contamination"] is None
+
+
+def test_pass_at_k_runs_sampled_completions_in_the_sandbox(trained, tmp_path):
+    # The completion lands in a comment line, so what the model writes cannot break the program: the
+    # first function's test passes whatever was sampled, the second's never does.
+    rows = [
+        {"prompt": "def f():\n    return 1\n# ", "test": "assert f() == 1"},
+        {"prompt": "def g():\n    return 2\n# ", "test": "assert g() == 3, 'wrong on purpose'"},
+    ]
+    task = write_task(
+        tmp_path,
+        "task: code\noutput_type: generate_until\ndoc_to_text: prompt\ndoc_to_target: test\n"
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n  do_sample: true\n  temperature: 1.0\n'
+        "repeats: 3\nmetric_list:\n  - metric: pass_at_k\n    k: [1, 2, 5]\n    test: test\n"
+        "    timeout_s: 5\n",
+        rows,
+    )
+    run = load_run(trained)
+    res = run_task(load_task(task), Scorer(run.model, run.tokenizer), seed=7)
+    assert res.metrics["pass@1"] == res.metrics["pass@2"] == 0.5
+    assert "pass@5" not in res.metrics  # k above the 3 samples per document: not estimated
+    assert [o.split(":")[0] for o in res.samples[1]["outcomes"]] == ["failed"] * 3
+    assert "wrong on purpose" in res.samples[1]["outcomes"][0]
+    again = run_task(load_task(task), Scorer(run.model, run.tokenizer), seed=7)
+    assert [s["generations"] for s in again.samples] == [s["generations"] for s in res.samples]
+    other = run_task(load_task(task), Scorer(run.model, run.tokenizer), seed=8)
+    assert [s["generations"] for s in other.samples] != [s["generations"] for s in res.samples]

@@ -20,11 +20,16 @@ text), and `lmforge eval --tasks` reports n-gram overlap with the run's training
                         completes the line (greedy, until the newline), exact match. Chance ~0.
   code_bpb              rolling log-likelihood of 1,500-character chunks of those files: bits per
                         byte, word and byte perplexity (no chance level: lower is better).
+  code_functions        pass@k: write the body of a small function from its signature and docstring
+                        (add, scale, slice, reverse, count, ...; the constants drawn at random), five
+                        samples at temperature 0.8, each run against its asserts in lmforge's sandbox
+                        (eval/sandbox.py). pass@1 and pass@5; chance 0.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
 import random
 import re
@@ -35,7 +40,37 @@ from lmforge.utils.io import atomic_write_text
 
 PACKAGES = ("jinja2", "yaml", "rich", "pydantic")
 BUNDLE = "builtin:code"
-TASKS = ("code_next_line", "code_word_order", "code_line_completion", "code_bpb")
+TASKS = ("code_next_line", "code_word_order", "code_line_completion", "code_bpb", "code_functions")
+
+# (name, argument, docstring, solution body, inputs to check): the constant {n} is drawn per problem.
+FUNCTIONS = (
+    ("add_{n}", "x", "Return x plus {n}.", "return x + {n}", "[0, 1, -3, 10]"),
+    ("times_{n}", "x", "Return x multiplied by {n}.", "return x * {n}", "[0, 2, -5, 7]"),
+    ("minus_{n}", "x", "Return x minus {n}.", "return x - {n}", "[0, 4, -1, 20]"),
+    ("first_{n}", "s", "Return the first {n} characters of s.", "return s[:{n}]", "['abcdefgh', 'xy', '']"),
+    (
+        "last_{n}",
+        "s",
+        "Return the last {n} characters of s.",
+        "return s[-{n}:]",
+        "['abcdefgh', 'hello world']",
+    ),
+    ("reverse", "s", "Return s reversed.", "return s[::-1]", "['abc', '', 'racecar', 'lmforge']"),
+    ("largest", "xs", "Return the largest item of xs.", "return max(xs)", "[[1, 5, 2], [-3, -1], [7]]"),
+    ("smallest", "xs", "Return the smallest item of xs.", "return min(xs)", "[[1, 5, 2], [-3, -1], [7]]"),
+    ("count_items", "xs", "Return the number of items in xs.", "return len(xs)", "[[], [1], [1, 2, 3]]"),
+    ("total", "xs", "Return the sum of the items of xs.", "return sum(xs)", "[[], [1, 2], [5, -5, 3]]"),
+    (
+        "is_multiple_of_{n}",
+        "x",
+        "Return True if x is a multiple of {n}.",
+        "return x % {n} == 0",
+        "[0, 3, 12, 35]",
+    ),
+    ("square", "x", "Return x squared.", "return x * x", "[0, 3, -4]"),
+    ("upper", "s", "Return s in upper case.", "return s.upper()", "['abc', 'Hello', '']"),
+    ("repeat_{n}", "s", "Return s repeated {n} times.", "return s * {n}", "['ab', '', 'x']"),
+)
 CONTEXT_LINES = 8
 _WORD = re.compile(r"[A-Za-z_][A-Za-z_0-9]*")
 _SKIP = re.compile(r"^\s*(#|\"\"\"|'''|@|import |from |\)|\]|\}|else:|try:|pass$|return$)")
@@ -49,7 +84,10 @@ def _package_files() -> tuple[list[Path], dict[str, str]]:
         except ImportError:
             continue
         root = Path(mod.__file__).parent
-        versions[name] = getattr(mod, "__version__", getattr(mod, "VERSION", "unknown"))
+        try:
+            versions[name] = importlib.metadata.version({"yaml": "pyyaml"}.get(name, name))
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = getattr(mod, "__version__", "unknown")
         files.extend(sorted(p for p in root.rglob("*.py") if "tests" not in p.parts))
     if not files:
         raise LmforgeError(f"none of {', '.join(PACKAGES)} is installed: the built-in code tasks need them")
@@ -187,7 +225,21 @@ def build_bundle(out_dir: str | Path, n: int = 200, seed: int = 0) -> list[Path]
         if len(chunks) == max(20, n // 5):
             break
 
+    functions = []
+    for k in range(max(20, n // 4)):
+        name, arg, doc, body, inputs = FUNCTIONS[k % len(FUNCTIONS)]
+        c = rng.randint(2, 9)
+        name, doc, body = name.format(n=c), doc.format(n=c), body.format(n=c)
+        prompt = f'def {name}({arg}):\n    """{doc}"""\n'
+        solution = f"def _expected({arg}):\n    {body}\n"
+        test = (
+            f"{solution}\nfor _x in {inputs}:\n    assert {name}(_x) == _expected(_x), "
+            f"({name}.__name__, _x)\n"
+        )
+        functions.append({"prompt": prompt, "canonical_solution": f"    {body}\n", "test": test})
+
     docs = (
+        ("code_functions", functions),
         ("code_next_line", next_line[:n]),
         ("code_word_order", order_docs[:n]),
         ("code_line_completion", completion[:n]),
@@ -220,6 +272,17 @@ def build_bundle(out_dir: str | Path, n: int = 200, seed: int = 0) -> list[Path]
             + "output_type: generate_until\ndoc_to_text: context\ndoc_to_target: answer\n"
             + 'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 32\n  do_sample: false\n'
             + "metric_list:\n  - metric: exact_match\n  - metric: chrf\nchance: 0.0\n"
+        ),
+        "code_functions": (
+            "task: code_functions\n"
+            + common
+            + "dataset_kwargs:\n  data_files:\n    test: code_functions.jsonl\n"
+            + "output_type: generate_until\ndoc_to_text: prompt\ndoc_to_target: canonical_solution\n"
+            + 'generation_kwargs:\n  until: ["\\ndef ", "\\nclass ", "\\nif __name__", "\\nprint("]\n'
+            + "  max_gen_toks: 48\n  do_sample: true\n  temperature: 0.8\n  top_p: 0.95\n"
+            + "repeats: 5\n"
+            + "metric_list:\n  - metric: pass_at_k\n    k: [1, 5]\n    test: test\n    timeout_s: 5\n"
+            + "chance: 0.0\n"
         ),
         "code_bpb": (
             "task: code_bpb\n"

@@ -363,6 +363,8 @@ def _contamination_md(c: dict | None) -> list[str]:
 
 
 def _fmt(metric: str, value: float) -> str:
-    if metric.split(",")[0] in ("acc", "acc_norm", "acc_bytes", "exact_match", "f1"):
+    if metric.split(",")[0] in ("acc", "acc_norm", "acc_bytes", "exact_match", "f1") or metric.startswith(
+        "pass@"
+    ):
         return f"{100 * value:.2f}%"
     return f"{value:.4f}"

@@ -158,9 +158,16 @@ class Scorer:
         contexts: Sequence[str],
         until: Sequence[str] = (),
         max_gen_toks: int = 256,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
     ) -> list[str]:
-        """Greedy continuation of each context, cut before the first of `until` (and the end-of-text
-        token); at most `max_gen_toks` tokens (a generation that never stops ends there)."""
+        """The continuation of each context, cut before the first of `until` (and the end-of-text
+        token); at most `max_gen_toks` tokens (a generation that never stops ends there). Greedy at
+        temperature 0; sampled otherwise, each batch from a generator seeded by (seed, its first
+        context's index), so a run with the same seed and batch size draws the same samples."""
         if max_gen_toks < 1:
             raise LmforgeError("max_gen_toks must be at least 1")
         room = self.max_length - max_gen_toks
@@ -187,12 +194,18 @@ class Scorer:
                         text = self.tokenizer.decode(row)
                         return any(t in text for t in terms)
 
+                generator = None
+                if temperature > 0:
+                    generator = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + min(idx))
                 replies = sample_replies(
                     self.model,
                     [prompts[i] for i in idx],
                     max_gen_toks,
                     stops,
-                    temperature=0.0,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    generator=generator,
                     device=self.device,
                     is_done=done,
                 )

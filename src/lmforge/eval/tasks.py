@@ -58,7 +58,7 @@ METRICS = {
     "multiple_choice": {"acc", "acc_norm", "brier_score", "acc_bytes"},
     "loglikelihood": {"perplexity", "acc"},
     "loglikelihood_rolling": {"word_perplexity", "byte_perplexity", "bits_per_byte"},
-    "generate_until": {"exact_match", "f1", "bleu", "chrf", "rouge1", "rouge2", "rougeL"},
+    "generate_until": {"exact_match", "f1", "bleu", "chrf", "rouge1", "rouge2", "rougeL", "pass_at_k"},
 }
 # Keys of harness task files that lmforge reads, and keys it accepts and ignores (grouping, metadata).
 KNOWN_KEYS = {
@@ -84,6 +84,7 @@ KNOWN_KEYS = {
     "filter_list",
     "include",
     "chance",
+    "repeats",
 }
 IGNORED_KEYS = {
     "tag",
@@ -95,7 +96,6 @@ IGNORED_KEYS = {
     "group_alias",
     "dataset_revision",
     "unsafe_code",
-    "repeats",
 }
 CODE_KEYS = {"process_docs", "process_results", "doc_to_image", "doc_to_audio", "custom_dataset", "class"}
 FILTERS = {"regex", "take_first", "lowercase", "uppercase", "strip"}
@@ -165,6 +165,10 @@ class Task:
     fewshot_split: str | None
     until: list[str]
     max_gen_toks: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    repeats: int  # generations per document (pass@k needs k or more)
     metrics: dict[str, dict]  # metric -> its options (exact_match's normalisation)
     filters: list[tuple[str, list[dict]]]  # (name, steps); [("none", [])] without a filter_list
     chance: float | None  # a known chance level for generation tasks (task key `chance`)
@@ -414,11 +418,25 @@ def load_task(path: str | Path, num_fewshot: int | None = None) -> Task:
     max_gen_toks = gen.get("max_gen_toks", 256)
     if not isinstance(max_gen_toks, int) or isinstance(max_gen_toks, bool) or max_gen_toks < 1:
         raise TaskError(f"{path}: generation_kwargs.max_gen_toks must be a positive integer")
-    if gen.get("do_sample") or (gen.get("temperature") or 0) > 0:
+    unknown_gen = sorted(set(gen) - {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"})
+    if unknown_gen:
         raise TaskError(
-            f"{path}: generation_kwargs asks for sampling; lmforge's task generations are "
-            "greedy (set do_sample: false, temperature: 0)"
+            f"{path}: generation_kwargs has unknown key(s) {', '.join(unknown_gen)} (until, "
+            "max_gen_toks, do_sample, temperature, top_k, top_p)"
         )
+    temperature = 0.0
+    if gen.get("do_sample"):  # as transformers: sampling only when asked for, at temperature 1 by default
+        temperature = gen.get("temperature", 1.0)
+        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+            raise TaskError(f"{path}: generation_kwargs.temperature must be a number >= 0")
+    top_k, top_p = gen.get("top_k"), gen.get("top_p")
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
+        raise TaskError(f"{path}: generation_kwargs.top_k must be a whole number >= 0")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise TaskError(f"{path}: generation_kwargs.top_p must be in (0, 1]")
+    repeats = need("repeats", (int,), 1)
+    if repeats < 1:
+        raise TaskError(f"{path}: key 'repeats' must be >= 1")
     nf = need("num_fewshot", (int,), 0) if num_fewshot is None else num_fewshot
     if nf < 0:
         raise TaskError(f"{path}: num_fewshot must be >= 0")
@@ -440,6 +458,10 @@ def load_task(path: str | Path, num_fewshot: int | None = None) -> Task:
         fewshot_split=fewshot_split,
         until=until,
         max_gen_toks=max_gen_toks,
+        temperature=float(temperature),
+        top_k=top_k or None,
+        top_p=None if top_p is None else float(top_p),
+        repeats=repeats,
         metrics=_metrics(raw.get("metric_list"), output_type, path),
         filters=_filters(raw.get("filter_list"), path),
         chance=None if chance is None else float(chance),
@@ -589,6 +611,27 @@ def _metrics(metric_list: Any, output_type: str, path: Path) -> dict[str, dict]:
                 raise TaskError(
                     f"{path}: metric_list[{i}] exact_match has unknown option(s) {', '.join(bad)}"
                 )
+        if name == "pass_at_k":
+            bad = sorted(set(opts) - {"k", "test", "timeout_s", "memory_mb"})
+            if bad:
+                raise TaskError(f"{path}: metric_list[{i}] pass_at_k has unknown option(s) {', '.join(bad)}")
+            ks = opts.get("k", [1])
+            ks = [ks] if isinstance(ks, int) else ks
+            if not isinstance(ks, list) or not ks or not all(isinstance(k, int) and k >= 1 for k in ks):
+                raise TaskError(
+                    f"{path}: metric_list[{i}] pass_at_k.k must be a positive integer or a list of them"
+                )
+            if not isinstance(opts.get("test"), str) or not opts["test"].strip():
+                raise TaskError(
+                    f"{path}: metric_list[{i}] pass_at_k needs 'test': a document field or a template of "
+                    "the test code run after the prompt and the completion (e.g. "
+                    '"{{test}}\\ncheck({{entry_point}})")'
+                )
+            for key, low in (("timeout_s", 0.1), ("memory_mb", 64)):
+                v = opts.get(key)
+                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < low):
+                    raise TaskError(f"{path}: metric_list[{i}] pass_at_k.{key} must be a number >= {low}")
+            opts = {**opts, "k": ks}
         out[name] = opts
     return out
 
@@ -714,7 +757,7 @@ def run_task(
         return _loglikelihood(task, scorer, docs, contexts)
     if kind == "loglikelihood_rolling":
         return _rolling(task, scorer, docs)
-    return _generate(task, scorer, docs, contexts)
+    return _generate(task, scorer, docs, contexts, seed)
 
 
 def _result(
@@ -835,8 +878,21 @@ def _rolling(task: Task, scorer, docs) -> TaskResult:
     return _result(task, docs, {}, samples, corpus=corpus)
 
 
-def _generate(task: Task, scorer, docs, contexts) -> TaskResult:
-    outputs = scorer.generate_until(contexts, task.until, task.max_gen_toks)
+def _generate(task: Task, scorer, docs, contexts, seed: int) -> TaskResult:
+    n = task.repeats
+    generations = scorer.generate_until(
+        [c for c in contexts for _ in range(n)],
+        task.until,
+        task.max_gen_toks,
+        temperature=task.temperature,
+        top_k=task.top_k,
+        top_p=task.top_p,
+        seed=seed,
+    )
+    per_sample = [generations[i * n : (i + 1) * n] for i in range(len(contexts))]
+    outputs = [
+        g[0] for g in per_sample
+    ]  # string metrics score the first generation (the harness's take_first)
     refs = [task.references(d, w) for w, d in docs]
     per_doc: dict[str, list[float]] = {}
     corpus: dict[str, float] = {}
@@ -862,10 +918,39 @@ def _generate(task: Task, scorer, docs, contexts) -> TaskResult:
         if rouge_wanted:
             scores = M.rouge(preds, refs)
             corpus.update({m + suffix: scores[m] for m in rouge_wanted})
+    if "pass_at_k" in task.metrics:
+        per_doc.update(_pass_at_k(task, docs, contexts, per_sample, samples))
     chance = {}
     if task.chance is not None:
         chance = {k: task.chance for k in per_doc}
     return _result(task, docs, per_doc, samples, chance, corpus=corpus)
+
+
+def _pass_at_k(task: Task, docs, contexts, per_sample, samples) -> dict[str, list[float]]:
+    """Run prompt + completion + the test code of every generation in the sandbox; per document the
+    unbiased pass@k estimate from its `repeats` generations (k larger than repeats: not reported)."""
+    from lmforge.eval.sandbox import run_many
+
+    opts = task.metrics["pass_at_k"]
+    programs = []
+    for (where, doc), ctx, gens in zip(docs, contexts, per_sample):
+        test = task._field(opts["test"], doc, where, "pass_at_k.test")
+        if not isinstance(test, str):
+            raise TaskError(f"{where}: pass_at_k.test gives {type(test).__name__}, not code")
+        programs.extend(ctx + g + "\n\n" + test + "\n" for g in gens)
+    outcomes = run_many(
+        programs, timeout_s=float(opts.get("timeout_s", 5.0)), memory_mb=int(opts.get("memory_mb", 512))
+    )
+    n = task.repeats
+    out: dict[str, list[float]] = {f"pass@{k}": [] for k in opts["k"] if k <= n}
+    for i, s in enumerate(samples):
+        mine = outcomes[i * n : (i + 1) * n]
+        c = sum(o.passed for o in mine)
+        s["generations"] = per_sample[i]
+        s["outcomes"] = [f"{o.status}: {o.detail}" if o.detail else o.status for o in mine]
+        for k in out:
+            out[k].append(M.pass_at_k(n, c, int(k.split("@")[1])))
+    return out
 
 
 def discover(item: str, bundle_dir: Path | None = None) -> list[Path]:
