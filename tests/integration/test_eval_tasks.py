@@ -14,6 +14,7 @@ import torch
 
 from lmforge.cli import main
 from lmforge.config import load_config
+from lmforge.errors import LmforgeError
 from lmforge.eval.bundle import build_bundle
 from lmforge.eval.entry import load_run
 from lmforge.eval.scorer import Scorer
@@ -295,3 +296,28 @@ def test_pass_at_k_runs_sampled_completions_in_the_sandbox(trained, tmp_path):
     assert [s["generations"] for s in again.samples] == [s["generations"] for s in res.samples]
     other = run_task(load_task(task), Scorer(run.model, run.tokenizer), seed=8)
     assert [s["generations"] for s in other.samples] != [s["generations"] for s in res.samples]
+
+
+def test_data_val_sources_is_the_validation_split(tmp_path):
+    from lmforge.data import load_prepared, prepare
+    from lmforge.data.shards import open_shard
+
+    corpus = REPO / "tests" / "data" / "pydoc_topics.jsonl"
+    held = tmp_path / "held.txt"
+    held.write_text("A held-out document of my choosing, about lists and loops.\n" * 20)
+    base = [f"run.dir={tmp_path / 'run'}", f"data.sources=[{corpus}]", "data.max_chars=null"]
+    cfg = load_config(TINY, [*base, f"data.dir={tmp_path / 'd1'}", f"data.val_sources=[{held}]"])
+    meta = prepare(cfg, console=lambda *_: None).meta
+    assert meta["splits"]["val"]["documents"] == 1
+    assert meta["splits"]["train"]["documents"] == 79  # every document of data.sources trains
+    data = load_prepared(tmp_path / "d1")
+    val = [int(t) for s in data.shards("val") for t in open_shard(s)]
+    assert data.tokenizer.decode(val) == held.read_text() + "<|endoftext|>"
+    plain = load_config(TINY, [*base, f"data.dir={tmp_path / 'd2'}"])
+    assert prepare(plain, console=lambda *_: None).meta["splits"]["train"]["documents"] < 79
+    missing = load_config(
+        TINY, [*base, f"data.dir={tmp_path / 'd3'}", f"data.val_sources=[{tmp_path / 'nope'}]"]
+    )
+    with pytest.raises(LmforgeError, match="nope"):
+        prepare(missing, console=lambda *_: None)
+    assert not (tmp_path / "d3").exists() or not any((tmp_path / "d3").iterdir())

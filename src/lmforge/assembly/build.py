@@ -212,7 +212,8 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
             sources = {"sft": [*cfg.sft.data, *cfg.sft.val_data],
                        "dpo": [*cfg.preference.data, *cfg.preference.val_data],
                        "reward": [*cfg.preference.data, *cfg.preference.val_data],
-                       "rl": [*cfg.rl.data, *cfg.rl.val_data]}.get(cfg.objective.name, cfg.data.sources)
+                       "rl": [*cfg.rl.data, *cfg.rl.val_data]}.get(cfg.objective.name,
+                                                               [*cfg.data.sources, *cfg.data.val_sources])
             missing = [src for src in sources if src != "builtin:python" and not Path(src).exists()]
             if missing:
                 where = Path(missing[0]).resolve()

@@ -49,6 +49,10 @@ class DataConfig(Section):
     val_fraction: float = Field(
         0.02, gt=0.0, lt=0.5, description="Fraction of documents held out for validation."
     )
+    val_sources: list[str] = Field(
+        default_factory=list, description="Validation text of your choosing (files or folders, read like "
+        "data.sources): with it every document of data.sources trains and val_fraction is not used."
+    )
     max_chars: int | None = Field(
         None, ge=1, description="Stop reading sources after this many characters (None: read all)."
     )

@@ -174,8 +174,7 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
     stats = SourceStats()
     chunk: list[tuple[str, str]] = []
     chars = 0
-    for i, doc in enumerate(iter_documents(d, stats)):
-        split = split_of(i, seed, d.val_fraction)
+    for _, split, doc in _split_documents(d, seed, stats):
         if len(doc) > _LONG_DOC_CHARS:
             _write_chunk(tok, chunk, writers)  # first the documents before it, to keep the order
             chunk, chars = [], 0
@@ -203,11 +202,28 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
     }
 
 
+def _split_documents(d: DataConfig, seed: int, stats: SourceStats) -> Iterator[tuple[int, str, str]]:
+    """(index, split, text) of every document: data.sources split by a hash of the index and the seed
+    (val_fraction of them held out), or, with data.val_sources, data.sources all train and
+    data.val_sources all validation."""
+    if not d.val_sources:
+        for i, doc in enumerate(iter_documents(d, stats)):
+            yield i, split_of(i, seed, d.val_fraction), doc
+        return
+    for src in d.val_sources:  # a bad path fails before the train sources are read
+        check_source(src)
+    for i, doc in enumerate(iter_documents(d, stats)):
+        yield i, "train", doc
+    val = d.model_copy(update={"sources": list(d.val_sources)})
+    for i, doc in enumerate(iter_documents(val, stats)):
+        yield i, "val", doc
+
+
 def _train_texts(d: DataConfig, seed: int, stats: SourceStats, fed: list[int]) -> Iterator[str]:
     """The train documents, cut off after tokenizer.train_chars characters; `fed[0]` counts them."""
     budget = d.tokenizer.train_chars
     for i, doc in enumerate(iter_documents(d, stats)):
-        if split_of(i, seed, d.val_fraction) != "train":
+        if not d.val_sources and split_of(i, seed, d.val_fraction) != "train":
             continue  # the tokenizer must not see validation text, or val loss would flatter it
         doc = doc[: budget - fed[0]]
         fed[0] += len(doc)
@@ -287,6 +303,8 @@ def _settings(cfg: Config) -> dict:
         "on_bad_utf8": d.on_bad_utf8,
         "on_bad_json": d.on_bad_json,
         "shard_tokens": d.shard_tokens,
+        # only when set: data prepared before the key existed keeps its fingerprint
+        **({"val_sources": [_source_identity(s) for s in d.val_sources]} if d.val_sources else {}),
     }
 
 

@@ -100,7 +100,8 @@ def _pretraining(cfg: Config, stats: TrainingStats) -> Iterator[str]:
         raise DataError("data.sources is empty: the run names no training data to check against")
     source_stats = SourceStats()
     for i, doc in enumerate(iter_documents(d, source_stats)):
-        if split_of(i, cfg.run.seed, d.val_fraction) != "train":  # as `lmforge data` splits them
+        # as `lmforge prepare` splits them (data.val_sources: every document of data.sources trains)
+        if not d.val_sources and split_of(i, cfg.run.seed, d.val_fraction) != "train":
             stats.held_out += 1
             continue
         stats.documents += 1
