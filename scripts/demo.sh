@@ -2,7 +2,7 @@
 # The main job: prepare a corpus from the docs and stdlib of this Python, train a BPE tokenizer,
 # pretrain a small model on the CPU, evaluate it and sample from it. Idempotent: re-running reuses
 # the venv and the prepared data and starts a fresh run.
-source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" ""
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" "eval"
 CONFIG="${1:-configs/demo.yaml}"
 shift || true
 RUN_DIR="$(lmforge config -c "$CONFIG" "$@" | python -c 'import sys, yaml; print(yaml.safe_load(sys.stdin)["run"]["dir"])')"
