@@ -169,3 +169,21 @@ def test_pass_at_k_rejects_impossible_counts():
     with pytest.raises(ValueError):
         M.pass_at_k(3, 4, 1)
     assert math.isclose(M.pass_at_k(10, 0, 5), 0.0)
+
+
+def test_ece_equals_torchmetrics():
+    """torchmetrics' multiclass calibration error (max-probability confidence, 10 equal-width bins, L1)
+    on softmax outputs; it accumulates in float32, hence 1e-6 (no confidence is exactly 1.0, which
+    torchmetrics alone puts in a bin of its own)."""
+    torch = pytest.importorskip("torch")
+    classification = pytest.importorskip("torchmetrics.functional.classification")
+    for seed, scale, n_bins in ((0, 2.0, 10), (1, 0.5, 15), (2, 5.0, 5)):
+        g = torch.Generator().manual_seed(seed)
+        probs = (torch.randn(700, 4, generator=g) * scale).softmax(-1).double()
+        target = torch.randint(0, 4, (700,), generator=g)
+        theirs = classification.multiclass_calibration_error(
+            probs, target, num_classes=4, n_bins=n_bins, norm="l1"
+        )
+        conf = probs.max(-1).values.tolist()
+        hit = (probs.argmax(-1) == target).double().tolist()
+        assert M.expected_calibration_error(conf, hit, n_bins) == pytest.approx(float(theirs), abs=1e-6)
