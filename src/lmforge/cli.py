@@ -133,6 +133,11 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     from lmforge.eval.entry import eval_tasks, evaluate
 
+    if args.tasks and not args.tasks.lower().endswith(".jsonl"):
+        return _eval_harness(args)  # the one mode that takes several runs
+    if len(args.path) > 1:
+        raise LmforgeError("several runs are compared with --tasks only; give one run otherwise")
+    args.path = args.path[0] if args.path else None
     if args.redteam or args.redteam_prompts:
         from rich.console import Console
         from rich.table import Table
@@ -149,20 +154,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
                           f"{r['refusal_rate']:.1%}", str(r["flagged_harmful"]), str(r["flagged_pii"]))
         Console(highlight=False).print(table)
         return 0
-    if args.tasks and not args.tasks.lower().endswith(".jsonl"):
-        return _eval_harness(args)
     if args.data:
         from lmforge.eval.entry import eval_data
 
-        if len(args.path) > 1:
-            raise LmforgeError("--data evaluates one run; give one run dir")
-        eval_data(args.path[0] if args.path else _run_path(args),
-                  args.data, args.set, weights=args.weights, max_length=args.max_length, stride=args.stride,
-                  batch_size=args.batch_size)
+        eval_data(_run_path(args), args.data, args.set, weights=args.weights, max_length=args.max_length,
+                  stride=args.stride, batch_size=args.batch_size)
         return 0
-    if len(args.path) > 1:
-        raise LmforgeError("several runs are compared with --tasks only; give one run otherwise")
-    args.path = args.path[0] if args.path else None
     if args.tasks:
         from rich.console import Console
         from rich.table import Table

@@ -223,7 +223,9 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
                                     ".jsonl or .parquet files, folders of them or a saved datasets dir")
                 raise DataError(f"data source {missing[0]!r} does not exist (resolved: {where}); give a "
                                 "file, a folder or 'builtin:python'")
-            if cfg.objective.name not in CHAT_OBJECTIVES:
+            if cfg.objective.name not in CHAT_OBJECTIVES and not (
+                cfg.run.overwrite and data_dir(cfg).resolve().is_relative_to(run_dir.resolve())
+            ):  # (a data dir inside the run dir goes with the old run: nothing to check)
                 from lmforge.data.prepare import check_reusable
 
                 on_rank0(lambda: check_reusable(cfg))
