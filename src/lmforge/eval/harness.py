@@ -124,7 +124,11 @@ def contamination_of(
     flagged = {k: v["contaminated"] for k, v in out["tasks"].items() if v["contaminated"]}
     say(
         "contamination (13-gram overlap with the training data): "
-        + (", ".join(f"{k} {n} documents" for k, n in flagged.items()) if flagged else "none found")
+        + (
+            ", ".join(f"{k} {n} document{'s' * (n != 1)}" for k, n in flagged.items())
+            if flagged
+            else "none found"
+        )
     )
     return out
 
