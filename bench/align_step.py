@@ -29,6 +29,7 @@ of each phase (torch.cuda.max_memory_allocated, reset before it). Never asserts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -139,16 +140,30 @@ def grpo(args, method: str, device: torch.device) -> dict:
     times: dict[str, list[float]] = {"generate": [], "reference": [], "policy": []}
     clock: dict[str, float] = {}
     sample = rollout_mod.sample_replies
+    merged = rollout_mod.merged_for_inference
 
     def timed_sample(*a, **k):
         out, clock["generate"], clock["generate_peak"] = timed(lambda: sample(*a, **k), device)
         return out
+
+    @contextlib.contextmanager
+    def timed_merge(m):
+        """generate: the adapters' merge and unmerge around sampling count too (--no-merge: none)."""
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with contextlib.nullcontext() if args.no_merge else merged(m):
+            yield
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        clock["generate"] = (time.perf_counter() - t0) * 1000
 
     def timed_reference(ids, targets):
         out, clock["reference"], clock["reference_peak"] = timed(lambda: reference(ids, targets), device)
         return out
 
     rollout_mod.sample_replies = timed_sample
+    rollout_mod.merged_for_inference = timed_merge
     try:
         roll = rollout_mod.Rollout(model, Decoder(), {stop}, rl, PRESETS[args.preset]["max_seq_len"],
                                    reference=timed_reference)
@@ -171,6 +186,7 @@ def grpo(args, method: str, device: torch.device) -> dict:
                      "policy": p_pol}
     finally:
         rollout_mod.sample_replies = sample
+        rollout_mod.merged_for_inference = merged
     cfg = model.cfg
     rows = args.prompts * args.group
     head_dim = cfg.d_model // cfg.n_heads
@@ -187,6 +203,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-merge", action="store_true", help="GRPO: sample with the LoRA adapters unmerged "
+                    "(lmforge folds them into the weights while sampling)")
     ap.add_argument("--pairs", type=int, default=16)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--completion", type=int, default=24)

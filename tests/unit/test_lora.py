@@ -20,6 +20,7 @@ from lmforge.finetune.lora import (
     apply_lora,
     lora_layers,
     merge_lora,
+    merged_for_inference,
     unmerge_lora,
 )
 from lmforge.finetune.peft_io import load_peft_adapter, save_peft_adapter
@@ -286,6 +287,37 @@ def test_quantized_base(dora):
         torch.testing.assert_close(merged(x), layer(x), atol=1e-6, rtol=0)
     with pytest.raises(LmforgeError, match="merge_lora"):
         layer.merge()
+
+
+@pytest.mark.parametrize("dora", [False, True])
+def test_merged_for_inference_restores_every_weight_bit_for_bit(dora):
+    m = model(bias=True)
+    apply_lora(m, "all-linear", r=4, alpha=8, dora=dora, init="seeded")
+    perturb_magnitudes(m)
+    before = {n: t.clone() for n, t in m.state_dict().items()}
+    x = ids()
+    with torch.no_grad():
+        ref = m(x)
+        with merged_for_inference(m) as merged:
+            assert merged and all(layer.merged for layer in lora_layers(m).values())
+            torch.testing.assert_close(m(x), ref, atol=ATOL, rtol=0)
+        with pytest.raises(RuntimeError, match="boom"), merged_for_inference(m):
+            raise RuntimeError("boom")  # an error inside the block restores the weights too
+    assert not any(layer.merged for layer in lora_layers(m).values())
+    after = m.state_dict()
+    assert all(torch.equal(after[n], t) for n, t in before.items())
+
+
+def test_merged_for_inference_leaves_an_unmergeable_model_alone():
+    m = model(bias=True)
+    apply_lora(m, "all-linear", r=2, alpha=2)
+    name = "layers.0.attn.wq"
+    layer = lora_layers(m)[name]
+    layer.base = QuantizedBase(layer.base)
+    with merged_for_inference(m) as merged:
+        assert not merged and not any(x.merged for x in lora_layers(m).values())
+    with merged_for_inference(model()) as merged:  # no adapters at all
+        assert not merged
 
 
 def test_meta_model_is_refused():

@@ -459,6 +459,32 @@ def merge_lora(model: nn.Module, *, reversible: bool = False) -> nn.Module:
     return model
 
 
+@contextlib.contextmanager
+def merged_for_inference(model: nn.Module) -> Iterator[bool]:
+    """Within the block every adapter is folded into its base weight (one GEMM per layer instead of
+    three: sampling many tokens is faster), and afterwards each base weight is its original tensor again,
+    bit for bit. Yields whether it merged: layers that cannot merge in place (a quantized base, a base
+    sharded as DTensors, a disabled adapter) leave the whole model as it is."""
+    layers = list(lora_layers(model).values())
+    mergeable = bool(layers) and all(
+        type(m.base) is nn.Linear and type(m.base.weight.data) is torch.Tensor and not m.merged
+        and not m.disabled for m in layers
+    )
+    if not mergeable:
+        yield False
+        return
+    done = []
+    try:
+        with torch.no_grad():
+            for m in layers:
+                m.merge()
+                done.append(m)
+        yield True
+    finally:
+        for m in done:
+            m.unmerge()
+
+
 def unmerge_lora(model: nn.Module) -> nn.Module:
     """Undo `merge_lora(model, reversible=True)`: every base weight is its original tensor again."""
     for layer in lora_layers(model).values():

@@ -27,6 +27,7 @@ from lmforge.data.tokenizer import Tokenizer
 from lmforge.engine.loss import logits_of
 from lmforge.engine.policy_loss import gae, group_advantages, masked_whiten, token_rewards
 from lmforge.engine.preference_loss import token_logps
+from lmforge.finetune.lora import merged_for_inference
 from lmforge.finetune.rewards import score_replies
 from lmforge.models.generation import sample_replies
 
@@ -57,11 +58,12 @@ class Rollout:
         infos = [info for info in batch.info for _ in range(group)]
         room = min(self.seq_len, self.policy.cfg.max_seq_len) - max(map(len, prompts))
         gen = torch.Generator(device=device).manual_seed(batch.seed)
-        completions = sample_replies(
-            self.policy, prompts, min(cfg.max_new_tokens, room), self.stops,
-            temperature=0.0 if batch.greedy else cfg.temperature, top_k=cfg.top_k,
-            top_p=None if cfg.top_p >= 1.0 else cfg.top_p, generator=gen, device=device,
-        )
+        with merged_for_inference(self.policy):  # adapters folded in while sampling, restored exactly
+            completions = sample_replies(
+                self.policy, prompts, min(cfg.max_new_tokens, room), self.stops,
+                temperature=0.0 if batch.greedy else cfg.temperature, top_k=cfg.top_k,
+                top_p=None if cfg.top_p >= 1.0 else cfg.top_p, generator=gen, device=device,
+            )
         stopped = [bool(c) and c[-1] in self.stops for c in completions]
         texts = [self.tokenizer.decode(c[:-1] if s else c) for c, s in zip(completions, stopped)]
         rewards, parts = score_replies(cfg.rewards, texts, infos, stopped)
