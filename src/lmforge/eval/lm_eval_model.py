@@ -109,7 +109,6 @@ class LmforgeLM(TemplateLM):
         self.scorer = Scorer(self.run.model, self.tokenizer, device=self._device, max_length=self._max_length,
                              batch_size=self._batch_size, autocast=self.precision.autocast)
         self.seed = int(seed)
-        self._generator: torch.Generator | None = None
         self._chat = False  # set once the harness renders a prompt with the chat template
 
     @classmethod
@@ -210,10 +209,9 @@ class LmforgeLM(TemplateLM):
                 for start in range(0, len(idx), step):
                     part = idx[start : start + step]
                     contexts = [requests[i].args[0] for i in part]
-                    if sampling is None:
-                        texts = self.scorer.generate_until(contexts, until, max_gen_toks)
-                    else:
-                        texts = self._sample_until(contexts, until, max_gen_toks, **sampling)
+                    # sampled: each chunk its own seed, so no two chunks draw the same numbers
+                    texts = self.scorer.generate_until(contexts, until, max_gen_toks,
+                                                       seed=self.seed * 1_000_033 + start, **(sampling or {}))
                     for i, text in zip(part, texts):
                         out[i] = text
                         self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -287,36 +285,6 @@ class LmforgeLM(TemplateLM):
             "top_k": None if top_k is None else int(top_k),
             "top_p": None if top_p is None else float(top_p),
         }
-
-    @torch.no_grad()
-    def _sample_until(self, contexts: Sequence[str], until: Sequence[str], max_gen_toks: int,
-                      temperature: float, top_k: int | None, top_p: float | None) -> list[str]:
-        """Scorer.generate_until with tokens drawn (temperature / top-k / top-p) from the seeded generator."""
-        from lmforge.models.generation import sample_replies
-
-        room = self._max_length - max_gen_toks
-        if max_gen_toks < 1 or room < 1:
-            raise LmforgeError(f"max_gen_toks={max_gen_toks} must be 1 .. {self._max_length - 1} (the "
-                               f"context is {self._max_length} tokens)")
-        if self._generator is None:
-            self._generator = torch.Generator(self._device).manual_seed(self.seed)
-        eos = self.run.tokenizer.eos_id
-        terms = [t for t in until if t]
-        done = (lambda row: any(t in self.tokenizer.decode(row) for t in terms)) if terms else None
-        out = []
-        for start in range(0, len(contexts), self._batch_size):
-            prompts = [(self.tokenizer.encode(c) if c else [eos])[-room:]
-                       for c in contexts[start : start + self._batch_size]]
-            with self.precision.autocast():
-                replies = sample_replies(self.run.model, prompts, max_gen_toks, {eos},
-                                         temperature=temperature, top_k=top_k, top_p=top_p,
-                                         generator=self._generator, device=self._device, is_done=done)
-            for reply in replies:
-                text = self.tokenizer.decode(reply[:-1] if reply and reply[-1] == eos else reply)
-                for t in terms:
-                    text = text.split(t)[0]
-                out.append(text)
-        return out
 
 
 class _HarnessTokenizer:
