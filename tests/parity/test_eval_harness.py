@@ -26,6 +26,9 @@ from lmforge.models.hf import to_hf
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
+# The harness bootstraps some standard errors in a fork()ed multiprocessing pool, which can deadlock in a
+# process that already runs torch's threads: one process only (read by lm_eval.api.metrics).
+os.environ["DISABLE_MULTIPROC"] = "1"
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "pydoc_topics.jsonl"
 MAX_LEN = 96
 ATOL = 1e-9  # float64 on both sides: the same function, computed in another order

@@ -31,7 +31,10 @@ CORPUS = Path(__file__).resolve().parents[1] / "data" / "pydoc_topics.jsonl"
 MAX_LEN = 96
 ATOL = 1e-5
 TASKS = ["t_mc", "t_ll", "t_gen", "t_roll"]
-OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# DISABLE_MULTIPROC: the harness bootstraps some standard errors in a fork()ed pool, which can deadlock in
+# a process that already runs torch's threads.
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "DISABLE_MULTIPROC": "1"}
 
 
 def paragraphs() -> list[str]:

@@ -347,9 +347,15 @@ def _short(key) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """lm-evaluation-harness's CLI (`lm_eval ARGS`) with the "lmforge" model registered."""
+    """lm-evaluation-harness's CLI (`lm_eval ARGS`) with the "lmforge" model registered.
+
+    The harness bootstraps some standard errors in a fork()ed multiprocessing pool, which can hang in a
+    process that already runs torch's threads: unless the user set DISABLE_MULTIPROC, it is set here."""
+    import os
+
     from lm_eval.__main__ import cli_evaluate
 
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
     saved = sys.argv
     sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]
     try:
