@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,18 @@ from lmforge.train.callbacks import Callback
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "debug" / "tiny.yaml"
 CORPUS = REPO / "tests" / "data" / "pydoc_topics.jsonl"
+
+
+def corpus_paragraphs(min_words: int = 12, max_words: int = 60) -> list[str]:
+    """The shipped corpus's paragraphs of min_words..max_words words, whitespace collapsed (texts to train
+    a small tokenizer on and to build evaluation documents from)."""
+    out = []
+    for line in CORPUS.read_text().splitlines():
+        for para in json.loads(line)["text"].split("\n\n"):
+            words = para.split()
+            if min_words <= len(words) <= max_words:
+                out.append(" ".join(words))
+    return out
 
 
 def tiny_overrides(run_dir: Path, data_dir: Path, *extra: str) -> list[str]:

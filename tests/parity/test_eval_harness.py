@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import os
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import corpus_paragraphs
 from lmforge.config.schema import ModelConfig
 from lmforge.data.chat_template import ChatTemplate, stop_ids
 from lmforge.data.tokenizer import Tokenizer
@@ -29,25 +29,16 @@ pytest.importorskip("transformers")
 # The harness bootstraps some standard errors in a fork()ed multiprocessing pool, which can deadlock in a
 # process that already runs torch's threads: one process only (read by lm_eval.api.metrics).
 os.environ["DISABLE_MULTIPROC"] = "1"
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "pydoc_topics.jsonl"
 MAX_LEN = 96
 ATOL = 1e-9  # float64 on both sides: the same function, computed in another order
 
 
-def paragraphs() -> list[str]:
-    out = []
-    for line in CORPUS.read_text().splitlines():
-        for para in json.loads(line)["text"].split("\n\n"):
-            words = para.split()
-            if 12 <= len(words) <= 60:
-                out.append(" ".join(words))
-    return out
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("harness")
-    texts = paragraphs()
+    texts = corpus_paragraphs()
     tok = Tokenizer.train(texts, vocab_size=400)
     tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])  # ChatML's, for the chat-template prompts
     cfg = ModelConfig(

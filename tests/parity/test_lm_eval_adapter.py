@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import corpus_paragraphs
 from lmforge.config.schema import ModelConfig
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import LmforgeError
@@ -27,7 +28,6 @@ from lmforge.models.hf import to_hf
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "pydoc_topics.jsonl"
 MAX_LEN = 96
 ATOL = 1e-5
 TASKS = ["t_mc", "t_ll", "t_gen", "t_roll"]
@@ -37,14 +37,6 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALL
            "DISABLE_MULTIPROC": "1"}
 
 
-def paragraphs() -> list[str]:
-    out = []
-    for line in CORPUS.read_text().splitlines():
-        for para in json.loads(line)["text"].split("\n\n"):
-            words = para.split()
-            if 12 <= len(words) <= 60:
-                out.append(" ".join(words))
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +44,7 @@ def setup(tmp_path_factory):
     for k, v in OFFLINE.items():
         os.environ.setdefault(k, v)
     root = tmp_path_factory.mktemp("lm_eval_adapter")
-    texts = paragraphs()
+    texts = corpus_paragraphs()
     tok = Tokenizer.train(texts, vocab_size=400)
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                       max_seq_len=MAX_LEN, tie_embeddings=False)

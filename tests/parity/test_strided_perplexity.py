@@ -13,13 +13,13 @@ from __future__ import annotations
 import copy
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import corpus_paragraphs
 from lmforge.config.schema import ModelConfig
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import DataError
@@ -36,26 +36,17 @@ from lmforge.models.hf import to_hf
 
 transformers = pytest.importorskip("transformers")
 
-CORPUS = Path(__file__).resolve().parents[1] / "data" / "pydoc_topics.jsonl"
 MAX = 64
 # (max_length, stride): disjoint windows, overlapping ones, a stride that leaves a short last window,
 # a context shorter than the model's, and stride 1.
 PAIRS = [(MAX, MAX), (MAX, MAX // 2), (MAX, 17), (40, 40), (40, 13), (16, 1)]
 
 
-def paragraphs() -> list[str]:
-    out = []
-    for line in CORPUS.read_text().splitlines():
-        for para in json.loads(line)["text"].split("\n\n"):
-            words = para.split()
-            if 12 <= len(words) <= 60:
-                out.append(" ".join(words))
-    return out
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    texts = paragraphs()
+    texts = corpus_paragraphs()
     tok = Tokenizer.train(texts, vocab_size=400)
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
                       max_seq_len=MAX, tie_embeddings=False)
