@@ -58,7 +58,8 @@ def evaluate_loss(
     objective = objective or CausalLM()
     evaluator = model if isinstance(model, Evaluator) and not isinstance(model, nn.Module) else None
     mode = _eval_mode(model) if evaluator is None else contextlib.nullcontext()
-    loss_sum, n_targets, n_bytes = 0.0, 0, 0
+    loss_sum, ce_sum, n_targets, n_bytes = 0.0, 0.0, 0, 0
+    ce_key = objective.cross_entropy_metric
     metrics = MetricSums()
     with mode:
         for raw in batches:
@@ -68,6 +69,8 @@ def evaluate_loss(
             with precision.autocast():
                 out = evaluator.eval_loss(objective, batch) if evaluator else objective(model, batch)
             loss_sum += float(comm.mean_loss(out.loss))
+            if ce_key is not None:
+                ce_sum += float(comm.mean_loss(out.metrics[ce_key]))
             metrics.add(out)
             n_targets += comm.sum_count(objective.num_targets(batch))
             ids = objective.target_ids(batch) if token_bytes is not None else None
@@ -76,8 +79,11 @@ def evaluate_loss(
     if n_targets == 0:
         raise DataError("evaluation saw no target tokens: the evaluation data is empty or all ignored")
     loss = loss_sum / n_targets
-    out = {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": n_targets}
+    # Perplexity and bits per byte are of the cross-entropy: the loss itself, or the part an objective
+    # that mixes in another term (distillation's divergence) reports as a metric.
+    ce = loss_sum if ce_key is None else ce_sum
+    out = {"loss": loss, "ppl": math.exp(min(ce / n_targets, 700.0)), "tokens": n_targets}
     if n_bytes > 0:
-        out["bpb"] = loss_sum / math.log(2) / n_bytes
+        out["bpb"] = ce / math.log(2) / n_bytes
     out.update(metrics.means(comm, n_targets))
     return out

@@ -39,6 +39,9 @@ class Objective(abc.ABC):
     name: ClassVar[str]
     batch_type: ClassVar[type]
     supports_pipeline: ClassVar[bool] = False  # splits into a last-stage loss (see TokenObjective)
+    # The metric that holds the summed cross-entropy when the loss is not (only) that: evaluation's
+    # perplexity and bits per byte come from it. None: the loss is the cross-entropy.
+    cross_entropy_metric: ClassVar[str | None] = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> Objective:
