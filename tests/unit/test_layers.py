@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("assembly",),
     ("eval",),
     ("train",),
-    ("tools",),
+    ("tools", "compress"),
     ("serve", "api"),
     ("cli",),
     ("__main__", "__init__"),

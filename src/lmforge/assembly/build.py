@@ -36,7 +36,14 @@ from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.data.memory import token_stream
 from lmforge.data.sft import prepare_sft
 from lmforge.engine.loss import logits_of
-from lmforge.engine.objectives import Objective, PolicyGradient, Preference, TokenObjective, build_objective
+from lmforge.engine.objectives import (
+    Distill,
+    Objective,
+    PolicyGradient,
+    Preference,
+    TokenObjective,
+    build_objective,
+)
 from lmforge.engine.precision import Precision, resolve_precision
 from lmforge.engine.step import StepHook
 from lmforge.errors import ConfigError, DataError, LmforgeError
@@ -196,6 +203,11 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
                           "your own, load its weights before handing it over and unset model.init_from")
     if not custom:
         cfg = resolve_init_from(cfg, say=say)
+    if cfg.model.quant is not None:  # a quantized model's integer weights have no gradients
+        source = f" (model.init_from={cfg.model.init_from})" if cfg.model.init_from else ""
+        raise ConfigError(f"the model{source} is quantized (model.quant: int{cfg.model.quant.bits}, written "
+                          "by `lmforge quantize`) and is for inference only; train or fine-tune the "
+                          "full-precision run it was quantized from, then quantize the result")
     objective = objective or build_objective(cfg)
     dims = ParallelDims.resolve(cfg.parallel, world.world_size, None if custom else cfg.model,
                                 cfg.train.grad_accum_steps)
@@ -328,6 +340,11 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         objective.reference = _summed(_reference(model, cfg, dims, device, data, source_vocab, say))
         if cfg.preference.precompute_reference:
             refs = _precompute_reference(objective, cfg, data, say)
+    if isinstance(objective, Distill) and objective.teacher is None:
+        if dims.tp > 1:
+            raise ConfigError("objective distill keeps the whole teacher on each rank and compares whole "
+                              "vocabulary rows: one process, DDP or FSDP, not tensor parallelism")
+        objective.teacher = _teacher(cfg, tokenizer, device, say)
     if isinstance(objective, PolicyGradient) and objective.rollout is None:
         if dims.fsdp or dims.tp > 1 or dims.pp > 1:
             raise ConfigError("objective rl samples completions with the whole model on each rank: one "
@@ -502,6 +519,28 @@ def _reward_model(cfg: Config, data, device: torch.device):
     rm, _ = load_finetuned(rm_cfg, source, "model", device)
     rm.requires_grad_(False).eval()
     return lambda ids, targets: sequence_scores(rm, ids, targets)
+
+
+def _teacher(cfg: Config, tokenizer, device: torch.device, say):
+    """Objective distill's teacher as batch -> logits, or a reader of its precomputed top-k cache."""
+    from lmforge.finetune.teacher import load_teacher, teacher_logits
+
+    if not cfg.distill.teacher and not cfg.distill.topk_cache:
+        raise ConfigError("objective distill needs a teacher: set distill.teacher to a run dir, checkpoint "
+                          "dir or Hugging Face dir that shares the student's tokenizer")
+    if cfg.distill.topk_cache:
+        from lmforge.finetune.topk_cache import TopKCache
+
+        if cfg.distill.loss != "forward_kl":
+            raise ConfigError(f"distill.topk_cache keeps only the teacher's top-k logits, which determine "
+                              f"the forward KL only; distill.loss={cfg.distill.loss} needs the teacher: "
+                              "unset distill.topk_cache")
+        cache = TopKCache(cfg.distill.topk_cache, cfg.seq_len, cfg.distill.temperature, tokenizer, device)
+        say(f"teacher: top-{cache.k} logits of {len(cache):,} windows from {cfg.distill.topk_cache}")
+        return cache
+    teacher = load_teacher(cfg.distill.teacher, cfg.distill.teacher_weights, cfg.model.vocab_size, tokenizer,
+                           device, say)
+    return teacher_logits(teacher)
 
 
 def _starting_model(cfg: Config, device: torch.device, chat_data, source_vocab: int | None,
@@ -682,6 +721,8 @@ def _build_inference(cfg, purpose, world, device, weights_from: Path, weights: s
     tokenizer = Tokenizer.load(tok_path)
     model, step = load_finetuned(cfg, weights_from, weights, device)
     objective = objective or build_objective(cfg)
+    if isinstance(objective, Distill) and objective.teacher is None and purpose == "eval":
+        objective.teacher = _teacher(cfg, tokenizer, device, lambda *_: None)
     run = Run(cfg=cfg, purpose=purpose, world=world, device=device, model=model, objective=objective,
               precision=Precision("fp32", device), tokenizer=tokenizer, step=step, weights_from=weights_from)
     if cfg.objective.name in CHAT_OBJECTIVES:

@@ -83,6 +83,29 @@ class RopeScalingConfig(Section):
     high_freq_factor: float = Field(4.0, gt=0.0, description="llama3: high-frequency wavelength factor.")
 
 
+class QuantConfig(Section):
+    """Weight-only quantization of a model's linear layers (written by `lmforge quantize`; inference only)."""
+
+    bits: Literal[4, 8] = Field(4, description="Bits per weight: 4 (two per byte) or 8.")
+    group_size: int | None = Field(
+        128, ge=2, description="Weights per scale along the input dimension (None: one scale per output "
+        "channel); must divide every quantized layer's in_features."
+    )
+    symmetric: bool = Field(True, description="Symmetric (scale only) or asymmetric (scale + zero point).")
+    method: Literal["rtn", "gptq"] = Field(
+        "rtn", description="How the integers were chosen: round-to-nearest or GPTQ (a record; loading is "
+        "the same)."
+    )
+    targets: list[str] = Field(
+        default_factory=lambda: ["layers.*"], description="Linear layers to quantize, as globs over module "
+        "names (layers.*: every linear layer of the blocks; layers.*.mlp.*: the MLPs only)."
+    )
+    head: bool = Field(False, description="Quantize the output head too (untied embeddings only).")
+    scale_dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="dtype the scales are stored in."
+    )
+
+
 class ModelConfig(Section):
     preset: str | None = Field(
         None, description=f"Named size filling the other keys; explicit keys win. One of {sorted(PRESETS)}."
@@ -136,6 +159,10 @@ class ModelConfig(Section):
         None, description="Start from these weights instead of a random init: a Hugging Face model dir, "
         "an `lmforge import` dir, a run dir or a checkpoint dir (the shapes must match this section)."
     )
+    quant: QuantConfig | None = Field(
+        None, description="Weight-only quantization of the linear layers (None: full precision); set by "
+        "`lmforge quantize`, for inference only."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -163,6 +190,10 @@ class ModelConfig(Section):
         if rs is not None and rs.type == "llama3" and rs.original_max_position_embeddings is None:
             raise ValueError("rope_scaling.type=llama3 needs rope_scaling.original_max_position_embeddings "
                              "(the context length the model was pre-trained with, e.g. 8192)")
+        if self.quant is not None and self.quant.head and self.tie_embeddings:
+            raise ValueError("quant.head=true quantizes an untied output head; this model ties it to the "
+                             "embeddings (tie_embeddings=true), which stay in full precision: set "
+                             "quant.head=false")
         return self
 
     @property
@@ -336,14 +367,48 @@ class TrainConfig(Section):
 class ObjectiveConfig(Section):
     """What a training step minimises. Each objective declares the batches it takes."""
 
-    name: Literal["causal_lm", "sft", "dpo", "reward", "rl"] = Field(
+    name: Literal["causal_lm", "sft", "dpo", "reward", "rl", "distill"] = Field(
         "causal_lm", description="causal_lm: next-token prediction over every target token (pretraining); "
         "sft: supervised fine-tuning on the chat data of the sft section (loss on the tokens sft.loss_on "
         "picks); dpo: preference optimisation on the pairs of the preference section (the DPO family, "
         "SimPO, ORPO: preference.loss); reward: a reward model (a scalar score head, Bradley-Terry loss) on "
         "the same pairs; rl: reinforcement learning on sampled completions of the rl "
-        "section's prompts, scored by rewards (GRPO, RLOO: rl.algorithm)."
+        "section's prompts, scored by rewards (GRPO, RLOO: rl.algorithm); distill: knowledge distillation "
+        "from the teacher of the distill section on the pretraining data (next-token targets)."
     )
+
+
+class DistillConfig(Section):
+    """Knowledge distillation (objective distill): the teacher and how its distributions are matched."""
+
+    teacher: str | None = Field(
+        None, description="The teacher: a run dir, checkpoint dir or Hugging Face dir (a quantized run "
+        "too) whose vocabulary is the student's; required by objective distill."
+    )
+    teacher_weights: Literal["model", "ema", "swa"] = Field(
+        "model", description="The teacher run's trained weights or their EMA / SWA average."
+    )
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
+        "forward_kl", description="forward_kl: KL(teacher || student) (Hinton); reverse_kl: KL(student || "
+        "teacher) (MiniLLM); jsd: generalised Jensen-Shannon with distill.beta (GKD)."
+    )
+    temperature: float = Field(
+        1.0, gt=0.0, description="Both logits are divided by it; the divergence is scaled by its square."
+    )
+    beta: float = Field(
+        0.5, ge=0.0, le=1.0, description="jsd: the teacher's weight in the mixture (0: forward KL, 1: "
+        "reverse KL), TRL's convention."
+    )
+    kd_ratio: float = Field(
+        0.5, ge=0.0, le=1.0, description="loss = kd_ratio * divergence + (1 - kd_ratio) * cross-entropy "
+        "on the data's tokens."
+    )
+    topk_cache: str | None = Field(
+        None, description="A teacher top-k cache dir (lmforge distill --precompute-topk writes it): the "
+        "teacher's k largest logits of every row the run reads, instead of running the teacher each step "
+        "(forward_kl only)."
+    )
+    topk: int = Field(32, ge=1, description="Logits per position kept by --precompute-topk.")
 
 
 class SFTConfig(Section):
@@ -661,6 +726,9 @@ class Config(Section):
                                          description="Preference pairs and loss (objective dpo).")
     rl: RLConfig = Field(default_factory=RLConfig, description="RL prompts, sampling, rewards and loss "
                          "(objective rl).")
+    distill: DistillConfig = Field(default_factory=DistillConfig,
+                                   description="Teacher and losses of knowledge distillation (objective "
+                                   "distill).")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
                                      description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")

@@ -36,7 +36,8 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
     atomic_write_json(run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}{suffix}.json", result)
     unit = {"dpo": "pairs", "reward": "pairs", "rl": "loss targets"}.get(cfg.objective.name, "tokens")
     extra = "".join(f"  {k} {v:.4f}" for k, v in out.items() if k not in ("loss", "ppl", "tokens", "bpb"))
-    ppl = f"  ppl {out['ppl']:.2f}" if cfg.objective.name in ("causal_lm", "sft") else ""  # token losses only
+    token_loss = cfg.objective.name in ("causal_lm", "sft", "distill")  # perplexity: of token losses only
+    ppl = f"  ppl {out['ppl']:.2f}" if token_loss else ""
     say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} {unit}): loss {out['loss']:.4f}"
         + ppl + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else "") + extra)
     return result
@@ -76,11 +77,15 @@ def eval_data(path: str | Path, data: str | Path, overrides: list[str] | tuple[s
 
 
 def generate_text(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
-                  weights: str = "model", chat: bool = False) -> list[str]:
+                  weights: str = "model", chat: bool = False, draft: str | Path | None = None,
+                  draft_k: int = 4, say=print) -> list[str]:
     """Continue `generate.prompt` with a run's checkpoint; returns prompt + continuation per sample.
 
     chat: the prompt is a user message, rendered by the run's chat template (ChatML for a run that
-    was not fine-tuned), and each sample is the assistant's reply, up to its end of turn."""
+    was not fine-tuned), and each sample is the assistant's reply, up to its end of turn.
+    draft: a run, checkpoint or Hugging Face dir with the same tokenizer: speculative decoding, the
+    draft proposing `draft_k` tokens per forward of the model (same output distribution; greedy output
+    identical); its acceptance statistics go to `say`."""
     run = load_run(path, overrides, weights)
     g = run.cfg.generate
     if chat:
@@ -90,13 +95,41 @@ def generate_text(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
     else:
         prompt_ids = run.tokenizer.encode(g.prompt) if g.prompt else [run.tokenizer.eos_id]
         stops = {run.tokenizer.eos_id}
-    outs = generate(run.model, prompt_ids, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
-                    top_p=g.top_p, num_samples=g.num_samples, seed=g.seed, eos_id=sorted(stops),
-                    device=run.device)
+    if draft is not None:
+        outs = _speculative_samples(run, draft, draft_k, prompt_ids, stops, say)
+    else:
+        outs = generate(run.model, prompt_ids, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k,
+                        top_p=g.top_p, num_samples=g.num_samples, seed=g.seed, eos_id=sorted(stops),
+                        device=run.device)
     if chat:
         return [run.tokenizer.decode([t for t in ids if t not in stops]) for ids in outs]
     prefix = prompt_ids if g.prompt else []
     return [run.tokenizer.decode(prefix + ids) for ids in outs]
+
+
+def _speculative_samples(run: Run, draft_path: str | Path, k: int, prompt_ids: list[int], stops: set[int],
+                         say) -> list[list[int]]:
+    """generate.num_samples continuations by speculative decoding with the draft model at draft_path
+    (one after another from one generator seeded with generate.seed)."""
+    import torch
+
+    from lmforge.models.speculative import SpeculativeStats, speculative_generate
+
+    draft = load_run(draft_path)
+    if draft.tokenizer.hf.get_vocab() != run.tokenizer.hf.get_vocab():
+        raise LmforgeError(f"--draft {draft_path}: its tokenizer differs from the one of {run.weights_from}; "
+                           "a draft model must use the same tokenizer (e.g. trained on the same data dir)")
+    g = run.cfg.generate
+    gen = torch.Generator(device=run.device).manual_seed(g.seed)
+    total, outs = SpeculativeStats(), []
+    for _ in range(g.num_samples):
+        out, stats = speculative_generate(run.model, draft.model.to(run.device), prompt_ids, g.max_new_tokens,
+                                          k=k, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                                          generator=gen, stops=frozenset(stops), device=run.device)
+        outs.append(out)
+        total.add(stats)
+    say(total.summary())
+    return outs
 
 
 def chat_template_of(run: Run) -> ChatTemplate:

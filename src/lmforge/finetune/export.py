@@ -47,6 +47,10 @@ def export_run(
         return export_hf(src, out, overwrite, max_shard_size, say, weights)
     cfg, _ = run_config(src)
     template = run_template(cfg)
+    if cfg.model.quant is not None:
+        say(f"note: {src} is quantized (int{cfg.model.quant.bits}); it is exported with its weights "
+            "dequantized (the values the quantized model computes with) in the standard layout, which "
+            "transformers loads without a quantization package; the files are full size")
     return export_hf(
         src,
         out,

@@ -136,6 +136,10 @@ def load_merged(
     """`load_model` for exporters: a fine-tuned run's model with its adapters merged (a plain
     Transformer, as the checkpoint layer's HF export takes), and its step."""
     model, step = load_finetuned(cfg, path, weights, device)
+    if cfg.model.quant is not None:  # `lmforge quantize`'s layers, back to plain Linear (their values exact)
+        from lmforge.models.quant import dequantize_model
+
+        dequantize_model(model)
     return (merged(model) if cfg.finetune.method != "full" else model), step
 
 

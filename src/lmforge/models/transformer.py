@@ -331,9 +331,15 @@ def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> T
     """Build on the meta device, then materialise on `device` (default CPU) and init_weights().
 
     device="meta" returns the uninitialised meta model (to count or shard a large model without memory).
+    With cfg.quant the chosen linear layers are QuantLinear (models/quant.py), empty until a quantized
+    checkpoint is loaded into them.
     """
     with torch.device("meta"):
         model = Transformer(cfg)
+        if cfg.quant is not None:
+            from lmforge.models.quant import apply_quant_layout
+
+            apply_quant_layout(model, cfg.quant)
     device = torch.device(device or "cpu")
     if device.type != "meta":
         model.to_empty(device=device)

@@ -9,6 +9,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 
+from lmforge.cli.args import add_arguments
 from lmforge.errors import ConfigError, LmforgeDeprecationWarning, LmforgeError
 from lmforge.utils.io import check_replaceable
 
@@ -90,6 +91,15 @@ def cmd_reward(args: argparse.Namespace) -> int:
 
 def cmd_rl(args: argparse.Namespace) -> int:
     return _train_objective(args, "rl")
+
+
+def cmd_distill(args: argparse.Namespace) -> int:
+    if args.precompute_topk:
+        from lmforge.finetune.topk_cache import precompute_topk
+
+        precompute_topk(_config(args))
+        return 0
+    return _train_objective(args, "distill")
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
@@ -234,10 +244,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         overrides.append(f"generate.prompt={json.dumps(args.prompt, ensure_ascii=False)}")
     console = Console(highlight=False)
-    for i, text in enumerate(generate_text(_run_path(args), overrides, weights=args.weights, chat=args.chat)):
+    texts = generate_text(_run_path(args), overrides, weights=args.weights, chat=args.chat, draft=args.draft,
+                          draft_k=args.draft_k, say=lambda line: print(line, file=sys.stderr))
+    for i, text in enumerate(texts):
         if i:
             console.rule()
         console.print(text, markup=False)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lmforge.serve import serve
+
+    serve(_run_path(args), host=args.host, port=args.port, api_keys=args.api_key, no_auth=args.no_auth,
+          model_name=args.model_name, max_batch_size=args.max_batch_size, weights=args.weights,
+          overrides=args.set, threads=args.threads)
     return 0
 
 
@@ -289,6 +310,28 @@ def cmd_merge(args: argparse.Namespace) -> int:
     from lmforge.finetune.export import merge_run
 
     merge_run(args.src, args.out, overwrite=args.overwrite, weights=args.weights)
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from lmforge.compress.prune import PruneSpec, prune_run
+
+    spec = PruneSpec(method=args.method, sparsity=args.sparsity, scope=args.scope, heads=args.heads,
+                     channels=args.channels, ratio=args.ratio, score=args.score, calib=args.calib,
+                     include_head=args.include_head)
+    prune_run(args.src, args.out, spec, recover_steps=args.recover_steps, recovery_config=args.config,
+              overrides=args.set, overwrite=args.overwrite, weights=args.weights)
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from lmforge.compress.quantize import quantize_run
+
+    group = args.group_size if args.group_size is not None else (None if args.bits == 8 else 128)
+    quantize_run(args.src, args.out, bits=args.bits, group_size=group or None, symmetric=not args.asymmetric,
+                 method=args.method, calib=args.calib, calib_samples=args.calib_samples,
+                 calib_seq_len=args.calib_seq_len, overwrite=args.overwrite, head=args.quantize_head,
+                 act_order=args.act_order, keep_dtype=args.keep_dtype)
     return 0
 
 
@@ -365,15 +408,23 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
                    "or RLOO by rl.algorithm), full or with adapters"),
     "sft": (cmd_sft, "fine-tune on chat data (objective sft): full, LoRA, DoRA or QLoRA (the finetune "
             "section)"),
+    "distill": (cmd_distill, "knowledge distillation (objective distill): a student learns a teacher's "
+                "next-token distributions (forward / reverse KL, generalised JSD) mixed with the data loss"),
     "constitution": (cmd_constitution, "Constitutional AI data: a model critiques and revises its answers "
                      "against principles (SFT data, revision pairs) and judges pairs of them (AI-feedback "
                      "pairs for DPO)"),
     "tasks": (cmd_tasks, "write verifiable instruction tasks (arithmetic, strings, recall...) as chat JSONL"),
     "eval": (cmd_eval, "validation loss, perplexity and bits per byte of a run or checkpoint"),
     "generate": (cmd_generate, "sample text from a run or checkpoint"),
+    "serve": (cmd_serve, "an OpenAI-compatible HTTP server (completions, chat, streaming) for a run or "
+                         "checkpoint"),
     "import": (cmd_import, "convert a Hugging Face Llama, Mistral, Qwen2 or GPT-2 dir to an lmforge run"),
     "export": (cmd_export, "write a run, checkpoint or imported model as a Hugging Face model dir"),
     "merge": (cmd_merge, "fold a LoRA / DoRA / QLoRA run's adapters into its weights: a new run dir"),
+    "prune": (cmd_prune, "prune a run (magnitude, 2:4, whole heads or MLP channels), optionally with a short "
+                         "recovery fine-tune: a new run dir and prune_report.json"),
+    "quantize": (cmd_quantize, "weight-only int8 / int4 quantization of a run (round-to-nearest or GPTQ): a "
+                 "new run dir that eval / generate / export load"),
     "config": (cmd_config, "print the resolved config (defaults + file + --set)"),
     "plot-schedule": (cmd_plot_schedule, "draw the learning rate a run will use, step by step, to a PNG"),
     "lr-find": (cmd_lr_find, "learning-rate range test on a fresh model: loss against an exponential lr "
@@ -381,129 +432,11 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
 }
 
 
-WEIGHTS = ("model", "ema", "swa")
-WEIGHTS_HELP = "the trained weights (model) or their average kept during training (averaging.ema / .swa)"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lmforge", description="From raw text to a trained language model.")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for name, (_, help_text) in VERBS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        if name in ("import", "export", "merge"):
-            p.add_argument("src", help="Hugging Face model dir" if name == "import" else
-                           "run dir, checkpoint dir or imported model dir")
-            p.add_argument("out", help="output dir (must be empty or missing)")
-            p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
-            if name == "merge":
-                p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
-            if name == "export":
-                p.add_argument("--adapter", action="store_true", help="a LoRA / DoRA / QLoRA run: write its "
-                               "adapters in PEFT's format (out/adapter) and the base they need (out/base)")
-                p.add_argument("--format", default="hf", help="output format (hf)")
-                p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
-                p.add_argument("--max-shard-gb", type=float, default=5.0,
-                               help="split the weights into safetensors shards of at most this size")
-            continue
-        p.add_argument("-c", "--config", help="YAML config file")
-        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a config key, e.g. --set train.max_steps=100 (repeatable)")
-        if name == "tasks":
-            p.add_argument("-o", "--out", help="JSONL file to write (training records)")
-            p.add_argument("--n", type=int, default=2000, help="records to write")
-            p.add_argument("--seed", type=int, default=0, help="seed: the same seed writes the same records")
-            p.add_argument("--tasks", help="comma-separated task names (default: all; see --list)")
-            p.add_argument("--difficulty", type=int, default=1,
-                           help="digits / lengths of the tasks (1: easiest)")
-            p.add_argument("--system", help="a system prompt to put in every record")
-            p.add_argument("--test-out", help="also write a held-out file whose prompts train never has")
-            p.add_argument("--n-test", type=int, default=200, help="held-out records to aim for")
-            p.add_argument("--overwrite", action="store_true", help="replace existing output files")
-            p.add_argument("--list", action="store_true", help="print the task names and exit")
-            p.add_argument("--unpaired", action="store_true", help="write KTO's unpaired records: each "
-                           "pair's chosen answer (label true) and rejected answer (label false) apart")
-            p.add_argument("--pairs", action="store_true", help="write preference pairs (prompt, chosen: the "
-                           "answer, rejected: a wrong answer of the same task) for DPO-style training")
-            continue
-        if name == "constitution":
-            p.add_argument("path", nargs="?", help="the model: a run dir, checkpoint dir or Hugging Face dir")
-            p.add_argument("--prompts", action="append", default=[], help="JSONL / Parquet prompts (prompt: "
-                           "string or messages, or chat messages); repeatable")
-            p.add_argument("-o", "--out", help="output dir: sft.jsonl, revisions.jsonl, feedback.jsonl")
-            p.add_argument("--constitution", help="YAML / JSON principles (name, critique, revision); "
-                           "default: lmforge's (see --write-default)")
-            p.add_argument("--write-default", metavar="FILE", help="write the default constitution to FILE "
-                           "(to edit) and exit")
-            p.add_argument("--max-new-tokens", type=int, default=64, help="longest answer / critique")
-            p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of answers")
-            p.add_argument("--seed", type=int, default=0, help="seed of the principles drawn and the samples")
-            p.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
-            p.add_argument("--no-feedback", action="store_true", help="skip the AI-feedback pairs")
-            p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
-            continue
-        if name in ("train", "sft", "dpo", "reward", "rl"):
-            p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its "
-                           "latest checkpoint")
-        if name == "data":
-            p.add_argument("--overwrite", action="store_true", help="replace an output dir that holds a "
-                           "run with different settings")
-        if name in ("eval", "generate"):
-            p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
-        if name == "generate":
-            p.add_argument("path", nargs="?", help="run dir or checkpoint dir (default: run.dir of -c)")
-        if name == "eval":
-            p.add_argument("path", nargs="*", help="run dir, checkpoint dir or Hugging Face dir (default: "
-                           "run.dir of -c); with --tasks, several are compared side by side")
-        if name == "generate":
-            p.add_argument("--prompt", help="text to continue (same as --set generate.prompt=...)")
-            p.add_argument("--chat", action="store_true", help="the prompt is a user message: render it with "
-                           "the run's chat template and print the assistant's reply")
-        if name == "eval":
-            p.add_argument("--tasks", help="task evaluation instead of the loss: comma-separated task files "
-                           "in lm-evaluation-harness's YAML format, dirs of them, or builtin:code (tasks "
-                           "lmforge builds from installed packages' code); or one tasks JSONL (lmforge "
-                           "tasks) for exact-match accuracy of greedy chat replies")
-            p.add_argument("--data", help="perplexity, bits per byte, top-1/top-5 token accuracy and "
-                           "calibration on this text (a .txt/.md/.jsonl/.parquet file or a dir of them), in "
-                           "sliding windows, instead of the run's validation split")
-            p.add_argument("--max-length", type=int, default=None, help="--data: tokens per window "
-                           "(default: the model's max_seq_len)")
-            p.add_argument("--stride", type=int, default=None, help="--data: tokens the window moves by "
-                           "(default: half of --max-length; equal to it: disjoint windows)")
-            p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt "
-                           "(default: each task file's num_fewshot, else 0)")
-            p.add_argument("--limit", type=float, default=None, help="first N documents of each task (a "
-                           "number below 1: that fraction)")
-            p.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
-            p.add_argument("--seed", type=int, default=1234, help="seed of the few-shot draws")
-            p.add_argument("--chat", action="store_true", help="--tasks prompts as conversations rendered "
-                           "with the run's chat template (a fine-tuned model)")
-            p.add_argument("--fewshot-as-multiturn", action="store_true", help="with --chat: each few-shot "
-                           "example its own user and assistant turn (default: one user message)")
-            p.add_argument("--all-checkpoints", action="store_true", help="--tasks on every kept checkpoint "
-                           "of the run: curves in eval_curves.md / eval_curves.png")
-            p.add_argument("--no-contamination", action="store_true", help="skip the report of each task's "
-                           "13-gram overlap with the run's training data")
-            p.add_argument("--compare-out", default=None, help="with several runs: the comparison report "
-                           "(default: eval_compare.md in the current dir)")
-            p.add_argument("--redteam", action="store_true", help="attack success rate per category of "
-                           "greedy replies to lmforge's shipped red-team prompts (refusal, block-list and "
-                           "PII detectors), instead of the loss")
-            p.add_argument("--redteam-prompts", help="a JSONL of {prompt, category} red-team records instead "
-                           "of the shipped ones (implies --redteam)")
-        if name == "plot-schedule":
-            p.add_argument("-o", "--out", default="schedule.png",
-                           help="PNG to write (default: schedule.png in the current dir; the run dir is "
-                           "never created)")
-            p.add_argument("--world-size", type=int, default=1,
-                           help="data-parallel ranks the run will use: they set the tokens per step")
-        if name == "lr-find":
-            p.add_argument("--min-lr", type=float, default=1e-7, help="first lr of the sweep")
-            p.add_argument("--max-lr", type=float, default=1.0, help="last lr of the sweep")
-            p.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep")
-            p.add_argument("-o", "--out", default="lr_find.png",
-                           help="PNG to write (default: lr_find.png in the current dir; the run dir is "
-                           "never created)")
+        add_arguments(name, sub.add_parser(name, help=help_text, description=help_text))
     return parser
 
 

@@ -1,0 +1,205 @@
+"""The arguments of each `lmforge` verb (cli/__init__.py holds the verbs themselves and `main`)."""
+
+from __future__ import annotations
+
+import argparse
+
+WEIGHTS = ("model", "ema", "swa")
+WEIGHTS_HELP = "the trained weights (model) or their average kept during training (averaging.ema / .swa)"
+
+
+
+def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
+    """Declare verb `name`'s arguments on its subparser `p`."""
+    if name in ("import", "export", "merge"):
+        p.add_argument("src", help="Hugging Face model dir" if name == "import" else
+                       "run dir, checkpoint dir or imported model dir")
+        p.add_argument("out", help="output dir (must be empty or missing)")
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
+        if name == "merge":
+            p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+        if name == "export":
+            p.add_argument("--adapter", action="store_true", help="a LoRA / DoRA / QLoRA run: write its "
+                           "adapters in PEFT's format (out/adapter) and the base they need (out/base)")
+            p.add_argument("--format", default="hf", help="output format (hf)")
+            p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+            p.add_argument("--max-shard-gb", type=float, default=5.0,
+                           help="split the weights into safetensors shards of at most this size")
+        return
+    if name == "prune":
+        _prune_args(p)
+        return
+    if name == "quantize":
+        _quantize_args(p)
+        return
+    p.add_argument("-c", "--config", help="YAML config file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.max_steps=100 (repeatable)")
+    if name == "tasks":
+        p.add_argument("-o", "--out", help="JSONL file to write (training records)")
+        p.add_argument("--n", type=int, default=2000, help="records to write")
+        p.add_argument("--seed", type=int, default=0, help="seed: the same seed writes the same records")
+        p.add_argument("--tasks", help="comma-separated task names (default: all; see --list)")
+        p.add_argument("--difficulty", type=int, default=1,
+                       help="digits / lengths of the tasks (1: easiest)")
+        p.add_argument("--system", help="a system prompt to put in every record")
+        p.add_argument("--test-out", help="also write a held-out file whose prompts train never has")
+        p.add_argument("--n-test", type=int, default=200, help="held-out records to aim for")
+        p.add_argument("--overwrite", action="store_true", help="replace existing output files")
+        p.add_argument("--list", action="store_true", help="print the task names and exit")
+        p.add_argument("--unpaired", action="store_true", help="write KTO's unpaired records: each "
+                       "pair's chosen answer (label true) and rejected answer (label false) apart")
+        p.add_argument("--pairs", action="store_true", help="write preference pairs (prompt, chosen: the "
+                       "answer, rejected: a wrong answer of the same task) for DPO-style training")
+        return
+    if name == "constitution":
+        p.add_argument("path", nargs="?", help="the model: a run dir, checkpoint dir or Hugging Face dir")
+        p.add_argument("--prompts", action="append", default=[], help="JSONL / Parquet prompts (prompt: "
+                       "string or messages, or chat messages); repeatable")
+        p.add_argument("-o", "--out", help="output dir: sft.jsonl, revisions.jsonl, feedback.jsonl")
+        p.add_argument("--constitution", help="YAML / JSON principles (name, critique, revision); "
+                       "default: lmforge's (see --write-default)")
+        p.add_argument("--write-default", metavar="FILE", help="write the default constitution to FILE "
+                       "(to edit) and exit")
+        p.add_argument("--max-new-tokens", type=int, default=64, help="longest answer / critique")
+        p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of answers")
+        p.add_argument("--seed", type=int, default=0, help="seed of the principles drawn and the samples")
+        p.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
+        p.add_argument("--no-feedback", action="store_true", help="skip the AI-feedback pairs")
+        p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
+        return
+    if name == "distill":
+        p.add_argument("--precompute-topk", action="store_true", help="write distill.teacher's top-k "
+                       "logits of every training and validation window to distill.topk_cache, and exit")
+    if name in ("train", "sft", "dpo", "reward", "rl", "distill"):
+        p.add_argument("--resume", action="store_true", help="continue the run in run.dir from its "
+                       "latest checkpoint")
+    if name == "data":
+        p.add_argument("--overwrite", action="store_true", help="replace an output dir that holds a "
+                       "run with different settings")
+    if name in ("eval", "generate"):
+        p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+    if name == "generate":
+        p.add_argument("path", nargs="?", help="run dir or checkpoint dir (default: run.dir of -c)")
+    if name == "eval":
+        p.add_argument("path", nargs="*", help="run dir, checkpoint dir or Hugging Face dir (default: "
+                       "run.dir of -c); with --tasks, several are compared side by side")
+    if name == "generate":
+        p.add_argument("--prompt", help="text to continue (same as --set generate.prompt=...)")
+        p.add_argument("--chat", action="store_true", help="the prompt is a user message: render it with "
+                       "the run's chat template and print the assistant's reply")
+        p.add_argument("--draft", metavar="PATH", help="speculative decoding: a smaller run, checkpoint "
+                       "or Hugging Face dir with the same tokenizer proposes tokens that the model "
+                       "verifies (same output distribution; acceptance statistics on stderr)")
+        p.add_argument("--draft-k", type=int, default=4, metavar="K", help="--draft: tokens proposed per "
+                       "forward of the model")
+    if name == "eval":
+        p.add_argument("--tasks", help="task evaluation instead of the loss: comma-separated task files "
+                       "in lm-evaluation-harness's YAML format, dirs of them, or builtin:code (tasks "
+                       "lmforge builds from installed packages' code); or one tasks JSONL (lmforge "
+                       "tasks) for exact-match accuracy of greedy chat replies")
+        p.add_argument("--data", help="perplexity, bits per byte, top-1/top-5 token accuracy and "
+                       "calibration on this text (a .txt/.md/.jsonl/.parquet file or a dir of them), in "
+                       "sliding windows, instead of the run's validation split")
+        p.add_argument("--max-length", type=int, default=None, help="--data: tokens per window "
+                       "(default: the model's max_seq_len)")
+        p.add_argument("--stride", type=int, default=None, help="--data: tokens the window moves by "
+                       "(default: half of --max-length; equal to it: disjoint windows)")
+        p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt "
+                       "(default: each task file's num_fewshot, else 0)")
+        p.add_argument("--limit", type=float, default=None, help="first N documents of each task (a "
+                       "number below 1: that fraction)")
+        p.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
+        p.add_argument("--seed", type=int, default=1234, help="seed of the few-shot draws")
+        p.add_argument("--chat", action="store_true", help="--tasks prompts as conversations rendered "
+                       "with the run's chat template (a fine-tuned model)")
+        p.add_argument("--fewshot-as-multiturn", action="store_true", help="with --chat: each few-shot "
+                       "example its own user and assistant turn (default: one user message)")
+        p.add_argument("--all-checkpoints", action="store_true", help="--tasks on every kept checkpoint "
+                       "of the run: curves in eval_curves.md / eval_curves.png")
+        p.add_argument("--no-contamination", action="store_true", help="skip the report of each task's "
+                       "13-gram overlap with the run's training data")
+        p.add_argument("--compare-out", default=None, help="with several runs: the comparison report "
+                       "(default: eval_compare.md in the current dir)")
+        p.add_argument("--redteam", action="store_true", help="attack success rate per category of "
+                       "greedy replies to lmforge's shipped red-team prompts (refusal, block-list and "
+                       "PII detectors), instead of the loss")
+        p.add_argument("--redteam-prompts", help="a JSONL of {prompt, category} red-team records instead "
+                       "of the shipped ones (implies --redteam)")
+    if name == "serve":
+        p.add_argument("path", nargs="?", help="run dir, checkpoint dir or Hugging Face dir (default: "
+                       "run.dir of -c)")
+        p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine "
+                       "only)")
+        p.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+        p.add_argument("--api-key", action="append", default=[], metavar="KEY", help="a key clients must "
+                       "send as 'Authorization: Bearer KEY' (repeatable; default: $LMFORGE_API_KEY)")
+        p.add_argument("--no-auth", action="store_true", help="serve without an API key")
+        p.add_argument("--model-name", help="the model id clients ask for (default: the run's name)")
+        p.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together")
+        p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the cores "
+                       "less one, at most 8)")
+        p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+    if name == "plot-schedule":
+        p.add_argument("-o", "--out", default="schedule.png",
+                       help="PNG to write (default: schedule.png in the current dir; the run dir is "
+                       "never created)")
+        p.add_argument("--world-size", type=int, default=1,
+                       help="data-parallel ranks the run will use: they set the tokens per step")
+    if name == "lr-find":
+        p.add_argument("--min-lr", type=float, default=1e-7, help="first lr of the sweep")
+        p.add_argument("--max-lr", type=float, default=1.0, help="last lr of the sweep")
+        p.add_argument("--steps", type=int, default=100, help="optimizer steps of the sweep")
+        p.add_argument("-o", "--out", default="lr_find.png",
+                       help="PNG to write (default: lr_find.png in the current dir; the run dir is "
+                       "never created)")
+
+
+def _prune_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="run dir or checkpoint dir (a causal_lm run)")
+    p.add_argument("out", help="output run dir (must be empty or missing)")
+    p.add_argument("--method", required=True, choices=("magnitude", "2:4", "heads", "channels"),
+                   help="magnitude: unstructured; 2:4: 2 of every 4 weights along the input dim; heads / "
+                   "channels: remove whole attention heads (kv groups) / MLP channels, a smaller dense model")
+    p.add_argument("--sparsity", type=float, help="magnitude: fraction of the weights zeroed, in [0, 1)")
+    p.add_argument("--scope", default="layer", choices=("layer", "global"),
+                   help="magnitude: rank the weights per matrix (layer) or all together (global)")
+    p.add_argument("--heads", type=int, help="heads: query heads removed per layer (a multiple of the GQA "
+                   "group size)")
+    p.add_argument("--channels", type=int, help="channels: MLP hidden channels removed per layer")
+    p.add_argument("--ratio", type=float, help="heads / channels: the fraction removed instead of a count")
+    p.add_argument("--score", default="magnitude", choices=("magnitude", "wanda"),
+                   help="importance: weight magnitude, or Wanda's |W| * ||X|| on calibration text")
+    p.add_argument("--calib", help="--score wanda: calibration text (.txt/.md/.jsonl/.parquet file or a "
+                   "folder; default: the run's train split)")
+    p.add_argument("--include-head", action="store_true", help="magnitude / 2:4: prune the output "
+                   "projection too (the embedding table when tied)")
+    p.add_argument("--recover-steps", type=int, default=0, help="steps of causal-LM training on the run's "
+                   "data after pruning (sparsity kept)")
+    p.add_argument("-c", "--config", help="recovery config: YAML sections (train:, optim:, schedule:...) "
+                   "over the source run's config")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recovery config key, e.g. --set optim.lr=3e-4 (repeatable)")
+    p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
+
+
+def _quantize_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="run dir, checkpoint dir or Hugging Face dir")
+    p.add_argument("out", help="output run dir (must be empty or missing)")
+    p.add_argument("--bits", type=int, default=4, help="4 or 8 bits per weight (default 4)")
+    p.add_argument("--group-size", type=int, default=None, help="weights per scale along the inputs (default "
+                   "128 for int4; int8 is per output channel unless given; 0: per-channel)")
+    p.add_argument("--asymmetric", action="store_true", help="a zero point per group as well as a scale")
+    p.add_argument("--method", default="rtn", help="rtn (round to nearest) or gptq (calibrated)")
+    p.add_argument("--calib", help="calibration text: .txt/.md/.jsonl/.parquet file or folder (default: the "
+                   "run's validation shards)")
+    p.add_argument("--calib-samples", type=int, default=128, help="calibration sequences (default 128)")
+    p.add_argument("--calib-seq-len", type=int, default=256, help="tokens per calibration sequence "
+                   "(default 256, at most model.max_seq_len)")
+    p.add_argument("--act-order", action="store_true", help="gptq: quantize columns by decreasing "
+                   "activation energy (group parameters fixed beforehand)")
+    p.add_argument("--quantize-head", action="store_true", help="quantize an untied output head too")
+    p.add_argument("--keep-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="dtype of the weights kept in floating point (embeddings, norms)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")

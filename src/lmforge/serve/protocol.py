@@ -1,0 +1,186 @@
+"""The request bodies of lmforge's OpenAI-compatible API (OpenAI's / vLLM's field names and meanings),
+validated with pydantic, and the small helpers that shape responses and errors.
+
+Unknown fields are refused (OpenAI answers "Unrecognized request argument supplied"), so a client
+never believes an option took effect when it did not; fields lmforge does not implement (logprobs,
+penalties, tools, ...) are accepted at their neutral values only.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+MAX_N = 16  # choices per prompt
+MAX_SEQUENCES = 64  # prompts x n per request
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+MAX_STOP_CHARS = 256
+MAX_PROMPTS = 32
+
+# Neutral values of the fields lmforge accepts but does not implement.
+_UNSUPPORTED = {
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: StrictStr
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="vLLM's extension; -1 or 0: off")
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as OpenAI's abuse-tracking id
+    logprobs: Any = None
+    top_logprobs: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+
+    @model_validator(mode="after")
+    def _supported(self):
+        for name in self.model_fields_set & set(_UNSUPPORTED):
+            value = getattr(self, name)
+            if value not in _UNSUPPORTED[name]:
+                raise ValueError(f"'{name}' is not supported by lmforge serve (got {value!r}); leave it out")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' is only allowed with 'stream': true")
+        stops = self.stop_list()
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"'stop' takes at most {MAX_STOP} strings, got {len(stops)}")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"each 'stop' string must have 1 to {MAX_STOP_CHARS} characters")
+        return self
+
+    def stop_list(self) -> list[str]:
+        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def resolved_top_k(self) -> int | None:
+        return None if self.top_k is None or self.top_k <= 0 else self.top_k
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class CompletionRequest(_Common):
+    """POST /v1/completions."""
+
+    prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=1)
+
+    @model_validator(mode="after")
+    def _prompts(self):
+        if isinstance(self.prompt, list):
+            if not self.prompt:
+                raise ValueError("'prompt' is an empty list")
+            if len(self.prompt) > MAX_PROMPTS and not isinstance(self.prompt[0], int):
+                raise ValueError(f"'prompt' holds at most {MAX_PROMPTS} prompts, got {len(self.prompt)}")
+        if self.n * len(self.prompt_list()) > MAX_SEQUENCES:
+            raise ValueError(f"prompts x n must be at most {MAX_SEQUENCES}")
+        return self
+
+    def prompt_list(self) -> list[str | list[int]]:
+        """The prompts: strings or token id lists."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Common):
+    """POST /v1/chat/completions."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    @model_validator(mode="after")
+    def _limits(self):
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give 'max_tokens' or 'max_completion_tokens', not both")
+        return self
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (OpenAI's 'developer' role is a system prompt)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+# -- responses ------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 503: "server_error",
+               500: "server_error"}
+
+
+def error_body(status: int, message: str, type: str | None = None, code: str | int | None = None,
+               param: str | None = None) -> dict[str, dict[str, Any]]:
+    """OpenAI's error object: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type or ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
