@@ -133,3 +133,14 @@ def test_refusals(teacher, tmp_path, capsys):
                            (["distill.temperature=2"], "distill.temperature=1.0")]:
         assert _cli([*base, *_student(teacher, tmp_path / "x", f"distill.topk_cache={cache}", *extra)]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_a_quantized_teacher(teacher, tmp_path):
+    """distill.teacher may be a run `lmforge quantize` wrote: it loads with its int8 layers and teaches."""
+    q = tmp_path / "teacher-int8"
+    assert main(["quantize", str(teacher / "teacher"), str(q), "--bits", "8"]) == 0
+    run = tmp_path / "q"
+    assert _cli(["distill", "-c", str(TINY), *_student(teacher, run, f"distill.teacher={q}",
+                                                       "train.max_steps=3", "train.eval_every=3")]) == 0
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert len(steps) == 3 and all(r["kd"] > 0 for r in steps)

@@ -14,6 +14,7 @@ from lmforge.compress.gptq import Hessian, gptq_quantize, gptq_reference
 from lmforge.config.schema import ModelConfig, QuantConfig
 from lmforge.models import build_model
 from lmforge.models.quant import (
+    QuantEmbedding,
     QuantLinear,
     choose_qparams,
     dequantize,
@@ -175,3 +176,46 @@ def test_gptq_lower_layer_output_error_than_rtn(act_order):
         # measured: 0.77 / 0.81 (calibration / held out), with act_order 0.60 / 0.64; RTN itself is 1.0
         assert err_gptq < (0.7 if act_order else 0.88) * err_rtn
     assert s.dtype == torch.bfloat16 and q.dtype == torch.int8
+
+
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 32, True), (4, 16, False), (8, None, True)])
+def test_quant_embedding_lookup_is_the_dequantized_table(bits, group, symmetric):
+    emb = nn.Embedding(50, 64)
+    table = QuantEmbedding.from_embedding(emb, bits, group, symmetric)
+    w = emb.weight.detach()
+    scale, zero = choose_qparams(w, bits, group or 64, symmetric, torch.bfloat16)
+    zero = None if zero is None else zero.to(torch.int8)
+    expect = dequantize(quantize(w, scale, zero, bits, symmetric), scale, zero, torch.float32)  # (50, 64)
+    assert torch.equal(table.weight, expect)  # the whole table: what a tied head multiplies by
+    ids = torch.tensor([[3, 0, 49, 3], [7, 7, 1, 2]])
+    assert torch.equal(table(ids), expect[ids])  # a lookup dequantizes only its rows, to the same values
+    step = (scale.float().max() if bits == 8 else scale.float().max())
+    assert (table.weight - w).abs().max() <= step  # within one quantization step of the table
+    table.to(torch.bfloat16)  # outputs follow the model's dtype, the integers stay
+    assert table(ids).dtype == torch.bfloat16 and table.qweight.dtype in (torch.int8, torch.uint8)
+
+
+def test_quantized_embeddings_of_a_tied_model_and_back():
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16, tie_embeddings=True)
+    torch.manual_seed(0)
+    plain = build_model(cfg)
+    qcfg = QuantConfig(bits=4, group_size=16, embeddings=True)
+    quant = build_model(cfg.model_copy(update={"quant": qcfg}))
+    assert isinstance(quant.tok_embeddings, QuantEmbedding)
+    sd = {k: v for k, v in plain.state_dict().items()}
+    q = QuantEmbedding.from_embedding(plain.tok_embeddings, 4, 16, True)
+    for k, v in q.state_dict().items():
+        sd[f"tok_embeddings.{k}"] = v
+    for name, m in quant.named_modules():
+        if isinstance(m, QuantLinear) and not isinstance(m, QuantEmbedding):
+            for k, v in QuantLinear.from_linear(plain.get_submodule(name), 4, 16, True).state_dict().items():
+                sd[f"{name}.{k}"] = v
+    quant.load_state_dict({k: v for k, v in sd.items() if k in quant.state_dict()})
+    ids = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        logits = quant(ids)
+        plain_again = dequantize_model(quant)  # nn.Embedding with the dequantized table, still tied
+        assert isinstance(plain_again.tok_embeddings, nn.Embedding)
+        torch.testing.assert_close(plain_again(ids), logits, rtol=0, atol=1e-5)
+        # tied: the head multiplies by the same quantized table the lookup reads
+        torch.testing.assert_close(plain_again.tok_embeddings.weight, q.weight, rtol=0, atol=0)

@@ -331,6 +331,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     quantize_run(args.src, args.out, bits=args.bits, group_size=group or None, symmetric=not args.asymmetric,
                  method=args.method, calib=args.calib, calib_samples=args.calib_samples,
                  calib_seq_len=args.calib_seq_len, overwrite=args.overwrite, head=args.quantize_head,
+                 embeddings=args.quantize_embeddings,
                  act_order=args.act_order, keep_dtype=args.keep_dtype)
     return 0
 

@@ -200,6 +200,8 @@ def _quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--act-order", action="store_true", help="gptq: quantize columns by decreasing "
                    "activation energy (group parameters fixed beforehand)")
     p.add_argument("--quantize-head", action="store_true", help="quantize an untied output head too")
+    p.add_argument("--quantize-embeddings", action="store_true", help="quantize the token embedding table "
+                   "too (round to nearest; a tied output head then reads it)")
     p.add_argument("--keep-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="dtype of the weights kept in floating point (embeddings, norms)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")

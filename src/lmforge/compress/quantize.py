@@ -28,7 +28,7 @@ from lmforge.config.schema import ModelConfig, QuantConfig
 from lmforge.data import Tokenizer, data_dir
 from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.finetune.setup import load_merged
-from lmforge.models.quant import QuantLinear, quant_targets, scale_dtype_of
+from lmforge.models.quant import QuantEmbedding, QuantLinear, quant_targets, scale_dtype_of
 from lmforge.utils.io import atomic_write_json
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -46,6 +46,7 @@ def quantize_run(
     calib_seq_len: int = 256,
     overwrite: bool = False,
     head: bool = False,
+    embeddings: bool = False,
     act_order: bool = False,
     percdamp: float = 0.01,
     keep_dtype: str = "bfloat16",
@@ -69,7 +70,8 @@ def quantize_run(
         raise LmforgeError(f"the tokenizer of {src} is missing; was data.dir moved?")
     tokenizer = Tokenizer.load(tok_path)
     try:
-        qcfg = QuantConfig(bits=bits, group_size=group_size, symmetric=symmetric, method=method, head=head)
+        qcfg = QuantConfig(bits=bits, group_size=group_size, symmetric=symmetric, method=method, head=head,
+                           embeddings=embeddings)
         model_cfg = ModelConfig.model_validate({**cfg.model.model_dump(), "quant": qcfg.model_dump()})
     except ValidationError as e:
         raise ConfigError(f"quantize {src}: {e.errors()[0]['msg']}") from None
@@ -94,6 +96,14 @@ def quantize_run(
             layer = QuantLinear.from_linear(model.get_submodule(name), bits, group_size, symmetric,
                                             scale_dtype_of(qcfg.scale_dtype))
             _replace(model, name, layer)
+    if embeddings:  # round to nearest: a lookup table has no activations for GPTQ to weigh
+        emb = model.tok_embeddings
+        if group_size is not None and emb.embedding_dim % group_size:
+            raise LmforgeError(f"--group-size {group_size} does not divide the embedding size "
+                               f"{emb.embedding_dim}; use a group size that divides it")
+        model.tok_embeddings = QuantEmbedding.from_embedding(emb, bits, group_size, symmetric,
+                                                             scale_dtype_of(qcfg.scale_dtype))
+        names = [*names, "tok_embeddings"]
     model.cfg = model_cfg
     _round_kept(model, _DTYPES[keep_dtype])
     report = {"source": str(src), "step": step, "bits": bits, "group_size": group_size,
@@ -317,7 +327,7 @@ def _sizes(base: dict, state_dir: Path, names: list[str], model: nn.Module) -> d
 
 def _summary(r: dict, out: Path) -> str:
     mb = 2**20
-    text = (f"quantized {len(r['layers'])} linear layers of {r['source']} to int{r['bits']} "
+    text = (f"quantized {len(r['layers'])} layers of {r['source']} to int{r['bits']} "
             f"({'group ' + str(r['group_size']) if r['group_size'] else 'per-channel'}, "
             f"{'symmetric' if r['symmetric'] else 'asymmetric'}, {r['method']}) -> {out}\n"
             f"  size: {r['bf16_bytes'] / mb:.2f} MiB in bf16 -> {r['file_bytes'] / mb:.2f} MiB on disk "

@@ -101,6 +101,10 @@ class QuantConfig(Section):
         "names (layers.*: every linear layer of the blocks; layers.*.mlp.*: the MLPs only)."
     )
     head: bool = Field(False, description="Quantize the output head too (untied embeddings only).")
+    embeddings: bool = Field(
+        False, description="Quantize the token embedding table too (round to nearest; with tied embeddings "
+        "the output head reads the same quantized table)."
+    )
     scale_dtype: Literal["bfloat16", "float16", "float32"] = Field(
         "bfloat16", description="dtype the scales are stored in."
     )

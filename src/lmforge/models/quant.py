@@ -177,13 +177,18 @@ class QuantLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W (N, K) as `dtype` (the same values as dequantize(int_weight(), ...), in fewer passes)."""
+        return self._dequantize_rows(self.qweight, self.scale, self.zero, dtype)
+
+    def _dequantize_rows(self, qweight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None,
+                         dtype: torch.dtype) -> torch.Tensor:
+        """Rows of W from their stored integers, scales and zero points (any subset of the rows)."""
         if self.bits == 8:
-            return dequantize(self.qweight, self.scale, self.zero, dtype)
-        N, G = self.scale.shape
-        u = torch.stack([self.qweight & 0x0F, self.qweight >> 4], dim=-1)  # (N, K / 2, 2) nibbles q - qmin
+            return dequantize(qweight, scale, zero, dtype)
+        N, G = scale.shape
+        u = torch.stack([qweight & 0x0F, qweight >> 4], dim=-1)  # (N, K / 2, 2) nibbles q - qmin
         w = u.view(N, G, self.group_size).to(dtype)
-        shift = self.qmin if self.zero is None else self.qmin - self.zero.to(dtype)[..., None]  # q - z
-        return ((w + shift) * self.scale.to(dtype)[..., None]).view(N, self.in_features)
+        shift = self.qmin if zero is None else self.qmin - zero.to(dtype)[..., None]  # q - z
+        return ((w + shift) * scale.to(dtype)[..., None]).view(N, self.in_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -248,6 +253,45 @@ def _forget_fast(module: QuantLinear, *_args) -> None:
     module._fast = None
 
 
+class QuantEmbedding(QuantLinear):
+    """A token embedding table (num_embeddings, embedding_dim) stored as QuantLinear stores a weight
+    (groups of `group_size` along the embedding dimension): a lookup dequantizes only the rows of its
+    ids; `.weight` (the whole table, dequantized) serves a tied output head. Its outputs take the dtype
+    the model is cast to (a non-persistent probe buffer follows `model.to(dtype)`)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, bits: int = 4, group_size: int | None = 128,
+                 symmetric: bool = True, scale_dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__(embedding_dim, num_embeddings, False, bits, group_size, symmetric, scale_dtype)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.register_buffer("dtype_probe", torch.empty(0), persistent=False)
+
+    @classmethod
+    @torch.no_grad()
+    def from_embedding(cls, emb: nn.Embedding, bits: int, group_size: int | None, symmetric: bool,
+                       scale_dtype: torch.dtype = torch.bfloat16) -> QuantEmbedding:
+        """Round-to-nearest quantization of `emb`'s table."""
+        layer = cls(emb.num_embeddings, emb.embedding_dim, bits, group_size, symmetric,
+                    scale_dtype).to(emb.weight.device)
+        w = emb.weight.detach().float()
+        scale, zero = qparams_for(w, bits, layer.group_size, symmetric, scale_dtype)
+        layer.set_quantized(quantize(w, scale, zero, bits, symmetric), scale, zero)
+        return layer
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.dequantized_weight(self.dtype_probe.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, bits={self.bits}, "
+                f"group_size={self.group_size}, {'sym' if self.symmetric else 'asym'}")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, embedding_dim)
+        rows = ids.reshape(-1)
+        zero = None if self.zero is None else self.zero[rows]
+        out = self._dequantize_rows(self.qweight[rows], self.scale[rows], zero, self.dtype_probe.dtype)
+        return out.view(*ids.shape, self.embedding_dim)
+
+
 def qparams_for(w: torch.Tensor, bits: int, group_size: int, symmetric: bool,
                 scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scales as stored (`scale_dtype`) and zero points as int8: what the integers must be rounded with.
@@ -283,6 +327,14 @@ def apply_quant_layout(model: nn.Module, qcfg) -> list[str]:
     """Replace the Linear layers `qcfg` (a QuantConfig) picks with empty QuantLinear layers on their
     device (meta included): the structure a quantized checkpoint loads into. Returns their names."""
     names = quant_targets(model, qcfg.targets, qcfg.head)
+    if qcfg.embeddings:
+        emb = model.get_submodule("tok_embeddings")
+        if qcfg.group_size is not None and emb.embedding_dim % qcfg.group_size:
+            raise ConfigError(f"model.quant.group_size={qcfg.group_size} does not divide the embedding size "
+                              f"{emb.embedding_dim}; use a group size that divides it, or none")
+        table = QuantEmbedding(emb.num_embeddings, emb.embedding_dim, qcfg.bits, qcfg.group_size,
+                               qcfg.symmetric, scale_dtype_of(qcfg.scale_dtype))
+        model.tok_embeddings = table.to(emb.weight.device)
     for name in names:
         lin = model.get_submodule(name)
         if qcfg.group_size is not None and lin.in_features % qcfg.group_size:
@@ -301,7 +353,12 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype = torch.float32) -> nn
     """`model` with every QuantLinear replaced by an nn.Linear holding its dequantized weight, and
     `model.cfg.quant` cleared (when it has a cfg): a plain model with the quantized model's outputs."""
     for name, m in list(model.named_modules()):
-        if isinstance(m, QuantLinear):
+        if isinstance(m, QuantEmbedding):
+            emb = nn.Embedding(m.num_embeddings, m.embedding_dim, device=m.scale.device, dtype=dtype)
+            emb.weight.copy_(m.dequantized_weight(dtype))
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, emb)
+        elif isinstance(m, QuantLinear):
             lin = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device=m.scale.device,
                             dtype=dtype)
             lin.weight.copy_(m.dequantized_weight(dtype))
