@@ -78,4 +78,6 @@ class Distill(TokenObjective):
         return ObjectiveOutput(loss, {"kd": kd.detach(), "ce": ce.detach()})
 
     def stage_loss(self, output: Any, targets: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("objective distill does not run in a pipeline (supports_pipeline=False)")
+        # check_layout refuses parallel.pp > 1 for objectives without supports_pipeline before any step
+        raise ConfigError("objective distill needs the teacher's view of the batch, which a pipeline's last "
+                          "stage does not have: set parallel.pp=1")
