@@ -91,9 +91,14 @@ def test_topk_cache_holds_the_teachers_logits_and_trains(teacher, tmp_path):
     with torch.no_grad():
         logits = model(batch.input_ids).float()
     top = logits.topk(8, dim=-1)
-    assert torch.equal(got.ids.long(), top.indices)
-    torch.testing.assert_close(got.logits, top.values.half().float(), rtol=0, atol=0)
-    torch.testing.assert_close(got.lse, torch.logsumexp(logits / 1.5, -1), rtol=1e-6, atol=1e-6)
+    # The cache's forward ran on batches of another shape, so its logits may differ from these in the
+    # last float32 bits (on some CPUs): compare at the precision the cache stores (float16 logits),
+    # and the chosen tokens by their logits here (a near-tie may order two tokens either way).
+    fp16 = dict(rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(got.logits, top.values, **fp16)
+    torch.testing.assert_close(logits.gather(-1, got.ids.long()), top.values, **fp16)
+    assert (got.ids.long() == top.indices).float().mean() > 0.99
+    torch.testing.assert_close(got.lse, torch.logsumexp(logits / 1.5, -1), rtol=1e-5, atol=1e-5)
     assert _cli(args) == 0  # training reads the cache instead of the teacher
     steps = [r for r in read_metrics(tmp_path / "c" / "metrics.jsonl") if "loss" in r]
     assert len(steps) == 8 and steps[-1]["kd"] < steps[0]["kd"]
