@@ -38,6 +38,7 @@ from lmforge.data.sft import prepare_sft
 from lmforge.engine.loss import logits_of
 from lmforge.engine.objectives import (
     Distill,
+    MaskedLM,
     Objective,
     PolicyGradient,
     Preference,
@@ -352,6 +353,8 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
                               "parallelism")
         reference = _reference(model, cfg, dims, device, data, source_vocab, say) if cfg.rl.beta > 0 else None
         objective.rollout = _rollout(model, cfg, data, reference)
+    if isinstance(objective, MaskedLM) and objective.ids is None:
+        objective.bind(tokenizer)  # its [CLS] / [SEP] / [MASK] ids
     objective.check_model(model)
     precision = Precision(on_rank0(lambda: resolve_precision(cfg.train.precision, device, model,
                                                              cfg.train.micro_batch_size, cfg.seq_len, vocab)),
@@ -719,8 +722,14 @@ def _build_inference(cfg, purpose, world, device, weights_from: Path, weights: s
             "was data.dir moved?"
         )
     tokenizer = Tokenizer.load(tok_path)
+    if purpose == "generate" and cfg.model.arch == "encoder":
+        raise ConfigError(f"{weights_from} is a masked-LM encoder (model.arch=encoder): it fills in masked "
+                          "tokens and does not generate text; `lmforge eval` reports its MLM loss and "
+                          "accuracy")
     model, step = load_finetuned(cfg, weights_from, weights, device)
     objective = objective or build_objective(cfg)
+    if isinstance(objective, MaskedLM) and objective.ids is None:
+        objective.bind(tokenizer)
     if isinstance(objective, Distill) and objective.teacher is None and purpose == "eval":
         objective.teacher = _teacher(cfg, tokenizer, device, lambda *_: None)
     run = Run(cfg=cfg, purpose=purpose, world=world, device=device, model=model, objective=objective,

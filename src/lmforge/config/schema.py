@@ -110,6 +110,64 @@ class QuantConfig(Section):
     )
 
 
+class MoEConfig(Section):
+    """Mixture of experts in place of every block's MLP (models/moe.py): a router picks top_k of n_experts
+    SwiGLU experts per token, optionally beside always-on shared experts."""
+
+    n_experts: int = Field(8, ge=1, description="Routed experts per MoE layer.")
+    top_k: int = Field(2, ge=1, description="Experts each token is sent to (must be <= n_experts).")
+    d_ff_expert: int | None = Field(
+        None, ge=1, description="Hidden size of each routed expert (None: model d_ff).")
+    n_shared_experts: int = Field(
+        0, ge=0, description="Always-on shared experts (DeepSeek / Qwen2-MoE); they form one SwiGLU MLP "
+        "of n_shared_experts * shared_d_ff hidden units.")
+    shared_d_ff: int | None = Field(
+        None, ge=1, description="Hidden size of one shared expert (None: d_ff_expert).")
+    shared_gate: bool = Field(
+        False, description="Scale the shared experts' output by sigmoid(a learned d_model -> 1 gate) "
+        "(Qwen2-MoE's shared_expert_gate).")
+    router_score: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="Router scores from the logits: softmax over experts (Mixtral, Qwen2-MoE, "
+        "OLMoE) or an independent sigmoid per expert (DeepSeek-V3).")
+    norm_topk_prob: bool = Field(
+        True, description="Renormalise the top_k scores of a token to sum to 1 (Mixtral: yes; Qwen2-MoE "
+        "and OLMoE: their norm_topk_prob).")
+    aux_loss_coef: float = Field(
+        0.01, ge=0.0, description="Weight of the Switch load-balancing loss E * sum_i f_i * P_i (f_i: "
+        "assignments per token that went to expert i, P_i: its mean router probability; top_k when "
+        "balanced): the normalisation of transformers' load_balancing_loss_func (router_aux_loss_coef).")
+    aux_loss_scope: Literal["layer", "model"] = Field(
+        "layer", description="layer: each MoE layer's balance loss on its own, averaged over layers (Switch, "
+        "GShard, Megatron); model: f and P pooled over all layers before the product, exactly as "
+        "transformers' load_balancing_loss_func aggregates (what an imported model trained with).")
+    z_loss_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the ST-MoE router z-loss mean(logsumexp(logits)^2), averaged "
+        "over MoE layers (ST-MoE uses 1e-3).")
+    capacity_factor: float | None = Field(
+        None, gt=0.0, description="None: dropless. Else each expert takes at most ceil(capacity_factor * "
+        "tokens * top_k / n_experts) assignments per forward; the overflow (later tokens first, by position "
+        "in the batch) gets no expert output and keeps the residual.")
+    bias_balancing: bool = Field(
+        False, description="Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the scores "
+        "for the top-k choice only, moves by bias_update_rate * sign(mean load - load) after every "
+        "optimizer step.")
+    bias_update_rate: float = Field(
+        1e-3, gt=0.0, description="Step of the balancing bias per optimizer step (DeepSeek-V3's gamma).")
+
+    @model_validator(mode="after")
+    def _check(self) -> MoEConfig:
+        if self.top_k > self.n_experts:
+            raise ValueError(f"moe.top_k={self.top_k} exceeds moe.n_experts={self.n_experts}: a token cannot "
+                             "go to more experts than there are; lower top_k or raise n_experts")
+        if self.shared_gate and self.n_shared_experts == 0:
+            raise ValueError("moe.shared_gate=true gates the shared experts, but moe.n_shared_experts=0; set "
+                             "n_shared_experts >= 1 or shared_gate=false")
+        if self.shared_d_ff is not None and self.n_shared_experts == 0:
+            raise ValueError("moe.shared_d_ff is set but moe.n_shared_experts=0; set n_shared_experts >= 1 "
+                             "or leave shared_d_ff unset")
+        return self
+
+
 class ModelConfig(Section):
     preset: str | None = Field(
         None, description=f"Named size filling the other keys; explicit keys win. One of {sorted(PRESETS)}."
@@ -139,10 +197,21 @@ class ModelConfig(Section):
     )
     bias: bool = Field(False, description="Biases in every linear layer and in LayerNorm (GPT-2 style).")
     qkv_bias: bool = Field(False, description="Biases in the q/k/v projections only (Qwen2 style).")
+    qk_norm: bool = Field(False, description="RMSNorm over the whole q and k projections before RoPE "
+                          "(OLMoE / OLMo-2 style).")
     tie_embeddings: bool = Field(True, description="Share the input embedding and output projection.")
     score_head: bool = Field(False, description="A scalar head `score` (d_model -> 1, no bias) beside the "
                              "output projection: a reward model (objective reward) reads it at a sequence's "
                              "last token; exported as ...ForSequenceClassification with num_labels 1.")
+    arch: Literal["decoder", "encoder"] = Field(
+        "decoder", description="decoder: causal LM (models/transformer.py); encoder: bidirectional masked LM "
+        "(models/encoder.py: BERT / RoBERTa layout, post-norm blocks, an MLM head; objective mlm)."
+    )
+    type_vocab_size: int = Field(2, ge=0, description="encoder: rows of the token-type (segment) embedding "
+                                 "(BERT 2, RoBERTa 1, 0: none).")
+    position_offset: int = Field(0, ge=0, description="encoder: learned positions start at this row and "
+                                 "count the tokens that are not id offset-1 (padding, which sits at row "
+                                 "offset-1): RoBERTa's padding_idx + 1; BERT: 0, positions 0..T-1.")
     value_head: bool = Field(False, description="A scalar head `value` (d_model -> 1, no bias): PPO's critic "
                              "on the policy's own hidden states (objective rl, rl.algorithm=ppo); not "
                              "exported.")
@@ -166,6 +235,10 @@ class ModelConfig(Section):
     quant: QuantConfig | None = Field(
         None, description="Weight-only quantization of the linear layers (None: full precision); set by "
         "`lmforge quantize`, for inference only."
+    )
+    moe: MoEConfig | None = Field(
+        None, description="Mixture of experts in place of the MLPs (None: dense); not with pipeline "
+        "parallelism."
     )
 
     @model_validator(mode="before")
@@ -194,6 +267,9 @@ class ModelConfig(Section):
         if rs is not None and rs.type == "llama3" and rs.original_max_position_embeddings is None:
             raise ValueError("rope_scaling.type=llama3 needs rope_scaling.original_max_position_embeddings "
                              "(the context length the model was pre-trained with, e.g. 8192)")
+        if self.arch == "encoder" and (self.pos_embedding != "learned" or not self.tie_embeddings):
+            raise ValueError("model.arch=encoder needs pos_embedding=learned and tie_embeddings=true (the "
+                             "BERT / RoBERTa layout)")
         if self.quant is not None and self.quant.head and self.tie_embeddings:
             raise ValueError("quant.head=true quantizes an untied output head; this model ties it to the "
                              "embeddings (tie_embeddings=true), which stay in full precision: set "
@@ -371,15 +447,35 @@ class TrainConfig(Section):
 class ObjectiveConfig(Section):
     """What a training step minimises. Each objective declares the batches it takes."""
 
-    name: Literal["causal_lm", "sft", "dpo", "reward", "rl", "distill"] = Field(
+    name: Literal["causal_lm", "sft", "dpo", "reward", "rl", "distill", "mlm"] = Field(
         "causal_lm", description="causal_lm: next-token prediction over every target token (pretraining); "
         "sft: supervised fine-tuning on the chat data of the sft section (loss on the tokens sft.loss_on "
         "picks); dpo: preference optimisation on the pairs of the preference section (the DPO family, "
         "SimPO, ORPO: preference.loss); reward: a reward model (a scalar score head, Bradley-Terry loss) on "
         "the same pairs; rl: reinforcement learning on sampled completions of the rl "
         "section's prompts, scored by rewards (GRPO, RLOO: rl.algorithm); distill: knowledge distillation "
-        "from the teacher of the distill section on the pretraining data (next-token targets)."
+        "from the teacher of the distill section on the pretraining data (next-token targets); mlm: masked "
+        "language modelling of an encoder (model.arch=encoder) on the pretraining data (the mlm section)."
     )
+
+
+class MLMConfig(Section):
+    """Masked-LM corruption (objective mlm), BERT's recipe: of the positions picked, replace 80% by the
+    mask token, 10% by a random token, keep 10%; the loss is over the picked positions only."""
+
+    mask_prob: float = Field(0.15, gt=0.0, lt=1.0, description="Fraction of (non-special) positions picked.")
+    replace_prob: float = Field(0.8, ge=0.0, le=1.0, description="Of the picked: replaced by the mask token.")
+    random_prob: float = Field(0.1, ge=0.0, le=1.0, description="Of the picked: replaced by a random token "
+                               "(the rest are kept as they are).")
+    seed: int | None = Field(None, ge=0, description="Seed of the masks (None: run.seed); each row's mask "
+                             "is a function of this seed and the row's tokens.")
+
+    @model_validator(mode="after")
+    def _check_split(self) -> MLMConfig:
+        if self.replace_prob + self.random_prob > 1.0:
+            raise ValueError(f"mlm.replace_prob + mlm.random_prob = {self.replace_prob + self.random_prob:g} "
+                             "exceeds 1 (the rest, kept unchanged, cannot be negative)")
+        return self
 
 
 class DistillConfig(Section):
@@ -617,6 +713,10 @@ class ParallelConfig(Section):
     )
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (heads and MLP width split).")
     pp: int = Field(1, ge=1, description="Pipeline-parallel stages (layers split).")
+    ep: int = Field(
+        1, ge=1, description="Expert-parallel degree (model.moe): each group of ep data-parallel ranks splits "
+        "the experts and exchanges tokens all-to-all; must divide dp_replicate x dp_shard."
+    )
     zero: Literal[1, 2, 3] = Field(
         3, description="With dp_shard > 1: 3 shards params+grads+optimizer (FSDP2), 2 also but keeps params "
         "gathered from forward to backward, 1 shards optimizer state only (DDP + ZeroRedundancyOptimizer; "
@@ -733,6 +833,7 @@ class Config(Section):
     distill: DistillConfig = Field(default_factory=DistillConfig,
                                    description="Teacher and losses of knowledge distillation (objective "
                                    "distill).")
+    mlm: MLMConfig = Field(default_factory=MLMConfig, description="Masking of objective mlm.")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
                                      description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")
@@ -754,6 +855,12 @@ class Config(Section):
             raise ValueError(
                 f"train.seq_len={seq} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 "lower train.seq_len or raise model.max_seq_len"
+            )
+        encoder, mlm = self.model.arch == "encoder", self.objective.name == "mlm"
+        if encoder != mlm:
+            raise ValueError(
+                f"objective.name={self.objective.name} does not fit model.arch={self.model.arch}: an encoder "
+                "trains with objective mlm and objective mlm needs model.arch=encoder"
             )
         return self
 

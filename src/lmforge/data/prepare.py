@@ -32,7 +32,7 @@ from lmforge.data.sources import (
     iter_documents,
     walk_files,
 )
-from lmforge.data.tokenizer import Tokenizer
+from lmforge.data.tokenizer import ENCODER_TOKEN_SETS, Tokenizer
 from lmforge.errors import DataError
 
 FORMAT = 1  # bump when the layout of a prepared dir changes, so old dirs are not silently reused
@@ -167,6 +167,10 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
         if fed[0] == 0:  # no train document means the pass read the whole corpus
             raise _too_small(d, pass_stats)
         how = f"trained on {fed[0]:,} chars"
+    if cfg.model.arch == "encoder" and tok.encoder_ids() is None:
+        # Appended after the BPE's ids, which stay as they are: the shards equal a decoder's.
+        tok.add_special_tokens(ENCODER_TOKEN_SETS[0])
+        how += f", {' '.join(ENCODER_TOKEN_SETS[0])} added"
     tok.save(dir / TOKENIZER_FILE)
 
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -305,6 +309,7 @@ def _settings(cfg: Config) -> dict:
         "shard_tokens": d.shard_tokens,
         # only when set: data prepared before the key existed keeps its fingerprint
         **({"val_sources": [_source_identity(s) for s in d.val_sources]} if d.val_sources else {}),
+        **({"encoder_tokens": True} if cfg.model.arch == "encoder" else {}),
     }
 
 

@@ -21,7 +21,10 @@ from lmforge.utils.io import atomic_write_text
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens of common tokenizer families, tried in this order when loading one.
-EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
+# What a masked-LM encoder frames and corrupts sequences with, as (cls, sep, mask, pad): BERT's names, or
+# RoBERTa's. lmforge's own tokenizers get BERT's appended (after the BPE ids, which stay as they are).
+ENCODER_TOKEN_SETS = (("[CLS]", "[SEP]", "[MASK]", "[PAD]"), ("<s>", "</s>", "<mask>", "<pad>"))
 _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -124,6 +127,8 @@ class Tokenizer:
         }
         if chat_template is not None:
             config["chat_template"] = chat_template
+        if (enc := self.encoder_ids()) is not None:  # what transformers' fill-mask pipeline looks for
+            config.update({f"{k}_token": self._tok.id_to_token(i) for k, i in enc.items()})
         atomic_write_text(out_dir / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
     def encode(self, text: str) -> list[int]:
@@ -157,6 +162,14 @@ class Tokenizer:
         if missing:
             self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
         return [self._tok.token_to_id(t) for t in tokens]
+
+    def encoder_ids(self) -> dict[str, int] | None:
+        """{"cls", "sep", "mask", "pad": id} of the first complete ENCODER_TOKEN_SETS entry, else None."""
+        for names in ENCODER_TOKEN_SETS:
+            ids = [self._tok.token_to_id(n) for n in names]
+            if all(i is not None for i in ids):
+                return dict(zip(("cls", "sep", "mask", "pad"), ids))
+        return None
 
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -24,6 +24,10 @@ class Comm:
         """Context for one micro-batch's backward; `enabled=False` defers the gradient all-reduce."""
         return contextlib.nullcontext()
 
+    def finish_grads(self) -> None:
+        """Reduce the gradients no data-parallel wrapper reduces (expert-parallel experts over the ranks
+        holding the same experts); called once per step, after the last micro-batch's backward."""
+
     def norms(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per-tensor L2 norms of the full (unsharded) gradients, as 0-dim tensors."""
         return list(torch._foreach_norm(grads, 2.0)) if grads else []

@@ -20,7 +20,9 @@ from torch import nn
 
 from lmforge.engine.comm import LOCAL, Comm
 from lmforge.engine.objectives import CausalLM, Objective, ObjectiveOutput
+from lmforge.engine.objectives.base import objective_forward
 from lmforge.engine.precision import Precision
+from lmforge.models.moe import ExpertBias
 
 
 @dataclass
@@ -123,7 +125,8 @@ def train_step(
     n_targets, n_tokens = comm.sum_counts(sum(objective.num_targets(b) for b in batches),
                                           sum(b.num_tokens for b in batches))
     denom = max(n_targets, 1)
-    run = forward if forward is not None else (lambda b: objective(model, b))
+    run = forward if forward is not None else (lambda b: objective_forward(model, objective, b))
+    balance = ExpertBias.of(model)  # None unless the model balances its experts by bias
     loss_total = torch.zeros((), dtype=torch.float32, device=batches[0].device)
     metrics = MetricSums()
     scaler = precision.scaler
@@ -131,15 +134,20 @@ def train_step(
         with comm.grad_sync(model, enabled=i == len(batches) - 1):
             with precision.autocast():
                 out = run(batch)
+            if balance is not None:
+                balance.observe()
             loss = out.loss / denom
             (scaler.scale(loss) if scaler is not None else loss).backward()
         loss_total += loss.detach()
         metrics.add(out)
+    comm.finish_grads()
     result = StepResult(float(comm.mean_loss(loss_total)), n_tokens, n_targets, 0.0)
     result.metrics = metrics.means(comm, denom)
     if withheld(result, judge, optimizer):
         return result
     apply_update(optimizer, precision, result, grad_clip, grad_clip_value, group_stats, comm)
+    if balance is not None and not result.skipped:
+        balance.update(comm.mean_loss)  # mean_loss sums over the data-parallel ranks
     if not result.skipped and hooks:
         ctx = StepContext(model, batches, precision, comm, objective)
         for hook in hooks:
@@ -192,11 +200,15 @@ def apply_update(
     per_group, total = norms()
     grad_norm = float(total)  # before any clipping: an Inf here is never clamped into a finite step
     result.grad_norm = grad_norm
+    # Clipping runs per param group: foreach kernels refuse to mix plain tensors with DTensors or
+    # DTensors of two meshes, and param groups never do (optim.builder.param_groups).
     if grad_clip_value > 0 and math.isfinite(grad_norm):
-        torch.nn.utils.clip_grad_value_([p for ps in groups for p in ps], grad_clip_value)
+        for ps in groups:
+            torch.nn.utils.clip_grad_value_(ps, grad_clip_value)
         per_group, total = norms()  # the norm clip acts on the value-clipped gradients
     if grad_clip > 0 and math.isfinite(grad_norm):
-        torch.nn.utils.clip_grads_with_norm_([p for ps in groups for p in ps], grad_clip, total)
+        for ps in groups:
+            torch.nn.utils.clip_grads_with_norm_(ps, grad_clip, total)
     if group_stats:
         for i, (g, ns) in enumerate(zip(optimizer.param_groups, per_group)):
             if ns:

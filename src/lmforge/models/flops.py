@@ -5,8 +5,9 @@ from __future__ import annotations
 from lmforge.config.schema import ModelConfig
 
 
-def _layer_matmul_params(cfg: ModelConfig) -> int:
-    """Weights of the Linear layers in one block (the parameters that take part in matmuls)."""
+def _layer_matmul_params(cfg: ModelConfig, active: bool = False) -> int:
+    """Weights of the Linear layers in one block (the parameters that take part in matmuls); with
+    `active`, of a mixture of experts only the top_k experts one token runs through."""
     d, q_dim, kv_dim, ff = (
         cfg.d_model,
         cfg.n_heads * cfg.resolved_head_dim,
@@ -14,6 +15,13 @@ def _layer_matmul_params(cfg: ModelConfig) -> int:
         cfg.resolved_d_ff,
     )
     attn = d * q_dim + 2 * d * kv_dim + q_dim * d
+    if cfg.moe is not None:
+        m = cfg.moe
+        ff_e = m.d_ff_expert or ff
+        shared = m.n_shared_experts * (m.shared_d_ff or ff_e)
+        experts = m.top_k if active else m.n_experts
+        # router gate + routed SwiGLU experts + shared SwiGLU experts (+ their sigmoid gate)
+        return attn + d * m.n_experts + experts * 3 * d * ff_e + 3 * d * shared + (d if m.shared_gate else 0)
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * ff
     return attn + mlp
 
@@ -31,7 +39,10 @@ def _layer_other_params(cfg: ModelConfig) -> int:
         n += q_dim + 2 * kv_dim
     if cfg.bias:
         n += d  # wo
-        n += (2 if cfg.mlp == "swiglu" else 1) * ff + d  # w_gate/w_up, w_down
+        if cfg.moe is None:  # experts have no biases
+            n += (2 if cfg.mlp == "swiglu" else 1) * ff + d  # w_gate/w_up, w_down
+    if cfg.qk_norm:
+        n += q_dim + kv_dim
     return n + 2 * _norm_params(cfg)
 
 
@@ -45,15 +56,17 @@ def _require_vocab(cfg: ModelConfig) -> int:
     return cfg.vocab_size
 
 
-def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False) -> int:
+def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False, active: bool = False) -> int:
     """Number of parameters of `Transformer(cfg)`, tied weights counted once.
 
     Equal to `sum(p.numel() for p in model.parameters())`. With exclude_embeddings=True the token
     and position tables are left out but the output projection is counted, also when it is tied to
     the token table: it is a matmul, and this is the count that scaling laws and FLOPs use.
+    With active=True a mixture of experts counts only the top_k routed experts a token runs through
+    (its active parameters; the router and shared experts in full); a dense model is unchanged.
     """
     vocab = _require_vocab(cfg)
-    blocks = cfg.n_layers * (_layer_matmul_params(cfg) + _layer_other_params(cfg))
+    blocks = cfg.n_layers * (_layer_matmul_params(cfg, active) + _layer_other_params(cfg))
     head = vocab * cfg.d_model  # output projection, or the token table it is tied to
     n = blocks + _norm_params(cfg) + head
     if exclude_embeddings:
@@ -70,13 +83,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     - N is the number of parameters in matmuls: all Linear weights of the blocks plus the output
       projection (counted once, tied or not). A matmul costs 2 FLOPs per weight per token forward
       and 4 backward (input and weight gradients): 6 * N. Embedding lookups, norms and biases are
-      not matmuls and are left out.
+      not matmuls and are left out. A mixture of experts counts its active weights (the top_k
+      routed experts, router and shared experts): MFU is measured against the FLOPs a token needs.
     - Attention scores QK^T and the weighted sum AV each cost 2 * head_dim FLOPs per head per
       (query, key) pair forward, i.e. 4 * H * D * T per token per layer over T keys; times 3 for
       training gives 12 * L * H * D * T. With causal masking a query sees on average T/2 keys, so
       only half is counted: 6 * L * H * D * T.
     """
-    n_matmul = count_params(cfg, exclude_embeddings=True) - _non_matmul_params(cfg)
+    n_matmul = count_params(cfg, exclude_embeddings=True, active=True) - _non_matmul_params(cfg)
     attn = 6 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
     return float(6 * n_matmul + attn)
 
@@ -88,7 +102,7 @@ def adapter_flops_per_token(cfg: ModelConfig, seq_len: int, adapter_params: int)
     Dequantising a 4-bit base is overhead, not model FLOPs, and is not counted. Autograd also skips
     the input gradient of block 0's q/k/v projections (nothing before them trains): under 1/n_layers
     of their share, left in the count."""
-    n_matmul = count_params(cfg, exclude_embeddings=True) - _non_matmul_params(cfg)
+    n_matmul = count_params(cfg, exclude_embeddings=True, active=True) - _non_matmul_params(cfg)
     return flops_per_token(cfg, seq_len) - 2.0 * n_matmul + 6.0 * adapter_params
 
 

@@ -6,6 +6,8 @@ Parameter names are the checkpoint format (HF key maps build on them):
     layers.{i}.attn_norm, layers.{i}.attn.{wq,wk,wv,wo}, layers.{i}.mlp_norm,
     layers.{i}.mlp.{w_gate (swiglu only), w_up, w_down}, norm, output.weight (untied only)
 
+With model.moe every block has `layers.{i}.moe` (models/moe.py) in place of `layers.{i}.mlp`.
+
 With tied embeddings there is no `output` module: the logits use `tok_embeddings.weight`.
 """
 
@@ -24,10 +26,11 @@ from lmforge.models.common.attention import Attention, KVCache, LayerKV, documen
 from lmforge.models.common.mlp import MLP
 from lmforge.models.common.norm import RMSNorm, build_norm
 from lmforge.models.common.rope import dynamic_inv_frequencies, rope_angles, rope_tables
+from lmforge.models.moe import GroupedExperts, MoE, Router
 
 # Residual-stream output projections get init_std / sqrt(2 * n_layers) (GPT-2 / nanoGPT), so the
 # variance of the residual stream does not grow with depth at init.
-_RESIDUAL_OUT = ("attn.wo", "mlp.w_down")
+_RESIDUAL_OUT = ("attn.wo", "mlp.w_down", "shared.w_down")
 
 
 def _dropout(p: float) -> nn.Module:
@@ -59,7 +62,11 @@ class Block(nn.Module):
         self.attn_norm = build_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = build_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.is_moe = cfg.moe is not None
+        if self.is_moe:
+            self.moe = MoE(cfg)
+        else:
+            self.mlp = MLP(cfg)
         self.drop = _dropout(cfg.dropout)
 
     def forward(
@@ -70,7 +77,8 @@ class Block(nn.Module):
         kv: LayerKV | None = None,
     ) -> torch.Tensor:
         x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, kv))  # (B, T, d_model)
-        return x + self.drop(self.mlp(self.mlp_norm(x)))
+        ffn = self.moe if self.is_moe else self.mlp
+        return x + self.drop(ffn(self.mlp_norm(x)))
 
 
 class Transformer(nn.Module):
@@ -154,6 +162,10 @@ class Transformer(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, mean=0.0, std=edge_std)
+            elif isinstance(m, GroupedExperts):
+                m.init_weights(cfg.init, std, out_std)
+            elif isinstance(m, Router) and m.expert_bias is not None:
+                m.expert_bias.zero_()
             elif isinstance(m, (RMSNorm, nn.LayerNorm)):
                 m.reset_parameters()
         self.init_buffers()
@@ -332,10 +344,15 @@ def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> T
 
     device="meta" returns the uninitialised meta model (to count or shard a large model without memory).
     With cfg.quant the chosen linear layers are QuantLinear (models/quant.py), empty until a quantized
-    checkpoint is loaded into them.
+    checkpoint is loaded into them. model.arch=encoder builds the masked-LM Encoder (models/encoder.py).
     """
     with torch.device("meta"):
-        model = Transformer(cfg)
+        if cfg.arch == "encoder":
+            from lmforge.models.encoder import Encoder
+
+            model = Encoder(cfg)
+        else:
+            model = Transformer(cfg)
         if cfg.quant is not None:
             from lmforge.models.quant import apply_quant_layout
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from lmforge.data.batch import IGNORE_INDEX, TokenBatch
 from lmforge.engine.loss import logits_of
+from lmforge.models.moe import clear_records, moe_layers, router_losses
 
 
 class ObjectiveOutput(NamedTuple):
@@ -81,7 +82,29 @@ class ObjectiveModule(nn.Module):
         self.objective = objective
 
     def forward(self, batch: Any) -> ObjectiveOutput:
-        return self.objective(self.model, batch)
+        return objective_forward(self.model, self.objective, batch)
+
+
+def objective_forward(model: nn.Module, objective: Objective, batch: Any) -> ObjectiveOutput:
+    """`objective(model, batch)` plus, for a mixture-of-experts model in training, the router's
+    auxiliary losses (load balance, z-loss) and statistics: every training step's forward.
+
+    The aux loss is a mean per token; adding it times the batch's target count to the summed loss
+    makes it, after the step's division by the job's target count, the target-weighted mean over
+    micro-batches and ranks, exactly once per micro-batch whatever the objective. Its metrics
+    (moe_aux_loss, moe_z_loss, moe_load_max/min, moe_drop_frac, moe_router_entropy) are reported
+    the same way."""
+    layers = moe_layers(model)
+    if not layers:
+        return objective(model, batch)
+    clear_records(layers)  # drop what evaluation or an activation-checkpoint recompute recorded
+    out = objective(model, batch)
+    aux = router_losses(layers)
+    if aux is None:
+        return out
+    n = objective.num_targets(batch)
+    metrics = {**out.metrics, **{k: v * n for k, v in aux.metrics.items()}}
+    return ObjectiveOutput(out.loss + aux.loss * n, metrics, out.counts)
 
 
 class TokenObjective(Objective):

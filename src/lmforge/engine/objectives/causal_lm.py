@@ -38,6 +38,9 @@ class CausalLM(TokenObjective):
         return ObjectiveOutput(token_loss_sum(self.logits(model, batch), batch.targets), {})
 
     def check_model(self, model: nn.Module) -> None:
+        if getattr(getattr(model, "cfg", None), "arch", None) == "encoder":
+            raise ConfigError(f"objective {self.name} predicts the next token, which a bidirectional encoder "
+                              "(model.arch=encoder) sees: train it with objective mlm")
         if self.chunk_tokens and "head" not in inspect.signature(model.forward).parameters:
             raise ConfigError(
                 f"train.loss_chunk_tokens={self.chunk_tokens} needs a model whose forward takes "

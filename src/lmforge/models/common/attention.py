@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config.schema import ModelConfig
+from lmforge.models.common.norm import RMSNorm
 from lmforge.models.common.rope import apply_rope
 
 # (k_buffer, v_buffer, pos): one layer's view of a KVCache; buffers are (B, n_kv_heads, max_len, D).
@@ -130,7 +131,14 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        if cfg.qk_norm:
+            # OLMoE / OLMo-2: one RMSNorm over the whole q (and k) projection, not per head.
+            self.q_norm = RMSNorm(self.n_heads * self.head_dim, eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(self.n_kv_heads * self.head_dim, eps=cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
         self.dropout = cfg.dropout
+        # An encoder (BERT) attends both ways: mask None then means "every key", not "causal".
+        self.causal = cfg.arch != "encoder"
         # SDPA's enable_gqa shares kv heads without materialising copies: same result as
         # repeat_interleave and 7-16% faster forward+backward on CPU (measured, torch 2.13).
         self.gqa = self.n_kv_heads != self.n_heads
@@ -153,8 +161,11 @@ class Attention(nn.Module):
         kv: this layer's cache view; keys/values of x are written at pos..pos+T-1.
         """
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        q, k = self.wq(x), self.wk(x)  # (B, T, H*D), (B, T, Hkv*D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -174,7 +185,7 @@ class Attention(nn.Module):
             v,
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None and T > 1,
+            is_causal=self.causal and mask is None and T > 1,
             enable_gqa=self.gqa,
         )  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)

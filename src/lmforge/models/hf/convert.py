@@ -6,7 +6,8 @@ Weights are never unpickled: a directory with only `pytorch_model.bin` is refuse
 
 Per-family knowledge (key maps, fused/transposed tensors, config keys) lives in the family modules
 (`llama.py` for Llama/Mistral/Qwen2, `gpt2.py`); each provides MODEL_TYPES, config_from_hf,
-config_to_hf, model_type_for, import_names, import_tensor, hf_name and export_tensors.
+config_to_hf, model_type_for, import_names, import_tensor, hf_name and export_tensors. An imported name
+is ours, or (ours, j): row j of a stacked parameter (one expert of a mixture of experts, `moe.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import gpt2, llama
+from lmforge.models.hf import bert, gpt2, llama, moe
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 
@@ -39,7 +40,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    return {t: fam for fam in (llama, gpt2) for t in fam.MODEL_TYPES}
+    return {t: fam for fam in (llama, gpt2, bert, moe) for t in fam.MODEL_TYPES}
 
 
 def _family(model_type: Any) -> ModuleType:
@@ -127,7 +128,8 @@ def model_config_to_hf(
     out.update(
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
+        # a family that derives maths from the pad id (RoBERTa's positions) set it already
+        pad_token_id=pad_token_id if pad_token_id is not None else out.get("pad_token_id"),
         dtype=dtype_name,  # transformers 5
         torch_dtype=dtype_name,  # transformers 4
         use_cache=True,
@@ -138,7 +140,11 @@ def model_config_to_hf(
 def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
     if model_type is not None:
         return _family(model_type)
-    # GPT-2 is the one supported family with learned positions; everything else is RoPE.
+    if cfg.moe is not None:
+        return moe
+    if cfg.arch == "encoder":
+        return bert
+    # GPT-2 is the one supported decoder family with learned positions; everything else is RoPE.
     return _family("gpt2" if cfg.pos_embedding == "learned" else "llama")
 
 
@@ -190,33 +196,54 @@ def iter_hf_tensors(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Te
                 yield name, f.get_tensor(name)
 
 
-def _stream_into(model: Transformer, path: str | os.PathLike, place: Callable[[str, torch.Tensor], None]):
-    """Check names, then feed every HF tensor of `path`, renamed and reshaped, to place(ours, tensor)."""
+def _stream_into(model: Transformer, path: str | os.PathLike,
+                 place: Callable[[str, torch.Tensor, int | None], None]):
+    """Check names, then feed every HF tensor of `path`, renamed and reshaped, to place(ours, tensor,
+    row), row None for a whole parameter, else the row of a stacked parameter the tensor fills."""
     cfg = model.cfg
     family = _family(read_hf_config(path).get("model_type"))
     files = weight_files(path)
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    filled: set[str] = set()
+    filled: set = set()
     unexpected = []
     for names in files.values():
         for name in names:
             ours = family.import_names(name, cfg)
-            if ours is None or any(o not in shapes for o in ours):
+            if ours is None or any(not _fits(o, shapes) for o in ours):
                 unexpected.append(name)
             filled.update(ours or [])
-    missing = [f"{family.hf_name(n, cfg)} (our {n})" for n in shapes if n not in filled]
+
+    def complete(n: str) -> bool:
+        rows = shapes[n][0] if shapes[n] else 0
+        return n in filled or (rows > 0 and all((n, j) in filled for j in range(rows)))
+
+    missing = [f"{family.hf_name(n, cfg)} (our {n})" for n in shapes if not complete(n)]
     if missing or unexpected:
         parts = [f"missing tensors: {', '.join(missing)}"] if missing else []
         parts += [f"unexpected tensors: {', '.join(unexpected)}"] if unexpected else []
         raise LmforgeError(f"the weights in {path} do not match its config.json: " + "; ".join(parts))
     for name, tensor in iter_hf_tensors(files):
-        for ours, t in family.import_tensor(name, tensor, cfg):
-            if tuple(t.shape) != shapes[ours]:
+        for key, t in family.import_tensor(name, tensor, cfg):
+            ours, row = _split(key)
+            want = shapes[ours] if row is None else shapes[ours][1:]
+            if tuple(t.shape) != want:
+                where = ours if row is None else f"{ours}[{row}]"
                 raise LmforgeError(
                     f"tensor {name} in {path} has shape {tuple(tensor.shape)}, which does not fit our "
-                    f"{ours} of shape {shapes[ours]}"
+                    f"{where} of shape {want}"
                 )
-            place(ours, t)
+            place(ours, t, row)
+
+
+def _split(key: str | tuple[str, int]) -> tuple[str, int | None]:
+    """(parameter name, row or None) of an imported name."""
+    return (key, None) if isinstance(key, str) else (key[0], int(key[1]))
+
+
+def _fits(key: str | tuple[str, int], shapes: dict[str, tuple[int, ...]]) -> bool:
+    """The imported name is one of our parameters (and, for a row, one within its first dimension)."""
+    name, row = _split(key)
+    return name in shapes and (row is None or (len(shapes[name]) > 1 and 0 <= row < shapes[name][0]))
 
 
 def from_hf(
@@ -231,19 +258,26 @@ def from_hf(
     The model is built on the meta device and each parameter is materialised once, directly from its
     tensor in the file (memory: the model plus one tensor); then the RoPE tables are computed.
     """
-    from lmforge.models.transformer import Transformer
+    from lmforge.models.transformer import build_model
 
     cfg = hf_to_model_config(read_hf_config(path), max_seq_len=max_seq_len)
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    model = build_model(cfg, device="meta")  # the Transformer, or the Encoder for BERT / RoBERTa
     device = torch.device(device)
 
-    def place(ours: str, t: torch.Tensor) -> None:
+    def place(ours: str, t: torch.Tensor, row: int | None) -> None:
         module_name, _, attr = ours.rpartition(".")
+        module = model.get_submodule(module_name)
+        if row is not None:  # one expert of a stacked parameter: materialised whole at its first row
+            if getattr(module, attr).is_meta:
+                shape = getattr(module, attr).shape
+                setattr(module, attr, nn.Parameter(torch.empty(shape, dtype=dtype, device=device)))
+            with torch.no_grad():
+                getattr(module, attr)[row].copy_(t)
+            return
         # Exactly one copy: contiguous (GPT-2's split c_attn gives strided views), in the target
         # dtype and device, and never aliasing the file's memory map.
         value = torch.empty(t.shape, dtype=dtype, device=device).copy_(t)
-        setattr(model.get_submodule(module_name), attr, nn.Parameter(value))
+        setattr(module, attr, nn.Parameter(value))
 
     _stream_into(model, path, place)
     for module in model.modules():
@@ -266,7 +300,8 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
     theirs = hf_to_model_config(hf_cfg)
     fields = ["vocab_size", "d_model", "n_layers", "n_heads", "resolved_kv_heads", "resolved_head_dim",
               "resolved_d_ff", "norm", "norm_eps", "pos_embedding", "mlp", "bias", "qkv_bias",
-              "tie_embeddings", "sliding_window", "rope_theta"]
+              "tie_embeddings", "sliding_window", "rope_theta", "arch", "type_vocab_size", "position_offset",
+              "qk_norm"]
     if ours.pos_embedding == "learned":
         fields.append("max_seq_len")  # the position table is a weight
     diffs = [
@@ -274,6 +309,8 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
         for f in fields
         if getattr(ours, f) != getattr(theirs, f)
     ]
+    if _moe_signature(ours) != _moe_signature(theirs):
+        diffs.append(f"moe: model {_moe_signature(ours)}, {path} {_moe_signature(theirs)}")
     if _rope_signature(ours) != _rope_signature(theirs):
         diffs.append(f"rope_scaling: model {_rope_signature(ours)}, {path} {_rope_signature(theirs)}")
     if diffs:
@@ -283,11 +320,24 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
         )
     params = dict(model.named_parameters())
 
-    def place(name: str, t: torch.Tensor) -> None:
+    def place(name: str, t: torch.Tensor, row: int | None) -> None:
         with torch.no_grad():
-            params[name].copy_(t)
+            (params[name] if row is None else params[name][row]).copy_(t)
 
     _stream_into(model, path, place)
+
+
+def _moe_signature(cfg: ModelConfig) -> dict[str, Any] | None:
+    """The mixture-of-experts fields that shape the weights or the routing; the training settings
+    (aux/z-loss weights, capacity, bias balancing) may differ from the checkpoint's."""
+    m = cfg.moe
+    if m is None:
+        return None
+    from lmforge.models.moe import expert_d_ff, shared_d_ff
+
+    return dict(n_experts=m.n_experts, top_k=m.top_k, d_ff_expert=expert_d_ff(cfg),
+                shared_d_ff=shared_d_ff(cfg), shared_gate=m.shared_gate, router_score=m.router_score,
+                norm_topk_prob=m.norm_topk_prob)
 
 
 def _rope_signature(cfg: ModelConfig) -> dict[str, Any] | None:
