@@ -290,6 +290,9 @@ def _run(spec: dict, world) -> dict:
            "params": get_model_state_dict(pm.model, options=StateDictOptions(full_state_dict=True))}
     if spec.get("probe_no_sync"):
         out["no_sync"] = probe_events
+    if cfg.parallel.ep > 1:  # what this rank itself holds of each expert tensor
+        out["local_experts"] = {k: p.to_local().detach().clone() for k, p in pm.model.named_parameters()
+                                if ".experts." in k}
     return out
 
 

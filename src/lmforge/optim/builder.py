@@ -77,7 +77,24 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
-    return groups
+    return [part for g in groups for part in _by_mesh(g)]
+
+
+def _by_mesh(group: dict) -> list[dict]:
+    """`group` split by where its tensors live: plain tensors, or DTensors of one device mesh each.
+    Optimizers and clipping run foreach kernels per group, which refuse to mix a tensor with a
+    DTensor or DTensors of two meshes (expert-parallel experts beside DDP / FSDP parameters). Each
+    part after the first is named after its mesh's dimensions ("decay_edp_ep")."""
+    parts: dict[object, list] = {}
+    for p in group["params"]:
+        parts.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    if len(parts) <= 1:
+        return [group]
+    out = []
+    for i, (mesh, params) in enumerate(parts.items()):
+        name = group["name"] if i == 0 else f"{group['name']}_{'_'.join(mesh.mesh_dim_names or ('mesh',))}"
+        out.append({**group, "params": params, "name": name})
+    return out
 
 
 def _fused(model: nn.Module, fused: bool | None) -> bool:

@@ -1,10 +1,11 @@
 """One entry point: `parallelize(model, cfg, dims)` applies the layout's strategies to a built
 model and returns a `ParallelModel` whose `step` replaces `train_step` in the training loop.
 
-Order (torchtitan's): pipeline split -> tensor parallel -> activation checkpointing -> compile
--> FSDP / DDP. TP rewrites parameters into DTensors that FSDP then shards on the data-parallel
-dims; checkpointing and compile wrap the already-parallel blocks; FSDP goes last so its units
-(one per block) contain everything a block runs.
+Order (torchtitan's): pipeline split -> expert parallel -> tensor parallel -> activation
+checkpointing -> compile -> FSDP / DDP. TP rewrites parameters into DTensors that FSDP then
+shards on the data-parallel dims; expert parallelism splits the experts into DTensors on its own
+mesh, which DDP / FSDP leave alone; checkpointing and compile wrap the already-parallel blocks;
+FSDP goes last so its units (one per block) contain everything a block runs.
 
     world = init_distributed(cfg.parallel.timeout_s, device, cfg.train.threads)
     dims = ParallelDims.resolve(cfg.parallel, world.world_size, cfg.model, cfg.train.grad_accum_steps)
@@ -157,7 +158,12 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: st
         ids, parts, holder = split_model(model, dims.pp, pc.pp_stages_per_rank, dims.pp_rank)
     else:
         parts, holder = [model], model
+    expert_params: list[nn.Parameter] = []
     for part in parts:
+        if dims.ep > 1:
+            from lmforge.parallel.expert_parallel import apply_ep, expert_modules
+
+            expert_params += apply_ep(part, dims.ep_mesh)
         if dims.tp > 1:
             apply_tp(part, mesh["tp"], pc.sequence_parallel)
         apply_activation_checkpointing(part, tc.activation_checkpointing, tc.ac_every)
@@ -165,10 +171,11 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: st
         if dims.fsdp:
             dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
             apply_fsdp(part, dp_mesh, pc.zero, mixed_precision(pc.param_dtype, pc.reduce_dtype, precision),
-                       pc.cpu_offload)
+                       pc.cpu_offload, ignored=expert_params)
         elif dims.ddp:
-            apply_ddp(part, dims.dp_mesh, device)
-    comm = DistComm(dp_group, pp_group, device)
+            apply_ddp(part, dims.dp_mesh, device, ignored=expert_modules(part) if dims.ep > 1 else ())
+    edp_group = dims.ep_mesh.get_group("edp") if dims.ep > 1 else None
+    comm = DistComm(dp_group, pp_group, device, expert_params, edp_group)
     pipeline = None
     if dims.pp > 1:
         from lmforge.parallel.pipeline import Pipeline, gather_parts

@@ -28,10 +28,23 @@ class DistComm(Comm):
     """
 
     def __init__(self, dp_group: ProcessGroup | None, pp_group: ProcessGroup | None,
-                 device: torch.device) -> None:
+                 device: torch.device, expert_params: list[nn.Parameter] = (),
+                 edp_group: ProcessGroup | None = None) -> None:
         self.dp_group = dp_group if _size(dp_group) > 1 else None
         self.pp_group = pp_group if _size(pp_group) > 1 else None
         self.device = device
+        # Expert-parallel experts: ranks of edp_group hold the same experts for different data.
+        self.expert_params = list(expert_params) if _size(edp_group) > 1 else []
+        self.edp_group = edp_group
+
+    def finish_grads(self) -> None:
+        grads = [p.grad.to_local() for p in self.expert_params if p.grad is not None]
+        if grads:
+            # One all-reduce for all experts of all layers (gloo and NCCL both sum in place).
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.edp_group)
+            for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                g.copy_(part.view_as(g))
 
     def sum_count(self, n: int) -> int:
         if self.dp_group is None:

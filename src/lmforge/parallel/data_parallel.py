@@ -40,35 +40,42 @@ def mixed_precision(param_dtype: str, reduce_dtype: str, precision: str) -> Mixe
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, mp: MixedPrecisionPolicy,
-               cpu_offload: bool) -> None:
+               cpu_offload: bool, ignored: list[nn.Parameter] = ()) -> None:
     """fully_shard each transformer block, then the rest (embeddings, final norm, head) at the root.
 
     One FSDP unit per block lets the all-gather of block i+1 overlap block i's compute, and bounds
     the unsharded parameters alive at once to about one block. A 2-D `mesh` (dp_replicate,
-    dp_shard) gives HSDP: sharded within a row, all-reduced across rows.
+    dp_shard) gives HSDP: sharded within a row, all-reduced across rows. `ignored` parameters (expert-
+    parallel experts) are left as they are.
     """
     # Pinned memory needs an accelerator; on a CPU-only machine it fails (shared cpu-facts).
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     reshard = zero == 3
+    ignored = set(ignored) or None
     units = []
     for block in model.layers.children():
         units.append(fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
-                                 offload_policy=offload))
+                                 offload_policy=offload, ignored_params=ignored))
     units.append(fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
-                             offload_policy=offload))
+                             offload_policy=offload, ignored_params=ignored))
     for unit in units:  # per unit: these setters do not recurse
         unit.set_gradient_divide_factor(1.0)
         # Plain SUM collectives (no AVG / PREMUL_SUM): gloo has neither, NCCL loses nothing.
         unit.set_force_sum_reduction_for_comms(True)
 
 
-def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device) -> None:
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device,
+              ignored: list[nn.Module] = ()) -> None:
     """Composable DDP: parameter names and the module class stay as they are (no `module.`).
 
     No buffer sync before each forward: the only buffers (RoPE tables) are computed identically
-    on every rank, and DDP would otherwise send them before every forward."""
+    on every rank, and DDP would otherwise send them before every forward. `ignored` modules (expert-
+    parallel experts) keep their gradients to themselves."""
     kwargs = {"device_ids": [device.index]} if device.type == "cuda" else {}
-    replicate(model, device_mesh=mesh, forward_sync_buffers=False, **kwargs)
+    # The group, not the mesh: given a mesh sliced from a bigger one, replicate() turns every DTensor
+    # parameter into a local tensor after each forward (its DDP + TP path), ignored ones included.
+    replicate(model, process_group=mesh.get_group(), forward_sync_buffers=False,
+              ignored_modules=list(ignored) or None, **kwargs)
     model.register_comm_hook(mesh.get_group(), _allreduce_sum_hook)
 
 

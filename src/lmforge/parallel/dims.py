@@ -38,6 +38,9 @@ class ParallelDims:
     cfg: ParallelConfig
     mesh: DeviceMesh | None = field(default=None, repr=False)
     dp_mesh: DeviceMesh | None = field(default=None, repr=False)  # (dp_replicate, dp_shard) flattened
+    # (edp, ep) over the data-parallel ranks with parallel.ep > 1: "ep" groups of ep neighbouring ranks
+    # split the experts; "edp" links the ranks holding the same experts (their gradients are summed).
+    ep_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     @classmethod
     def resolve(cls, cfg: ParallelConfig, world_size: int, model: ModelConfig | None = None,
@@ -73,6 +76,22 @@ class ParallelDims:
 
     # -- checks ---------------------------------------------------------------------------------
     def _check_strategy(self) -> None:
+        ep = self.cfg.ep
+        if ep > 1 and (self.tp > 1 or self.pp > 1):
+            raise ConfigError(
+                f"parallel.ep={ep} (expert parallelism) works beside data parallelism only; with "
+                f"parallel.tp={self.tp}, parallel.pp={self.pp} set parallel.ep=1 or tp = pp = 1"
+            )
+        if ep > 1 and self.dp_size % ep:
+            raise ConfigError(
+                f"parallel.ep={ep} must divide the data-parallel ranks dp_replicate x dp_shard = "
+                f"{self.dp_size}: expert groups are made of data-parallel ranks; choose an ep that divides it"
+            )
+        if ep > 1 and self.zero1:
+            raise ConfigError(
+                f"parallel.ep={ep} with parallel.zero=1: the sharded optimizer broadcasts every parameter "
+                "from its owner, which would overwrite the experts other ranks hold; use parallel.zero=2 or 3"
+            )
         if self.cfg.zero == 1 and self.dp_shard > 1 and (self.tp > 1 or self.pp > 1):
             raise ConfigError(
                 "parallel.zero=1 (DDP + sharded optimizer state) works on a data-parallel-only layout; "
@@ -132,6 +151,23 @@ class ParallelDims:
                 "copies of the same activations and would draw different dropout masks for them; "
                 "set model.dropout=0 or parallel.tp=1"
             )
+        ep, moe = self.cfg.ep, getattr(model, "moe", None)
+        if ep > 1 and moe is None:
+            raise ConfigError(f"parallel.ep={ep} splits the experts of a mixture-of-experts model, but "
+                              "model.moe is not set; set parallel.ep=1 or configure model.moe")
+        if ep > 1 and moe.n_experts % ep:
+            raise ConfigError(f"model.moe.n_experts={moe.n_experts} is not divisible by parallel.ep={ep}: "
+                              "each expert-parallel rank holds the same number of experts")
+        if self.pp > 1 and moe is not None:
+            raise ConfigError(
+                f"parallel.pp={self.pp} with model.moe: the router's auxiliary losses and statistics are "
+                "gathered outside the pipeline's stage losses, so a pipeline would train without them; set "
+                "parallel.pp=1 (data or expert parallelism split a mixture-of-experts model)"
+            )
+        if self.tp > 1 and (moe is not None or model.qk_norm):
+            what = "model.moe (the tensor-parallel plan splits a dense MLP)" if moe is not None else \
+                "model.qk_norm (one RMSNorm over the whole q/k projection, which tp would split)"
+            raise ConfigError(f"parallel.tp={self.tp} with {what}; set parallel.tp=1")
         if self.pp > 1:
             stages = self.pp * self.cfg.pp_stages_per_rank
             if model.n_layers % stages:
@@ -145,6 +181,11 @@ class ParallelDims:
     def microbatches(self, grad_accum_steps: int) -> int:
         """Pipeline micro-batches per step (pp_microbatches, default the accumulation steps)."""
         return self.cfg.pp_microbatches or grad_accum_steps
+
+    @property
+    def ep(self) -> int:
+        """Expert-parallel degree (1: every rank holds every expert)."""
+        return self.cfg.ep
 
     @property
     def dp_size(self) -> int:
@@ -175,6 +216,10 @@ class ParallelDims:
             device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS
         )
         self.dp_mesh = self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.ep > 1:
+            # tp = pp = 1 here, so the data-parallel ranks are all ranks in order: rank = edp * ep + ep_rank.
+            self.ep_mesh = init_device_mesh(device_type, (self.dp_size // self.ep, self.ep),
+                                            mesh_dim_names=("edp", "ep"))
         return self.mesh
 
     def _coord(self, name: str) -> int:
@@ -209,6 +254,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         parts = [f"{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp")]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         kind = "ddp" if self.ddp else ("fsdp" if self.fsdp else "none")
         if self.zero1:
             kind = "ddp+zero1"
