@@ -714,8 +714,8 @@ class ParallelConfig(Section):
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (heads and MLP width split).")
     pp: int = Field(1, ge=1, description="Pipeline-parallel stages (layers split).")
     ep: int = Field(
-        1, ge=1, description="Expert-parallel degree (model.moe): each group of ep data-parallel ranks splits "
-        "the experts and exchanges tokens all-to-all; must divide dp_replicate x dp_shard."
+        1, ge=1, description="Expert-parallel degree (model.moe): each group of ep data-parallel ranks "
+        "splits the experts and exchanges tokens all-to-all; must divide dp_replicate x dp_shard."
     )
     zero: Literal[1, 2, 3] = Field(
         3, description="With dp_shard > 1: 3 shards params+grads+optimizer (FSDP2), 2 also but keeps params "
