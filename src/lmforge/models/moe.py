@@ -188,7 +188,10 @@ class MoE(nn.Module):
         token = order // k  # (M,)
         y = self.experts(flat[token], counts)  # (M, d)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
-        out = torch.zeros_like(flat).index_add_(0, token, y)  # (N, d)
+        # Summed in the wider of the input's and the experts' dtypes (fp32 under bf16 autocast), as the
+        # residual stream's adds are.
+        out = torch.zeros_like(flat, dtype=torch.promote_types(flat.dtype, y.dtype))
+        out.index_add_(0, token, y.to(out.dtype))  # (N, d)
         if hasattr(self, "shared"):
             s = self.shared(flat)
             if hasattr(self, "shared_gate"):
