@@ -23,8 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -32,17 +30,13 @@ from pathlib import Path
 
 import torch
 
+from lmforge.parallel.local_ranks import free_port, run_ranks  # noqa: F401 (free_port: for other tests)
+
 TINY_MODEL = dict(d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32,
                   tie_embeddings=False)
 SEQ = 32
 SRC = Path(__file__).resolve().parents[2] / "src"
 CPU = torch.device("cpu")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_config(spec: dict):
@@ -156,31 +150,9 @@ def launch(n: int, scenarios: list[dict], tmp: Path, timeout: float = 600.0) -> 
     tmp.mkdir(parents=True, exist_ok=True)
     spec_file = tmp / "scenarios.json"
     spec_file.write_text(json.dumps(scenarios))
-    port = free_port()
-    procs = []
-    for r in range(n):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-        log = open(tmp / f"log_{r}.txt", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, str(spec_file), str(tmp)], env=env,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    failed = []
-    for r, (p, log) in enumerate(procs):
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q, _ in procs:
-                q.kill()
-            rc = "timeout"
-        log.close()
-        if rc != 0:
-            failed.append((r, rc))
-    if failed:
-        logs = "\n".join(f"--- rank {r} (exit {rc}) ---\n" + (tmp / f"log_{r}.txt").read_text()[-4000:]
-                         for r, rc in failed)
-        raise AssertionError(f"ranks failed:\n{logs}")
+    env = {"OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    run_ranks(n, [sys.executable, __file__, str(spec_file), str(tmp)], tmp, env, timeout)
     per_rank = [torch.load(tmp / f"result_{r}.pt", weights_only=False) for r in range(n)]
     return {s["name"]: [res[s["name"]] for res in per_rank] for s in scenarios}
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
-from dist_harness import SRC, free_port
+from dist_harness import SRC, run_ranks
 
 STEPS = 6
 COMPARED = ("loss", "grad_norm", "lr", "val_loss", "val_bpb")
@@ -85,28 +84,9 @@ def launch(n: int, scenarios: dict[str, list[str]], tmp: Path, timeout: float = 
     """n ranks of this file as a worker, each training every scenario in turn; {name: "ok" or error}."""
     spec = tmp / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
-    port = free_port()
-    procs = []
-    for r in range(n):
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-        log = open(tmp / f"log_{r}.txt", "w")
-        procs.append((subprocess.Popen([sys.executable, __file__, str(spec), str(tmp)], env=env, stdout=log,
-                                       stderr=subprocess.STDOUT), log))
-    failed = []
-    for r, (p, log) in enumerate(procs):
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q, _ in procs:
-                q.kill()
-            rc = "timeout"
-        log.close()
-        if rc != 0:
-            failed.append(f"--- rank {r} (exit {rc}) ---\n" + (tmp / f"log_{r}.txt").read_text()[-4000:])
-    assert not failed, "ranks failed:\n" + "\n".join(failed)
+    env = {"OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    run_ranks(n, [sys.executable, __file__, str(spec), str(tmp)], tmp, env, timeout)
     per_rank = [json.loads((tmp / f"result_{r}.json").read_text()) for r in range(n)]
     return {name: next((res[name] for res in per_rank if res[name] != "ok"), "ok") for name in scenarios}
 
