@@ -789,12 +789,36 @@ class AveragingConfig(Section):
     )
 
 
+class MlflowConfig(Section):
+    enabled: bool = Field(False, description="Log config, metrics and final artifacts to MLflow "
+                          "(needs `lmforge[mlflow]`).")
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI (file:/path/mlruns or "
+                                     "http://host:port); unset: file:<run.dir>/mlruns.")
+    experiment: str = Field("lmforge", min_length=1, description="MLflow experiment name (created if new).")
+    run_name: str | None = Field(None, description="MLflow run name; unset: run.name.")
+
+
+class WandbConfig(Section):
+    enabled: bool = Field(False, description="Log config, metrics and final artifacts to Weights & Biases "
+                          "(needs `lmforge[wandb]`).")
+    project: str = Field("lmforge", min_length=1, description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (user or team); unset: your default.")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="offline: write the run locally (upload later with `wandb sync`); "
+        "online: stream to the W&B server (needs `wandb login`).")
+    dir: str | None = Field(None, description="Where W&B writes its wandb/ folder; unset: run.dir.")
+    run_name: str | None = Field(None, description="W&B run name; unset: run.name.")
+
+
 class LoggingConfig(Section):
     progress: Literal["auto", "bar", "plain", "none"] = Field(
         "auto", description="Console output: a live bar, one line per log step, or nothing."
     )
     tensorboard: bool = Field(False, description="Also write TensorBoard events (needs `tensorboard`).")
     plot: bool = Field(True, description="Draw loss/lr curves to <run.dir>/curves.png.")
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow tracking (rank 0 only).")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases tracking "
+                               "(rank 0 only).")
 
 
 class EvalConfig(Section):

@@ -1,4 +1,4 @@
-"""Where metrics go: metrics.jsonl (always), the console, and optionally TensorBoard.
+"""Where metrics go: metrics.jsonl (always), the console, and optionally TensorBoard, MLflow and W&B.
 
 Only the main rank constructs real sinks; the others get a logger that drops everything.
 """
@@ -74,23 +74,27 @@ class TensorBoardSink:
 
 
 class MetricsLogger:
-    """Fan a record out to every sink."""
+    """Fan a record out to every sink, and to the experiment trackers (lmforge.metrics.trackers), which
+    outlive the logger: closing it (a rollback reopens metrics.jsonl) does not end their runs."""
 
-    def __init__(self, sinks: list[Any]) -> None:
+    def __init__(self, sinks: list[Any], trackers: Any = None) -> None:
         self.sinks = sinks
+        self.trackers = trackers
 
     @classmethod
-    def for_run(cls, run_dir: Path, tensorboard: bool, is_main: bool) -> MetricsLogger:
+    def for_run(cls, run_dir: Path, tensorboard: bool, is_main: bool, trackers: Any = None) -> MetricsLogger:
         if not is_main:
             return cls([])
         sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
         if tensorboard:
             sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-        return cls(sinks)
+        return cls(sinks, trackers)
 
     def log(self, record: dict[str, Any]) -> None:
         for s in self.sinks:
             s.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record)
 
     def close(self) -> None:
         for s in self.sinks:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from lmforge.engine.step import StepResult
 from lmforge.metrics.loggers import MetricsLogger, truncate_metrics
 from lmforge.metrics.throughput import Throughput, peak_memory_mib
+from lmforge.metrics.trackers import Trackers
 
 if TYPE_CHECKING:
     from lmforge.train.trainer import Trainer
@@ -55,12 +56,13 @@ TOKEN_LOSSES = ("causal_lm", "sft")  # objectives whose loss is per token, so ex
 
 
 class MetricsLogging(Callback):
-    """metrics.jsonl (and TensorBoard), the console and curves.png: train records at log steps
-    (loss and grad norm averaged over the window, lr, tokens/s, MFU, memory), validation records,
+    """metrics.jsonl (and TensorBoard, MLflow, W&B), the console and curves.png: train records at log
+    steps (loss and grad norm averaged over the window, lr, tokens/s, MFU, memory), validation records,
     events. A rollback truncates metrics.jsonl to the checkpoint, so no step is logged twice."""
 
     def __init__(self) -> None:
         self.logger: MetricsLogger | None = None
+        self.trackers: Trackers | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -68,12 +70,14 @@ class MetricsLogging(Callback):
 
     def _open(self, trainer: Trainer) -> None:
         self.logger = MetricsLogger.for_run(
-            trainer.run_dir, trainer.cfg.logging.tensorboard, trainer.world.is_main
+            trainer.run_dir, trainer.cfg.logging.tensorboard, trainer.world.is_main, self.trackers
         )
 
     def on_train_start(self, trainer: Trainer) -> None:
         if trainer.run.resumed and trainer.world.is_main:  # the steps after the checkpoint are redone
             truncate_metrics(trainer.run_dir / "metrics.jsonl", trainer.step)
+        self.trackers = Trackers.open(trainer.cfg, trainer.run_dir, resumed=trainer.run.resumed,
+                                      is_main=trainer.world.is_main, say=trainer.console.warn)
         self._open(trainer)
         run, tc = trainer.run, trainer.cfg.train
         n_params = sum(p.numel() for p in trainer.model.parameters())
@@ -151,6 +155,9 @@ class MetricsLogging(Callback):
         if self.logger is not None:
             self.logger.close()
         self._plot(trainer)
+        if self.trackers is not None:  # after the plot: curves.png is one of the final artifacts
+            latest = trainer.ckpt.latest() if self.trackers.trackers else None
+            self.trackers.finish(latest.path if latest else None, ok=metrics is not None)
 
     def _plot(self, trainer: Trainer) -> None:
         if not (trainer.world.is_main and trainer.cfg.logging.plot):

@@ -36,6 +36,7 @@ from lmforge.engine.step import StepResult, Verdict
 from lmforge.errors import CheckpointError, CheckpointMismatchError, ConfigError, LmforgeError
 from lmforge.metrics.console import Console
 from lmforge.metrics.throughput import peak_flops
+from lmforge.metrics.trackers import check_trackers
 from lmforge.models.flops import adapter_flops_per_token, flops_per_token
 from lmforge.parallel.coord import any_rank, on_rank0
 from lmforge.parallel.init import abandon, shutdown
@@ -126,6 +127,7 @@ class Trainer:
     ) -> None:
         cfg = as_config(config)
         self.console = console or Console(cfg.logging.progress, enabled=World.from_env().is_main)
+        check_trackers(cfg)  # a missing tracker package is refused before the run dir is touched
         self._eval_tasks: list = []
         if cfg.train.eval_tasks:  # read and checked before the run dir is touched
             from lmforge.eval.harness import load_task_set
