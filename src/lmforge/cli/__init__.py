@@ -389,6 +389,38 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scaling(args: argparse.Namespace) -> int:
+    from lmforge.tools.scaling import run_fit, run_plan
+
+    if args.action == "plan":
+        run_plan(args.law, compute=args.compute, params=args.params, tokens=args.tokens, config=args.config,
+                 overrides=args.set, out=args.out)
+        return 0
+    run_fit(args.runs, out=args.out, plot=args.plot, predict=args.predict,
+            predict_config=args.predict_config, check=args.check, all_evals=args.all_evals, count=args.count,
+            samples=args.bootstrap, seed=args.seed)
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from lmforge.tools.sweep import sweep
+
+    if not args.out:
+        raise LmforgeError("give --out DIR: the sweep's runs and sweep.json go there")
+    summary = sweep(args.config, args.set, args.grid, args.out, random_k=args.random, seed=args.seed,
+                    parallel=args.parallel, backend=args.backend)
+    failed = [r["name"] for r in summary["runs"] if r["status"] != "done"]
+    print(f"{len(summary['runs']) - len(failed)} of {len(summary['runs'])} runs done; summary in "
+          f"{args.out}/sweep.json" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from lmforge.tools.estimate_report import run_estimate
+
+    return run_estimate(_config(args), args.world_size, args.device, args.device_memory, args.json)
+
+
 def _run_path(args: argparse.Namespace) -> str:
     if args.path:
         return args.path
@@ -428,8 +460,14 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
                  "new run dir that eval / generate / export load"),
     "config": (cmd_config, "print the resolved config (defaults + file + --set)"),
     "plot-schedule": (cmd_plot_schedule, "draw the learning rate a run will use, step by step, to a PNG"),
+    "estimate": (cmd_estimate, "memory a training run needs per rank (model states, activations, "
+                 "temporaries, by layout), a verdict against the device and settings that fit"),
     "lr-find": (cmd_lr_find, "learning-rate range test on a fresh model: loss against an exponential lr "
                 "sweep, with suggested peak lrs"),
+    "scaling": (cmd_scaling, "scaling laws: `plan` a compute-optimal model, tokens and config from a "
+                "Chinchilla-form law; `fit` that law to trained runs, plot it and predict losses"),
+    "sweep": (cmd_sweep, "one `lmforge train` per point of a grid or random search, each in its own run dir, "
+              "with a resumable sweep.json"),
 }
 
 

@@ -32,6 +32,9 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     if name == "quantize":
         _quantize_args(p)
         return
+    if name == "scaling":
+        _scaling_args(p)
+        return
     p.add_argument("-c", "--config", help="YAML config file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.max_steps=100 (repeatable)")
@@ -140,12 +143,32 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the cores "
                        "less one, at most 8)")
         p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+    if name == "sweep":
+        p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="a config key and "
+                       "its values (repeatable; the grid is every combination); KEY=LOW..HIGH is a range "
+                       "for --random (log-uniform for lr keys)")
+        p.add_argument("--random", type=int, default=None, metavar="K", help="random search: K points "
+                       "drawn from the --grid values and ranges instead of the full grid")
+        p.add_argument("--seed", type=int, default=0, help="seed of the random search")
+        p.add_argument("--parallel", type=int, default=1, help="runs at a time (CPU threads are shared out)")
+        p.add_argument("--backend", default="local", choices=("local", "ray"), help="subprocesses here, "
+                       "or Ray tasks (pip install 'lmforge[ray]')")
+        p.add_argument("--out", help="the sweep dir: one run dir per point, their logs and sweep.json; "
+                       "run the same command again to resume (finished points are skipped)")
     if name == "plot-schedule":
         p.add_argument("-o", "--out", default="schedule.png",
                        help="PNG to write (default: schedule.png in the current dir; the run dir is "
                        "never created)")
         p.add_argument("--world-size", type=int, default=1,
                        help="data-parallel ranks the run will use: they set the tokens per step")
+    if name == "estimate":
+        p.add_argument("--world-size", type=int, default=1, help="processes the run will use (parallel.* "
+                       "lays them out as at a real start)")
+        p.add_argument("--device", default=None, help="judge against this device: cpu (available RAM) or "
+                       "cuda / cuda:N (its total memory); default cpu")
+        p.add_argument("--device-memory", type=float, default=None, metavar="GiB",
+                       help="judge against this many GiB per rank instead of a device here")
+        p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     if name == "lr-find":
         p.add_argument("--min-lr", type=float, default=1e-7, help="first lr of the sweep")
         p.add_argument("--max-lr", type=float, default=1.0, help="last lr of the sweep")
@@ -205,3 +228,37 @@ def _quantize_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                    help="dtype of the weights kept in floating point (embeddings, norms)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
+
+
+def _scaling_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    plan = sub.add_parser("plan", help="compute-optimal N, D, predicted loss and a config realising them")
+    what = plan.add_mutually_exclusive_group(required=True)
+    what.add_argument("--compute", type=float, help="training FLOPs (C = 6ND)")
+    what.add_argument("--params", type=float, help="model size N: the tokens and compute it is optimal for")
+    what.add_argument("--tokens", type=float, help="tokens D: the model size and compute they are optimal "
+                      "for")
+    plan.add_argument("--law", default="epoch", help="hoffmann (Hoffmann et al. 2022, approach 3), epoch "
+                      "(Besiroglu et al. 2024's refit; default) or a fit file from `scaling fit --out`")
+    plan.add_argument("-c", "--config", help="base config the planned one starts from (vocabulary, MLP, GQA, "
+                      "context, data...)")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a base "
+                      "config key (repeatable)")
+    plan.add_argument("--out", help="write the planned config (YAML) here")
+    fit = sub.add_parser("fit", help="fit L(N, D) = E + A/N^alpha + B/D^beta to trained runs")
+    fit.add_argument("runs", nargs="+", help="run dirs (trained to the end, with validation)")
+    fit.add_argument("--out", help="write the fit (JSON; `scaling plan --law FILE` reads it)")
+    fit.add_argument("--plot", metavar="DIR", help="draw iso-loss contours and iso-FLOP curves into DIR")
+    fit.add_argument("--predict", action="append", default=[], metavar="N=..,D=..", help="predicted loss "
+                     "at N parameters and D tokens (repeatable)")
+    fit.add_argument("--predict-config", action="append", default=[], metavar="FILE", help="predicted loss "
+                     "of the run a config describes (its N and train.max_steps' tokens; repeatable)")
+    fit.add_argument("--check", action="append", default=[], metavar="RUN", help="a trained run left out "
+                     "of the fit: its predicted and measured loss (repeatable)")
+    fit.add_argument("--all-evals", action="store_true", help="every evaluation along each run as a point, "
+                     "not only the final one (biased: the lr had not decayed yet)")
+    fit.add_argument("--count", default="total", choices=("total", "non-embedding"), help="N with the "
+                     "embedding table (Chinchilla's convention; default) or without (Kaplan's)")
+    fit.add_argument("--bootstrap", type=int, default=50, metavar="K", help="95%% confidence intervals "
+                     "from K refits on resampled points (0: none)")
+    fit.add_argument("--seed", type=int, default=0, help="seed of the bootstrap")

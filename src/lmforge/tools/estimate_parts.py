@@ -1,0 +1,406 @@
+"""The parts of the memory estimate (tools/estimate.py): the model's tensors, each optimizer's state
+and step scratch, and the activations autograd saves, op by op.
+
+Activation bytes follow what the ops of lmforge's Transformer save for backward (checked against
+`torch.autograd.graph.saved_tensors_hooks` in tests/unit/test_estimate.py), per token of a
+micro-batch, with d = d_model, h / hk = query / key-value heads on this rank, D = head_dim,
+F = d_ff on this rank, c = bytes of the compute dtype:
+
+  RMSNorm (F.rms_norm, decomposed by autograd): input x, rstd, x * rstd     (fp32 residual stream)
+  LayerNorm: input x, mean, rstd
+  each linear: its input (fp32: the norm's output shared by wq/wk/wv; under autocast each linear
+      casts it itself, so wq, wk, wv save three copies)
+  attention (SDPA flash kernel, CPU and CUDA): q, k, v, output (the same storage as wo's input),
+      logsumexp (fp32, per head); with a dense mask (sliding window, packed rows) the mask as a
+      float tensor per layer; with attention dropout the math kernel: scores and probabilities
+  SwiGLU: gate out, silu out, up out, their product (w_down's input); GELU: up out, gelu out
+  loss: log_softmax output (N x V, fp32) and targets; the logits themselves are not saved
+  mixture of experts (model.moe, models/moe.py; moe_saved), with M routed rows (N * top_k dropless;
+      with a capacity the balanced load's min(N * top_k, E * capacity)) and E_l experts on this rank:
+      router scores (N x E), logits and their logsumexp (the z statistic, computed in every training
+      forward), top-k indices (int64), with norm_topk_prob the top-k scores and their sum; the sort
+      order and token indices (M, int64 each), the gathered rows (M x d), each expert's SwiGLU on its
+      rows (4 F_e per row: the total does not depend on how the rows are spread over the experts),
+      the experts' gate and up weights concatenated once per forward (E_l x 2 F_e x d, the CPU loop;
+      the CUDA grouped GEMM reads the parameters), the expert outputs and their router-weighted copy
+      (M x d each, for the weighting and the scatter-add), the weights per row (M); shared experts a
+      SwiGLU MLP (4 F_s per token) and with their gate its sigmoid and the MLP output; with expert
+      parallelism (ep) two more index vectors (M, int64) around the all-to-all
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from lmforge.config.schema import Config, ModelConfig
+
+_COLWISE = ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up")
+_ROWWISE = ("attn.wo", "mlp.w_down")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One parameter: whole shape, which block it lives in, and how it is used."""
+
+    name: str
+    shape: tuple[int, ...]
+    block: int | None  # transformer block index; None for embeddings, final norm, head
+    matmul: bool  # a matmul weight: autocast casts it (and keeps the copy for backward)
+    hidden: bool  # a block's linear weight (Muon's matrices)
+    expert: bool = False  # a routed experts' stacked weight (E, ...): split by parallel.ep, not by FSDP
+    local: int = 0  # elements on this rank after tensor parallelism
+    local_dim0: int = 0  # rows on this rank (FSDP shards dim 0 further)
+    trainable: bool = True
+    in_optimizer: bool = True
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def sharded(self, n: int) -> TensorInfo:
+        """This tensor's FSDP shard over n ranks (dim 0 split, padded)."""
+        if n == 1:
+            return self
+        rows = math.ceil(self.local_dim0 / n)
+        rest = self.local // max(self.local_dim0, 1)
+        shape = (rows,) + tuple(self.shape[1:]) if len(self.shape) > 1 else (rows,)
+        return replace(self, shape=shape, local=rows * rest, local_dim0=rows)
+
+
+@dataclass
+class ModelTensors:
+    tensors: list[TensorInfo]
+    cfg: ModelConfig
+
+    def held(self, layers: list[int], first: bool, last: bool, tp: int, ep: int = 1) -> list[TensorInfo]:
+        """The tensors a rank holds: its pipeline stage's blocks (embeddings on the first stage, final
+        norm and head on the last; a tied head's table as a gradient-carrying copy outside the
+        optimizer), each split by tensor parallelism as lmforge.parallel.tensor_parallel splits it."""
+        tied = self.cfg.tie_embeddings
+        keep = set(layers)
+        out = []
+        for t in self.tensors:
+            if t.block is not None and t.block not in keep:
+                continue
+            if t.block is None:
+                is_first = t.name.startswith(("tok_embeddings", "pos_embeddings"))
+                if is_first and not first:
+                    continue
+                if not is_first and not last:
+                    continue
+            t = _tp_split(t, tp, tied)
+            if t.expert and ep > 1:  # this rank's slice of the experts (expert_parallel.apply_ep)
+                t = replace(t, local=t.local // ep, local_dim0=t.local_dim0 // ep)
+            out.append(t)
+        if last and not first and tied:
+            table = next(t for t in self.tensors if t.name == "tok_embeddings.weight")
+            copy = replace(_tp_split(table, tp, tied), name="head copy of tok_embeddings", in_optimizer=False)
+            out.append(copy)
+        return out
+
+
+def _tp_split(t: TensorInfo, tp: int, tied: bool) -> TensorInfo:
+    rows = t.shape[0]
+    numel = t.numel
+    if tp > 1:
+        if t.block is not None and t.name.endswith(tuple(f"{n}.weight" for n in _COLWISE) +
+                                                   tuple(f"{n}.bias" for n in _COLWISE)):
+            rows, numel = rows // tp, numel // tp
+        elif t.block is not None and t.name.endswith(tuple(f"{n}.weight" for n in _ROWWISE)):
+            numel = numel // tp
+        elif t.name in ("output.weight",) or (t.name == "tok_embeddings.weight" and not tied):
+            rows, numel = math.ceil(rows / tp), math.ceil(rows / tp) * (numel // rows)
+    return replace(t, local=numel, local_dim0=rows)
+
+
+def model_tensors(cfg: ModelConfig) -> ModelTensors:
+    """Every parameter of the model `cfg` builds, from a meta-device build (no memory used)."""
+    from lmforge.models.transformer import build_model
+
+    if cfg.vocab_size is None:
+        from lmforge.errors import ConfigError
+
+        raise ConfigError("model.vocab_size is not set: the estimate needs it (set model.vocab_size, e.g. "
+                          "--set model.vocab_size=8192; a run derives it from its tokenizer)")
+    model = build_model(cfg, device="meta")
+    out = []
+    for name, p in model.named_parameters():
+        block = int(name.split(".")[1]) if name.startswith("layers.") else None
+        linear = p.ndim == 2 and not name.startswith(("tok_embeddings", "pos_embeddings"))
+        expert = ".moe.experts." in f".{name}"
+        matmul = linear or expert or (name == "tok_embeddings.weight" and cfg.tie_embeddings)
+        out.append(_tp_split(TensorInfo(name, tuple(p.shape), block, matmul, linear and block is not None,
+                                        expert=expert), 1, cfg.tie_embeddings))
+    return ModelTensors(out, cfg)
+
+
+# -- optimizers ------------------------------------------------------------------------------------
+
+
+def _fused(optim) -> bool:
+    return getattr(optim, "fused", None) is not False
+
+
+def optimizer_state_bytes(tensors: list[TensorInfo], optim, device_type: str = "cpu") -> int:
+    """Bytes of optimizer state once every tensor has had its first update (state is created lazily
+    at step 1), as each of lmforge's optimizers allocates it (optim/builder.py)."""
+    name = optim.name
+    total = 0
+    for t in tensors:
+        if not (t.trainable and t.in_optimizer):
+            continue
+        n = t.local
+        if name in ("adamw", "adam"):
+            total += 8 * n + 4  # exp_avg, exp_avg_sq (fp32), step (a 0-dim fp32 tensor)
+        elif name == "sophia":
+            total += 8 * n + 4  # exp_avg, hessian, step
+        elif name == "lion":
+            total += 4 * n
+        elif name == "sgd":
+            total += 4 * n if optim.sgd.momentum > 0 else 0
+        elif name == "adafactor":
+            total += 4  # step
+            if optim.adafactor.beta1 is not None:
+                total += 4 * n
+            if len(t.shape) >= 2:
+                rows = math.prod(t.shape[:-1]) * n // max(t.numel, 1)
+                cols = math.prod(t.shape[:-2]) * t.shape[-1]
+                total += 4 * (rows + cols)
+            else:
+                total += 4 * n
+        elif name == "adamw8bit":
+            q = optim.adamw8bit
+            bnb = device_type == "cuda" and q.backend != "torch" and q.block_size == 256
+            if n < q.min_size:
+                total += 8 * n + 4
+            else:
+                block = 256 if bnb else q.block_size
+                total += 2 * n + 2 * 4 * math.ceil(n / block) + 4
+                if bnb:
+                    total += 2 * 256 * 4  # bitsandbytes keeps both quantisation maps per tensor
+        elif name == "muon":
+            total += 4 * n if t.hidden else 8 * n + 4
+        else:  # pragma: no cover - the config schema lists the optimizers
+            raise AssertionError(name)
+    return total
+
+
+def optimizer_step_scratch(tensors: list[TensorInfo], optim, device_type: str = "cpu") -> int:
+    """Temporary bytes an optimizer step allocates beyond its state: fused Adam updates in place;
+    per-tensor loops allocate about a few copies of the largest tensor."""
+    sizes = [t.local for t in tensors if t.trainable and t.in_optimizer]
+    if not sizes:
+        return 0
+    big = max(sizes) * 4
+    name = optim.name
+    if name in ("adamw", "adam"):
+        return 0 if _fused(optim) else 2 * big
+    copies = {"sgd": 1, "lion": 1, "sophia": 2, "adafactor": 3, "adamw8bit": 5, "muon": 3}[name]
+    return copies * big
+
+
+# -- activations -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ActivationProfile:
+    """Saved bytes of one micro-batch on this rank and the moments of its backward."""
+
+    saved: int  # everything saved for backward at the end of forward
+    forward_extra: int  # transient at the end of forward (the logits)
+    # (name, live saved bytes, gradient elements so far, transient bytes) per backward moment
+    backward_points: list[tuple[str, int, int, int]]
+    grad_total: int  # trainable elements on this rank
+    per_block: list[int]  # saved bytes per block (as run: checkpointed blocks keep their input only)
+    block_full: int  # saved bytes of one block computed without checkpointing
+    stem: int  # embeddings' saved bytes
+    head: int  # final norm + head + loss saved bytes
+
+
+def _mask_bytes(cfg: Config, B: int, T: int, c: int, packed: bool) -> int:
+    window = cfg.model.sliding_window
+    if packed:
+        return B * T * T * c
+    if window is not None and T > window:
+        return T * T * c
+    return 0
+
+
+def moe_rows(cfg: Config, N: int) -> int:
+    """Routed rows of one MoE layer on N tokens: N * top_k, or with a capacity the balanced load's
+    min(N * top_k, E * capacity) (an unbalanced router drops more)."""
+    moe = cfg.model.moe
+    rows = N * moe.top_k
+    if moe.capacity_factor is not None:
+        rows = min(rows, moe.n_experts * math.ceil(moe.capacity_factor * N * moe.top_k / moe.n_experts))
+    return rows
+
+
+def moe_saved(cfg: Config, N: int, precision: str, ep: int = 1, grouped: bool = False) -> int:
+    """Bytes one MoE layer saves for backward on N tokens beyond its input (see the module doc);
+    `grouped`: the CUDA grouped-GEMM path (no concatenated weights)."""
+    from lmforge.models.moe import expert_d_ff, shared_d_ff
+
+    m = cfg.model
+    moe = m.moe
+    c = 2 if precision in ("bf16", "fp16") else 4
+    d, E, k = m.d_model, moe.n_experts, moe.top_k
+    Fe, Fs = expert_d_ff(m), shared_d_ff(m)
+    M = moe_rows(cfg, N)
+    router = N * E * 4 * 2 + N * 4 + N * k * 8  # scores, logits, logsumexp, top-k indices
+    if moe.norm_topk_prob:
+        router += N * k * 4 + N * 4  # the chosen scores and their sum (the division)
+    if moe.router_score == "sigmoid":
+        router += N * 4  # the per-token sum that normalises P for the balance statistic
+    routed = 2 * M * 8 + M * d * c + 4 * Fe * M * c + M * 4 + 2 * M * d * c
+    if not grouped:
+        routed += (E // ep) * 2 * Fe * d * c
+    if ep > 1:
+        routed += 2 * M * 8
+    shared = 4 * Fs * N * c if Fs else 0
+    if Fs and moe.shared_gate:
+        shared += N * 4 + N * d * c
+    return router + routed + shared
+
+
+def block_saved(cfg: Config, B: int, T: int, precision: str, tp: int = 1, sp: bool = False,
+                packed: bool = False, ep: int = 1, grouped: bool = False) -> int:
+    """Bytes one transformer block saves for backward on micro-batch (B, T) (see the module doc)."""
+    m = cfg.model
+    low = precision in ("bf16", "fp16")
+    c = 2 if low else 4
+    d, D = m.d_model, m.resolved_head_dim
+    h, hk, F = m.n_heads // tp, m.resolved_kv_heads // tp, m.resolved_d_ff // tp
+    N = B * T
+    n_norm = N // tp if (tp > 1 and sp) else N  # sequence parallelism: norms see 1/tp of the tokens
+    norm = (2 * d + 1) * 4 if m.norm == "rmsnorm" else (d + 2) * 4
+    attn_in = 3 * d * c if low else d * 4
+    mlp_in = (2 if m.mlp == "swiglu" else 1) * d * c if low else d * 4
+    drop = m.dropout > 0
+    attn = (2 * h + 2 * hk) * D * c + h * 4  # q, k, v, output, logsumexp
+    if drop:
+        # SDPA with dropout runs the math kernel: q, k and v expanded to h heads, its output (wo's
+        # input is then a copy), the softmax, the dropout mask (a float tensor) and the dropped
+        # probabilities; no logsumexp
+        attn = 4 * h * D * c + 3 * h * T * c
+    mlp = (4 if m.mlp == "swiglu" else 2) * F * c
+    if m.moe is not None:
+        mlp = 0
+        # fp32: the norm output is the router's and the shared experts' input as it is; autocast casts
+        # it for the router and for each of the shared MLP's two input projections.
+        mlp_in = (1 + (2 if m.moe.n_shared_experts else 0)) * d * c if low else d * 4
+    total = 2 * n_norm * norm + N * (attn_in + attn + mlp_in + mlp)
+    if m.moe is not None:
+        total += moe_saved(cfg, N, precision, ep, grouped)
+    if drop:
+        total += 2 * n_norm * d * 4  # residual dropout masks (float, like the fp32 residual stream)
+    if low and m.pos_embedding == "rope":
+        total += 4 * T * D * c  # cos and sin cast for q and for k
+    total += _mask_bytes(cfg, B, T, c, packed)
+    return total
+
+
+def _head_saved(cfg: Config, B: int, T: int, precision: str, tp: int, sp: bool) -> tuple[int, int, int]:
+    """(saved bytes, forward transient, backward transient) of final norm + head + loss."""
+    m, tc = cfg.model, cfg.train
+    low = precision in ("bf16", "fp16")
+    c = 2 if low else 4
+    d, V = m.d_model, m.vocab_size
+    N = B * T
+    n_norm = N // tp if (tp > 1 and sp) else N
+    norm = (2 * d + 1) * 4 if m.norm == "rmsnorm" else (d + 2) * 4
+    saved = n_norm * norm
+    if tc.loss_chunk_tokens:
+        C = min(tc.loss_chunk_tokens, N)
+        saved += N * d * 4 + V * d * 4  # the gradients computed in forward (hidden, weight)
+        # a chunk's logits and softmax are made while the previous chunk's softmax is still bound
+        fwd = 3 * C * V * 4 + (C * V * c + V * d * c + C * d * c if low else 0)
+        bwd = N * d * 4 + V * d * 4  # backward scales copies of both
+        return saved, fwd, bwd
+    # head input, log_softmax output, targets and nll_loss's total weight
+    saved += N * (d * c if low else d * 4) + N * V * 4 + N * 8 + 4
+    fwd = N * V * c + (N * V * 4 if low else 0)  # the logits (and their fp32 copy)
+    if tp > 1 and not m.tie_embeddings:
+        fwd += N * math.ceil(V / tp) * c  # this rank's logit columns before the gather
+    bwd = 2 * N * V * 4  # log_softmax backward: incoming gradient and its result beside the saved output
+    return saved, fwd, bwd
+
+
+def activation_profile(cfg: Config, B: int, T: int, precision: str, device_type: str, layers: list[int],
+                       first: bool, last: bool, tp: int = 1, sp: bool = False,
+                       packed: bool = False, ep: int = 1) -> ActivationProfile:
+    """Saved bytes and backward moments of one micro-batch (B, T) through this rank's `layers`."""
+    m, tc = cfg.model, cfg.train
+    low = precision in ("bf16", "fp16")
+    c = 2 if low else 4
+    N = B * T
+    d, D = m.d_model, m.resolved_head_dim
+    h, hk, F = m.n_heads // tp, m.resolved_kv_heads // tp, m.resolved_d_ff // tp
+    grouped = device_type == "cuda" and precision == "bf16"
+    full = block_saved(cfg, B, T, precision, tp, sp, packed, ep, grouped)
+    n_res = N // tp if (tp > 1 and sp) else N
+    ac = tc.activation_checkpointing
+    per_block = []
+    for i in layers:
+        checkpointed = ac == "full" or (ac == "every_k" and i % tc.ac_every == 0)
+        per_block.append(n_res * d * 4 if checkpointed else full)
+    stem = N * 8 if first else 0  # token ids (embedding backward)
+    if first and m.dropout > 0:
+        stem += N * d * 4  # embedding dropout mask
+    if first and packed and m.pos_embedding == "rope":
+        stem += 2 * N * D * 4  # cos and sin gathered at the rows' own positions, shared by all blocks
+    head, fwd_extra, head_bwd = _head_saved(cfg, B, T, precision, tp, sp) if last else (0, 0, 0)
+    saved = stem + sum(per_block) + head
+    # A block's backward: the MLP's product backward holds its incoming gradient and both results
+    # (3 N F) where only its saved output was (N F); attention's gradients for q, k, v and output.
+    mlp_extra = (2 if m.mlp == "swiglu" else 1) * N * F * c
+    if m.moe is not None:
+        # one expert's product backward at a time (balanced: M / E rows), beside the gradients of the
+        # routed rows and of the expert outputs (M x d each)
+        from lmforge.models.moe import expert_d_ff
+
+        M = moe_rows(cfg, N)
+        mlp_extra = 2 * (M // m.moe.n_experts) * expert_d_ff(m) * c + 2 * M * d * 4
+    attn_extra = (2 * h + 2 * hk) * D * N * c
+    block_extra = max(mlp_extra, attn_extra) + 2 * n_res * d * 4  # + residual stream gradients
+    points = []
+    block_params = _block_params(cfg, tp, ep)
+    root_params = _root_params(cfg, tp, first, last)
+    grads_total = root_params + block_params * len(layers)
+    if last:
+        points.append(("loss and head", saved, 0, head_bwd))
+    grads = root_params if last else 0
+    below = stem + sum(per_block)
+    for k in range(len(layers) - 1, -1, -1):
+        below -= per_block[k]
+        live = below + full  # a checkpointed block is recomputed whole first
+        points.append((f"block {layers[k]}", live, grads, block_extra))
+        grads += block_params
+    if first:
+        table = m.vocab_size * d * 4 // (1 if m.tie_embeddings else tp)
+        points.append(("embeddings", stem, grads_total, table if m.tie_embeddings else 0))
+    return ActivationProfile(saved, fwd_extra, points, grads_total, per_block, full, stem, head)
+
+
+def _block_params(cfg: Config, tp: int, ep: int = 1) -> int:
+    m = cfg.model
+    d, D, F = m.d_model, m.resolved_head_dim, m.resolved_d_ff
+    attn = d * (m.n_heads + 2 * m.resolved_kv_heads) * D + m.n_heads * D * d
+    mlp = (3 if m.mlp == "swiglu" else 2) * d * F
+    if m.moe is not None:
+        from lmforge.models.moe import expert_d_ff, shared_d_ff
+
+        E = m.moe.n_experts
+        mlp = E * d + 3 * (E // ep) * expert_d_ff(m) * d + 3 * shared_d_ff(m) * d + d * m.moe.shared_gate
+    return (attn + mlp) // tp + 2 * d
+
+
+def _root_params(cfg: Config, tp: int, first: bool, last: bool) -> int:
+    m = cfg.model
+    n = 0
+    if first:
+        n += m.vocab_size * m.d_model // (1 if m.tie_embeddings else tp)
+    if last:
+        n += m.d_model + (0 if m.tie_embeddings else m.vocab_size * m.d_model // tp)
+    return n
