@@ -421,6 +421,18 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return run_estimate(_config(args), args.world_size, args.device, args.device_memory, args.json)
 
 
+def cmd_server(args: argparse.Namespace) -> int:
+    from lmforge.api.server import serve_jobs, token_command
+
+    if args.server_cmd == "token":
+        token_command(args.token_action, args.workspace, user=getattr(args, "user", None),
+                      token_id=getattr(args, "token_id", None))
+        return 0
+    serve_jobs(args.workspace, host=args.host, port=args.port, max_running=args.max_running,
+               allow_roots=args.allow_root, jobs_per_minute=args.jobs_per_minute, job_burst=args.job_burst)
+    return 0
+
+
 def _run_path(args: argparse.Namespace) -> str:
     if args.path:
         return args.path
@@ -451,6 +463,8 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "generate": (cmd_generate, "sample text from a run or checkpoint"),
     "serve": (cmd_serve, "an OpenAI-compatible HTTP server (completions, chat, streaming) for a run or "
                          "checkpoint"),
+    "server": (cmd_server, "a REST job server: submit, watch (SSE), cancel, resume and download runs with "
+               "bearer tokens (`server token create`); OpenAPI docs at /docs"),
     "import": (cmd_import, "convert a Hugging Face Llama, Mistral, Qwen2 or GPT-2 dir to an lmforge run"),
     "export": (cmd_export, "write a run, checkpoint or imported model as a Hugging Face model dir"),
     "merge": (cmd_merge, "fold a LoRA / DoRA / QLoRA run's adapters into its weights: a new run dir"),

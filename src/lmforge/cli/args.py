@@ -35,6 +35,9 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     if name == "scaling":
         _scaling_args(p)
         return
+    if name == "server":
+        _server_args(p)
+        return
     p.add_argument("-c", "--config", help="YAML config file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.max_steps=100 (repeatable)")
@@ -262,3 +265,28 @@ def _scaling_args(p: argparse.ArgumentParser) -> None:
     fit.add_argument("--bootstrap", type=int, default=50, metavar="K", help="95%% confidence intervals "
                      "from K refits on resampled points (0: none)")
     fit.add_argument("--seed", type=int, default=0, help="seed of the bootstrap")
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workspace", help="the server's dir: server.db (jobs, token hashes) and jobs/<id>/")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port to listen on")
+    p.add_argument("--max-running", type=int, default=1, help="jobs running at once; the rest wait in a "
+                   "first-in first-out queue")
+    p.add_argument("--allow-root", action="append", default=[], metavar="PATH", help="a dir outside the "
+                   "workspace that job configs may read from (data, init_from, teachers; repeatable)")
+    p.add_argument("--jobs-per-minute", type=float, default=30.0, help="job creations per user per minute "
+                   "(token bucket; 0: unlimited)")
+    p.add_argument("--job-burst", type=int, default=10, help="job creations per user allowed at once")
+    sub = p.add_subparsers(dest="server_cmd", metavar="token")
+    tok = sub.add_parser("token", help="create, list or revoke bearer tokens")
+    acts = tok.add_subparsers(dest="token_action", required=True, metavar="ACTION")
+    for action, text in (("create", "print a new token for --user (shown once; stored hashed)"),
+                         ("list", "the tokens: id, user, active or revoked"),
+                         ("revoke", "revoke a token by its id")):
+        a = acts.add_parser(action, help=text, description=text)
+        a.add_argument("--workspace", default=argparse.SUPPRESS, help="the server's workspace dir")
+        if action == "create":
+            a.add_argument("--user", required=True, help="the user the token acts as")
+        if action == "revoke":
+            a.add_argument("token_id", help="the token's id (or the whole token)")

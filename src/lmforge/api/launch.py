@@ -1,0 +1,73 @@
+"""The small parent of every job process: `python -m lmforge.api.launch JOB_DIR`.
+
+It runs the command in JOB_DIR/launch.json with stdout / stderr appended to the job's logs, waits, and
+writes JOB_DIR/exit.json (the command's exit status) when it ends, then, for an export job that
+succeeded, packs the exported dir into a zip. The server starts it as the leader of a new process
+group and does not need to be alive when it ends: a restarted server reads exit.json, so a job that
+finished while the server was down gets its true outcome, and one whose launcher vanished without
+exit.json is known to have been interrupted.
+
+SIGTERM / SIGINT reach the whole process group (the job's cancel); the launcher itself outlives them
+to record the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+from lmforge.utils.io import atomic_write_json
+
+LAUNCH = "launch.json"
+EXIT = "exit.json"
+STDOUT, STDERR = "stdout.log", "stderr.log"
+
+
+def zip_dir(src: Path, dst: Path) -> None:
+    """`src`'s files (not following links) into `dst`, written beside and swapped in."""
+    tmp = dst.with_name(f".{dst.name}.tmp")
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+        for p in sorted(src.rglob("*")):
+            if p.is_file() and not p.is_symlink():
+                z.write(p, Path(src.name) / p.relative_to(src))
+    os.replace(tmp, dst)
+
+
+def main(job_dir: str) -> int:
+    d = Path(job_dir)
+    spec = json.loads((d / LAUNCH).read_text(encoding="utf-8"))
+    got: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda s, f: got.append(s))  # the child got it too (same group); we stay
+    # nohup: the job outlives the server and its terminal (an ignored signal stays ignored in the child).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    with open(d / STDOUT, "ab") as out, open(d / STDERR, "ab") as err:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(spec["argv"], stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=d,
+                                env=env)
+        while True:
+            try:
+                code = proc.wait()
+                break
+            except InterruptedError:  # pragma: no cover - PEP 475 retries wait() itself
+                continue
+    archive = spec.get("archive")
+    if code == 0 and archive:
+        try:
+            zip_dir(d / archive["src"], d / archive["dst"])
+        except OSError as e:
+            with open(d / STDERR, "a", encoding="utf-8") as f:
+                f.write(f"lmforge server: error: cannot pack {archive['src']}: {e}\n")
+            code = 2
+    atomic_write_json(d / EXIT, {"code": code, "signals": got, "finished_at": time.time()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,118 @@
+"""`lmforge server`: start the job server, and the `token` subcommands that manage who may use it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from lmforge.errors import LmforgeError
+
+
+def _workspace(path: str | None) -> Path:
+    if not path:
+        raise LmforgeError("give --workspace DIR: the server keeps server.db and jobs/ there")
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise LmforgeError(f"--workspace {path} is not a directory")
+    return p
+
+
+def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_running: int = 1,
+               allow_roots: Sequence[str] = (), jobs_per_minute: float = 30.0, job_burst: int = 10,
+               max_body_bytes: int = 1 << 20) -> None:
+    """Serve the job API until interrupted. Running jobs outlive the server (the next start re-attaches
+    them)."""
+    import uvicorn
+
+    from lmforge.api.app import create_app
+
+    for r in allow_roots:
+        if not Path(r).is_dir():
+            raise LmforgeError(f"--allow-root {r} is not a directory")
+    app = create_app(_workspace(workspace), max_running=max_running, allow_roots=tuple(allow_roots),
+                     jobs_per_minute=jobs_per_minute, job_burst=job_burst, max_body_bytes=max_body_bytes)
+    print(f"lmforge server: http://{host}:{port} (API docs at /docs), workspace {Path(workspace).resolve()}, "
+          f"{max_running} job(s) at a time", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+def token_command(action: str, workspace: str, user: str | None = None, token_id: str | None = None) -> None:
+    """`lmforge server token create|list|revoke`."""
+    from lmforge.api.auth import create_token, revoke_token
+    from lmforge.api.store import Store
+
+    store = Store(_workspace(workspace))
+    try:
+        if action == "create":
+            if not user:
+                raise LmforgeError("give --user NAME: the token acts as that user")
+            print(create_token(store, user))
+            print("(shown once: the server keeps only its hash)", file=sys.stderr)
+        elif action == "list":
+            for t in store.tokens():
+                state = "revoked" if t["revoked_at"] else "active"
+                made = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t["created_at"]))
+                print(f"{t['id']}  {t['user']:<20}  {state:<8}  created {made}")
+        elif action == "revoke":
+            if not token_id:
+                raise LmforgeError("give the token's id (`lmforge server token list` shows them)")
+            revoke_token(store, token_id)
+            print(f"revoked {token_id}")
+    finally:
+        store.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A job server in a child process (tests, benchmarks)."""
+
+    proc: subprocess.Popen
+    url: str
+
+
+@contextlib.contextmanager
+def server_process(workspace: str | Path, *extra: str, port: int | None = None,
+                   timeout: float = 60.0) -> Iterator[ServerProcess]:
+    """Start `lmforge server --workspace ...` on localhost, wait for /health, stop it (SIGTERM) at the end."""
+    import httpx
+
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "lmforge", "server", "--workspace", str(workspace), "--port", str(port),
+           *extra]
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the job server exited with {proc.returncode}")
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the job server did not answer /health")
+            time.sleep(0.1)
+        yield ServerProcess(proc, url)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
