@@ -13,6 +13,9 @@ started are reaped by `Popen.poll`; re-attached ones are no longer its children 
 
 On server shutdown the running jobs keep running (they are re-attached on the next start); an operator
 who wants them stopped cancels them through the API first.
+
+With a `Backend` (ray_backend.py) the same launcher runs elsewhere: the runner keeps the queue and the
+store, and asks the backend to submit, poll and stop the jobs it started (those have no pid here).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Protocol
 
 from lmforge.api.launch import EXIT, LAUNCH, STDERR
 from lmforge.api.store import Job, Store
@@ -69,11 +73,26 @@ def last_error(job_dir: Path) -> str | None:
     return lines[-1].strip()[:2000] if lines else None
 
 
+class Backend(Protocol):
+    """Where jobs run when not as processes of this machine. `poll` answers None while the job runs, else
+    (status, error) to settle it with when it left no exit.json."""
+
+    name: str
+
+    def submit(self, job: Job, job_dir: Path) -> None: ...
+
+    def poll(self, job: Job) -> tuple[str, str | None] | None: ...
+
+    def stop(self, job: Job) -> None: ...
+
+
 class Runner:
     """Starts queued jobs, watches running ones, and settles their outcome in the store."""
 
-    def __init__(self, store: Store, workspace: Path, max_running: int = 1) -> None:
+    def __init__(self, store: Store, workspace: Path, max_running: int = 1,
+                 backend: Backend | None = None) -> None:
         self.store, self.workspace, self.max_running = store, workspace, max(1, max_running)
+        self.backend = backend
         self._procs: dict[str, subprocess.Popen] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -99,12 +118,16 @@ class Runner:
     def recover(self) -> None:
         """After a (re)start: re-attach live jobs, settle those that ended or died while we were away."""
         for job in self.store.list(status="running"):
-            if alive(job.pid, job.pid_start):
-                continue  # re-attached: _tick watches it through /proc
+            if alive(job.pid, job.pid_start) or self._remote(job):
+                continue  # re-attached: _tick watches it through /proc (or asks the backend)
             self._settle(job, None)
 
     def wake(self) -> None:
         self._wake.set()
+
+    def _remote(self, job: Job) -> bool:
+        """A job the backend started: it has no process here (a local one always has a pid)."""
+        return self.backend is not None and job.pid is None
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -124,6 +147,10 @@ class Runner:
                     continue
                 del self._procs[job.id]
                 self._settle(job, proc.returncode)
+            elif self._remote(job):
+                ended = self.backend.poll(job)
+                if ended is not None:
+                    self._settle(job, None, ended)
             elif not alive(job.pid, job.pid_start):
                 self._settle(job, None)
         n = len(self.store.list(status="running"))
@@ -146,6 +173,9 @@ class Runner:
                                          attempts=job.attempts + 1, error=None, exit_code=None,
                                          finished_at=None):
                     return False
+                if self.backend is not None:
+                    self.backend.submit(self.store.get(job.id) or job, d)
+                    return True
                 proc = subprocess.Popen([sys.executable, "-m", "lmforge.api.launch", str(d)], cwd=d,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, process_group=0)
@@ -156,8 +186,9 @@ class Runner:
             return False
         return True
 
-    def _settle(self, job: Job, launcher_code: int | None) -> None:
-        """The outcome of a job whose launcher has gone, from exit.json."""
+    def _settle(self, job: Job, launcher_code: int | None,
+                ended: tuple[str, str | None] | None = None) -> None:
+        """The outcome of a job whose launcher has gone, from exit.json (else the backend's `ended`)."""
         d = self.job_dir(job.id)
         try:
             info = json.loads((d / EXIT).read_text(encoding="utf-8"))
@@ -170,6 +201,8 @@ class Runner:
             fields.update(status="succeeded", error=None)
         elif job.cancel_requested:
             fields.update(status="cancelled", error=None)
+        elif code is None and ended is not None:
+            fields.update(status=ended[0], error=ended[1])
         elif code is None:
             what = "its launcher was killed" if launcher_code is not None else "its process died while the " \
                 "server was down"
@@ -192,7 +225,9 @@ class Runner:
             if job.status != "running":
                 return job.status
             self.store.update(job.id, cancel_requested=True)
-            if alive(job.pid, job.pid_start):
+            if self._remote(job):
+                self.backend.stop(job)
+            elif alive(job.pid, job.pid_start):
                 try:
                     os.killpg(job.pid, signal.SIGTERM)  # the launcher leads the job's group
                 except ProcessLookupError:

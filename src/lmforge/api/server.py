@@ -26,20 +26,37 @@ def _workspace(path: str | None) -> Path:
 
 def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_running: int = 1,
                allow_roots: Sequence[str] = (), jobs_per_minute: float = 30.0, job_burst: int = 10,
-               max_body_bytes: int = 1 << 20) -> None:
+               max_body_bytes: int = 1 << 20, backend: str = "local", ray_address: str | None = None,
+               ray_gpus: float = 0.0) -> None:
     """Serve the job API until interrupted. Running jobs outlive the server (the next start re-attaches
-    them)."""
+    them). `backend="ray"` hands the jobs to the Ray cluster at `ray_address` (see ray_backend.py), each
+    process reserving one CPU and `ray_gpus` GPUs."""
     import uvicorn
 
     from lmforge.api.app import create_app
+    from lmforge.api.runner import Runner
+    from lmforge.api.store import Store
 
     for r in allow_roots:
         if not Path(r).is_dir():
             raise LmforgeError(f"--allow-root {r} is not a directory")
-    app = create_app(_workspace(workspace), max_running=max_running, allow_roots=tuple(allow_roots),
+    ws, runner, where = _workspace(workspace), None, "here"
+    if backend == "ray":
+        from lmforge.api.ray_backend import RayBackend
+
+        if ray_gpus < 0:
+            raise LmforgeError(f"--ray-gpus-per-process {ray_gpus}: give 0 or more")
+        ray = RayBackend(ray_address, num_gpus=ray_gpus)
+        ws = ws.resolve()
+        # Its own connection to server.db (the app opens another; SQLite serialises the two writers).
+        runner = Runner(Store(ws), ws, max_running, backend=ray)
+        where = f"on the Ray cluster at {ray.address}"
+    elif backend != "local":
+        raise LmforgeError(f"--backend {backend}: choose local or ray")
+    app = create_app(ws, max_running=max_running, allow_roots=tuple(allow_roots), runner=runner,
                      jobs_per_minute=jobs_per_minute, job_burst=job_burst, max_body_bytes=max_body_bytes)
     print(f"lmforge server: http://{host}:{port} (API docs at /docs), workspace {Path(workspace).resolve()}, "
-          f"{max_running} job(s) at a time", file=sys.stderr, flush=True)
+          f"{max_running} job(s) at a time, {where}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 
 

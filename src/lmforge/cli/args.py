@@ -278,6 +278,14 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs-per-minute", type=float, default=30.0, help="job creations per user per minute "
                    "(token bucket; 0: unlimited)")
     p.add_argument("--job-burst", type=int, default=10, help="job creations per user allowed at once")
+    p.add_argument("--backend", default="local", choices=("local", "ray"), help="where jobs run: processes "
+                   "on this machine, or Ray jobs on a cluster (pip install 'lmforge[ray]'); with ray the "
+                   "workspace must be a filesystem every Ray node mounts at the same path, with lmforge "
+                   "installed at the server's interpreter path")
+    p.add_argument("--ray-address", default=None, metavar="URL", help="the Ray cluster's dashboard URL (its "
+                   "Jobs API; default $RAY_ADDRESS, else http://127.0.0.1:8265)")
+    p.add_argument("--ray-gpus-per-process", type=float, default=0.0, metavar="G", help="GPUs each job "
+                   "process reserves on the Ray cluster (Ray then sets CUDA_VISIBLE_DEVICES; 0: CPU jobs)")
     sub = p.add_subparsers(dest="server_cmd", metavar="token")
     tok = sub.add_parser("token", help="create, list or revoke bearer tokens")
     acts = tok.add_subparsers(dest="token_action", required=True, metavar="ACTION")
