@@ -165,7 +165,7 @@ class _Console:
     def __call__(self, msg: str) -> None:
         self.out.append(msg)
 
-    print = __call__
+    print = warn = __call__
 
     def start(self, total: int, completed: int = 0) -> None: ...
 
