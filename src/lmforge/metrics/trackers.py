@@ -20,6 +20,7 @@ The packages are optional extras, imported only when a tracker is enabled.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import math
@@ -110,7 +111,7 @@ def _read_state(run_dir: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-class Tracker:
+class Tracker(abc.ABC):
     """One tracker run: `log` a metrics record, `finish` with the artifacts. `logged` maps each metric
     to the last step the tracker holds (carried across a resume, see the module docstring)."""
 
@@ -126,11 +127,13 @@ class Tracker:
     def state(self) -> dict[str, Any]:
         return {**self.identity, "run_id": self.run_id, "logged": self.logged}
 
+    @abc.abstractmethod
     def log(self, step: int, items: dict[str, float]) -> None:
-        raise NotImplementedError
+        """Record `items` (new to the tracker) at `step`."""
 
+    @abc.abstractmethod
     def finish(self, artifacts: list[Path], checkpoint: Path | None, ok: bool) -> None:
-        raise NotImplementedError
+        """Upload the final artifacts, note the checkpoint, close the run as succeeded or failed."""
 
 
 class MlflowTracker(Tracker):
