@@ -2,7 +2,8 @@
 reference) and a reward model (full fine-tuning, score head) train the single-process curve on the same
 global batch (micro_batch_size doubled), as SFT does in test_sft_distributed; GRPO trains, validates
 and checkpoints (its completions are sampled per rank with seeds of their own, so it has no
-single-process twin), and a resumed DDP run of it continues bit for bit.
+single-process twin), and a resumed DDP run of it continues bit for bit; so does one with two updates
+per sampled batch (rl.iterations=2), checkpointed between them (each rank keeps its own batch).
 
 The workers are test_sft_distributed's: one process group per rank trains every scenario in turn.
 Tolerance: test_sft_distributed's (fp32; only the order of float sums differs)."""
@@ -16,6 +17,7 @@ from test_sft_distributed import PARAM_TOL, STEPS, TOL, curve, final_weights, la
 
 B = 2  # pairs / prompts per rank per micro-batch; the single process takes 2 * B
 DDP = ("parallel.dp_replicate=2", "parallel.dp_shard=1")
+MU2 = ("rl.iterations=2",)
 COMPARED = {"dpo": ("loss", "grad_norm", "lr", "val_loss", "reward_accuracy", "val_reward_margin"),
             "reward": ("loss", "grad_norm", "lr", "val_loss", "accuracy", "val_accuracy")}
 
@@ -72,10 +74,16 @@ def setup(tmp_path_factory, shared_data_dir):
     scenarios = {f"ddp_{o}": overrides(w, o, tmp / f"ddp_{o}", B, *DDP) for o in ("dpo", "reward", "rl")}
     # the GRPO run again, stopped after step 3's checkpoint and resumed on the same layout
     scenarios["ddp_rl_first_half"] = overrides(w, "rl", tmp / "ddp_rl_resumed", B, *DDP, "train.max_steps=3")
+    # rl.iterations=2: step 3's checkpoint falls between the two updates of the second sampled batch
+    scenarios["ddp_rl_mu2"] = overrides(w, "rl", tmp / "ddp_rl_mu2", B, *DDP, *MU2)
+    scenarios["ddp_rl_mu2_first_half"] = overrides(w, "rl", tmp / "ddp_rl_mu2_resumed", B, *DDP, *MU2,
+                                                   "train.max_steps=3")
     results = launch(2, scenarios, tmp)
     (tmp / "resume").mkdir()
     resumed = overrides(w, "rl", tmp / "ddp_rl_resumed", B, *DDP)
-    results.update(launch(2, {"ddp_rl_resumed": [*resumed, "--resume"]}, tmp / "resume"))
+    resumed_mu2 = overrides(w, "rl", tmp / "ddp_rl_mu2_resumed", B, *DDP, *MU2)
+    results.update(launch(2, {"ddp_rl_resumed": [*resumed, "--resume"],
+                              "ddp_rl_mu2_resumed": [*resumed_mu2, "--resume"]}, tmp / "resume"))
     return tmp, refs, results
 
 
@@ -104,3 +112,21 @@ def test_grpo_on_two_ranks_trains_and_resumes_exactly(setup):
     straight, resumed = curve(tmp / "ddp_rl", keys), curve(tmp / "ddp_rl_resumed", keys)
     assert sorted(straight) == list(range(1, STEPS + 1)) and "val_reward" in straight[STEPS]
     assert straight == resumed
+
+
+def test_grpo_with_two_updates_per_batch_on_two_ranks_resumes_between_them(setup):
+    import torch
+
+    tmp, _, results = setup
+    for name in ("ddp_rl_mu2", "ddp_rl_mu2_first_half", "ddp_rl_mu2_resumed"):
+        assert results[name] == "ok", results[name]
+    keys = ("loss", "grad_norm", "reward", "kl", "clip_fraction", "iteration")
+    straight, resumed = curve(tmp / "ddp_rl_mu2", keys), curve(tmp / "ddp_rl_mu2_resumed", keys)
+    assert [straight[s]["iteration"] for s in sorted(straight)] == [1.0, 2.0] * (STEPS // 2)
+    assert straight == resumed
+    ckpt = tmp / "ddp_rl_mu2_resumed" / "checkpoints" / "step_00000003"
+    kept = [torch.load(ckpt / f"rank_{r:05d}.pt", weights_only=True)["states"]["replay"] for r in range(2)]
+    # each rank kept its own sampled batch (2 micro-batches), one of its two updates done
+    assert [(k["rank"], k["world_size"], k["uses"], len(k["batches"])) for k in kept] == [(0, 2, 1, 2),
+                                                                                         (1, 2, 1, 2)]
+    assert not torch.equal(kept[0]["batches"][0]["input_ids"], kept[1]["batches"][0]["input_ids"])

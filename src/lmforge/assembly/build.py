@@ -353,6 +353,8 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
                               "parallelism")
         reference = _reference(model, cfg, dims, device, data, source_vocab, say) if cfg.rl.beta > 0 else None
         objective.rollout = _rollout(model, cfg, data, reference)
+    if isinstance(objective, PolicyGradient) and objective.replay is not None:
+        objective.replay.place(dims.dp_rank, dims.dp_size)  # a resume mid-batch must find this layout
     if isinstance(objective, MaskedLM) and objective.ids is None:
         objective.bind(tokenizer)  # its [CLS] / [SEP] / [MASK] ids
     objective.check_model(model)

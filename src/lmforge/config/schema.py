@@ -610,6 +610,10 @@ class RLConfig(Section):
     )
     group_size: int = Field(8, ge=1, description="Completions sampled per prompt (TRL's num_generations; "
                             "grpo and rloo need 2 or more, ppo takes 1).")
+    iterations: int = Field(1, ge=1, description="Optimizer steps on each sampled batch (TRL's "
+                            "num_iterations, the GRPO paper's mu, PPO epochs): a step's completions, "
+                            "rewards, advantages and reference log-probs train this many consecutive steps, "
+                            "clipped against the sampling policy's log-probs; its prompts count once.")
     gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount of GAE.")
     lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE's lambda.")
     vf_coef: float = Field(0.1, ge=0.0, description="PPO: weight of the value loss.")

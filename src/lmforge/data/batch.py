@@ -198,7 +198,9 @@ class RolloutBatch(PaddedRows):
     `old_logps` / `ref_logps` (N, T): the sampling policy's and the reference model's log-probs of
     the target tokens (0 elsewhere), or None (old: the policy that samples is the one trained, so the
     ratio is 1; ref: no KL penalty). PPO adds token-level `advantages` (N, T), `old_values` (N, T) (the
-    value head's at sampling time) and `returns` (N, T)."""
+    value head's at sampling time) and `returns` (N, T). `iteration`: which of the updates on these
+    completions this batch feeds (1 for freshly sampled ones, rl.iterations > 1 trains on them again;
+    0 for an evaluation pass's greedy ones, which train nothing)."""
 
     input_ids: torch.Tensor
     targets: torch.Tensor
@@ -211,6 +213,7 @@ class RolloutBatch(PaddedRows):
     real_tokens: int = 0
     old_values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
+    iteration: int = 1
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
@@ -218,11 +221,70 @@ class RolloutBatch(PaddedRows):
         return RolloutBatch(move(self.input_ids), move(self.targets), move(self.advantages),
                             move(self.rewards), self.group_size, move(self.old_logps),
                             move(self.ref_logps), parts, self.real_tokens, move(self.old_values),
-                            move(self.returns))
+                            move(self.returns), self.iteration)
 
     @property
     def completion_mask(self) -> torch.Tensor:
         return self.targets != IGNORE_INDEX
+
+    def state(self) -> dict:
+        """Host tensors and plain data only: what a checkpoint's rank file holds without pickle."""
+        out: dict = {"group_size": self.group_size, "real_tokens": self.real_tokens,
+                     "iteration": self.iteration}
+        for name in _ROLLOUT_TENSORS:
+            if (t := getattr(self, name)) is not None:
+                out[name] = t.detach().cpu()
+        if self.reward_parts is not None:
+            out["reward_parts"] = {k: v.detach().cpu() for k, v in self.reward_parts.items()}
+        return out
+
+    @classmethod
+    def from_state(cls, sd: dict) -> RolloutBatch:
+        """The batch `state()` wrote; ValueError naming the field when the state does not describe one
+        (a checkpoint from elsewhere, or broken)."""
+        missing = [k for k in ("input_ids", "targets", "advantages", "rewards", "group_size") if k not in sd]
+        if missing:
+            raise ValueError(f"a saved rollout batch lacks {', '.join(missing)}")
+        ids = sd["input_ids"]
+        if not (isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.dtype == torch.long):
+            raise ValueError(f"a saved rollout batch's input_ids is {_described(ids)}, expected int64 (N, T)")
+        n, width = ids.shape
+        ints = {k: sd.get(k, d) for k, d in (("group_size", 1), ("real_tokens", 0), ("iteration", 1))}
+        if any(type(v) is not int or v < 0 for v in ints.values()) or not ints["group_size"] \
+                or ints["iteration"] < 1 or n % ints["group_size"]:
+            raise ValueError(f"a saved rollout batch of {n} rows has group_size, real_tokens, iteration = "
+                             f"{tuple(ints.values())}: expected a group size dividing the rows, counts >= 0")
+        token_level = "returns" in sd  # PPO: advantages per token
+        for name in _ROLLOUT_TENSORS:
+            t = sd.get(name)
+            if t is None or name == "input_ids":
+                continue
+            shape = (n,) if name == "rewards" or (name == "advantages" and not token_level) else (n, width)
+            integer = name == "targets"
+            if not (isinstance(t, torch.Tensor) and tuple(t.shape) == shape
+                    and (t.dtype == torch.long if integer else t.is_floating_point())):
+                raise ValueError(f"a saved rollout batch's {name} is {_described(t)}, expected "
+                                 f"{'int64' if integer else 'floating-point'} {shape}")
+        parts = sd.get("reward_parts")
+        if parts is not None:
+            if not isinstance(parts, dict) or not all(
+                    isinstance(k, str) and isinstance(v, torch.Tensor) and tuple(v.shape) == (n,)
+                    and v.is_floating_point() for k, v in parts.items()):
+                raise ValueError("a saved rollout batch's reward_parts is not a dict of floating-point "
+                                 f"({n},) tensors by name")
+        return cls(ids, sd["targets"], sd["advantages"], sd["rewards"], ints["group_size"],
+                   sd.get("old_logps"), sd.get("ref_logps"), parts, ints["real_tokens"], sd.get("old_values"),
+                   sd.get("returns"), ints["iteration"])
+
+
+_ROLLOUT_TENSORS = ("input_ids", "targets", "advantages", "rewards", "old_logps", "ref_logps", "old_values",
+                    "returns")
+
+
+def _described(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"{x.dtype} {tuple(x.shape)}"
+    return type(x).__name__
 
 @dataclass(frozen=True)
 class UnpairedBatch(PaddedRows):

@@ -9,6 +9,9 @@ to stop), or at rl.max_new_tokens. Its text (stop token excluded) is scored by t
 finetune/rewards.py; advantages are group-relative (engine/policy_loss.py). With rl.beta > 0 the
 reference model's per-token log-probs come along (grpo: the KL term of the loss; rloo: the KL
 penalty subtracted from each reward, with the sampling policy's log-probs, as TRL's RLOOTrainer).
+With rl.iterations > 1 the batch trains several updates, so the sampling policy's log-probs are
+taken now (a no-grad forward over prompt + completion, as TRL does for num_iterations > 1): the
+later updates clip their ratio against them. PPO's batch always has them (and the values).
 
 A greedy batch (a validation pass) gets one completion per prompt at temperature 0: its rewards
 are the held-out exact match the run reports.
@@ -16,7 +19,8 @@ are the held-out exact match the run reports.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -81,18 +85,15 @@ class Rollout:
         if cfg.algorithm == "ppo":
             return self._ppo(batch, ids, targets, rewards, parts, ref, group, real)
         scored = rewards
-        if cfg.algorithm == "rloo" and ref is not None:  # TRL: the KL penalty is part of the reward
-            with torch.no_grad():
-                was = self.policy.training
-                self.policy.eval()
-                try:
-                    old = token_logps(logits_of(self.policy(ids)), targets)
-                finally:
-                    self.policy.train(was)
+        rloo_kl = cfg.algorithm == "rloo" and ref is not None  # TRL: the KL penalty is part of the reward
+        if rloo_kl or (cfg.iterations > 1 and not batch.greedy):
+            with _sampling_mode(self.policy), torch.no_grad():
+                old = token_logps(logits_of(self.policy(ids)), targets)
+        if rloo_kl:
             scored = rewards - cfg.beta * (old - ref).sum(-1)
         advantages = group_advantages(scored, group, cfg.algorithm, cfg.reward_scaling)
         return RolloutBatch(ids, targets, advantages, rewards, group, old_logps=old, ref_logps=ref,
-                            reward_parts=parts, real_tokens=real)
+                            reward_parts=parts, real_tokens=real, iteration=0 if batch.greedy else 1)
 
     @torch.no_grad()
     def _ppo(self, batch: PromptBatch, ids: torch.Tensor, targets: torch.Tensor, rewards: torch.Tensor,
@@ -100,12 +101,8 @@ class Rollout:
         """PPO's batch: the sampling policy's log-probs and values (one forward, eval mode), per-token
         KL-penalty rewards with the score at the last token, GAE, advantages whitened over the batch."""
         cfg, policy = self.cfg, self.policy
-        was = policy.training
-        policy.eval()
-        try:
+        with _sampling_mode(policy):
             old, values = _policy_forward(policy, ids, targets)
-        finally:
-            policy.train(was)
         mask = targets != IGNORE_INDEX
         # values[t] is the value of the state that predicts token t + 1: the one the token's reward follows
         per_token = token_rewards(rewards, old, ref, mask, cfg.beta)
@@ -113,7 +110,19 @@ class Rollout:
         if not batch.greedy:
             advantages = masked_whiten(advantages, mask)
         return RolloutBatch(ids, targets, advantages, rewards, group, old_logps=old, ref_logps=ref,
-                            reward_parts=parts, real_tokens=real, old_values=values * mask, returns=returns)
+                            reward_parts=parts, real_tokens=real, old_values=values * mask, returns=returns,
+                            iteration=0 if batch.greedy else 1)
+
+
+@contextmanager
+def _sampling_mode(policy: nn.Module) -> Iterator[None]:
+    """The policy in eval mode (no dropout: the log-probs of the policy that sampled), then as it was."""
+    was = policy.training
+    policy.eval()
+    try:
+        yield
+    finally:
+        policy.train(was)
 
 
 def _policy_forward(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor

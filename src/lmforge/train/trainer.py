@@ -2,9 +2,9 @@
 
 The loop (`Trainer.fit`) reads top to bottom: schedule -> step -> account -> callbacks -> validate ->
 checkpoint. Everything with state is a Stateful part in `Trainer.states` (progress, lr scale, data
-loader, RNG, precision scaler, stability guards, weight averages, stateful callbacks); the
-checkpoint manager saves and restores that dict without knowing its members, so a run killed at any
-point resumes onto the exact same loss curve.
+loader, RNG, precision scaler, stability guards, weight averages, stateful callbacks, the batches an
+objective trains on again); the checkpoint manager saves and restores that dict without knowing its
+members, so a run killed at any point resumes onto the exact same loss curve.
 
     trainer = lmforge.Trainer("configs/demo.yaml")                     # what `lmforge train` runs
     trainer = lmforge.Trainer(model=my_module, train_data=texts, eval_data=held_out,
@@ -94,8 +94,9 @@ class Control:
 
 
 # What a loss-spike rollback restores from the checkpoint; the data position, RNG, stability state and
-# lr scale stay, so the data since the checkpoint is skipped and the recovery count survives.
-_ROLLBACK_PARTS = ("progress", "precision", "averages")
+# lr scale stay, so the data since the checkpoint is skipped and the recovery count survives. An
+# objective's replay goes back too: the batches it keeps belong with the weights that sampled them.
+_ROLLBACK_PARTS = ("progress", "precision", "averages", "replay")
 
 
 def as_config(config: Config | str | Path | dict | None) -> Config:
@@ -169,6 +170,9 @@ class Trainer:
         }
         if self.spikes is not None:
             self.states["spikes"] = self.spikes
+        self.replay = run.objective.replay  # batches the objective trains on again (rl.iterations)
+        if self.replay is not None:
+            self.states["replay"] = self.replay
         for cb in self.callbacks:
             if (key := state_key(cb)) is not None:
                 self.states[key] = cb
@@ -287,7 +291,11 @@ class Trainer:
         tc, run = self.cfg.train, self.run
         self.lr = run.schedule.apply(self.optimizer, self.step, self.tokens_seen, self.control.lr_scale)
         t0 = time.perf_counter()
-        batches = [self._next_batch() for _ in range(run.ramp.micro_batches(self.tokens_seen))]
+        again = self.replay.take() if self.replay is not None else None
+        if again is not None:
+            batches = [b.to(self.device) for b in again]
+        else:
+            batches = [self._next_batch() for _ in range(run.ramp.micro_batches(self.tokens_seen))]
         result = self._guard_compile(
             lambda: self.parallel.step(
                 batches,
@@ -476,7 +484,7 @@ class Trainer:
     def _load_checkpoint(self, path: Path, full: bool) -> None:
         """Weights, optimizer and the run state from `path`: all of it on resume (`full`), what a
         spike rollback restores otherwise."""
-        parts = self.states if full else {k: self.states[k] for k in _ROLLBACK_PARTS}
+        parts = self.states if full else {k: self.states[k] for k in _ROLLBACK_PARTS if k in self.states}
         loaded = self.ckpt.load(path, self.model, self.optimizer, parts, self.averages.tensors())
         if "progress" not in loaded.states:  # a checkpoint with weights only (an imported model)
             self.progress.step = loaded.step

@@ -13,7 +13,7 @@ masked LM) is one new file here plus a config choice; the step, the Trainer and 
 from __future__ import annotations
 
 import abc
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -34,8 +34,21 @@ class ObjectiveOutput(NamedTuple):
     counts: dict[str, torch.Tensor] | None = None
 
 
+class Replay(Protocol):
+    """Batches an objective trains on for more than one step (rl.iterations). Before each step the
+    Trainer asks `take()`: the batches to train on again, or None to draw new ones from the loader;
+    it checkpoints the replay with the run's other Stateful parts."""
+
+    def take(self) -> list[Any] | None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 class Objective(abc.ABC):
-    """Base of every objective. Stateless apart from its settings: safe to share between steps."""
+    """Base of every objective. Stateless apart from its settings (and a `replay`, whose state the
+    Trainer checkpoints): safe to share between steps."""
 
     name: ClassVar[str]
     batch_type: ClassVar[type]
@@ -43,6 +56,7 @@ class Objective(abc.ABC):
     # The metric that holds the summed cross-entropy when the loss is not (only) that: evaluation's
     # perplexity and bits per byte come from it. None: the loss is the cross-entropy.
     cross_entropy_metric: ClassVar[str | None] = None
+    replay: Replay | None = None  # None: every step's batches come from the loader
 
     @classmethod
     def from_config(cls, cfg: Any) -> Objective:
