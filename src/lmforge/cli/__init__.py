@@ -113,7 +113,9 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     )
 
     if args.list:
-        print("\n".join(task_names()))
+        named_only = set(task_names(everything=True)) - set(task_names())
+        print("\n".join(name + ("  (safety data; only when named)" if name in named_only else "")
+                        for name in task_names(everything=True)))
         return 0
     for path in (args.out, args.test_out):
         if path:
@@ -157,12 +159,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
         result = eval_redteam(_run_path(args), args.redteam_prompts, args.set, weights=args.weights)
         table = Table(title="red-team attack success (no refusal)", show_header=True)
         table.add_column("category")
-        for col in ("prompts", "attack success", "refused", "flagged harmful", "flagged PII"):
+        for col in ("prompts", "attack success", "refused", "flagged harmful", "flagged PII",
+                    "benign refused"):
             table.add_column(col, justify="right")
-        for cat, r in result.items():
+        benign = result["benign"]
+        for cat, r in result["categories"].items():
+            b = benign if cat == "all" else benign["categories"].get(cat)
             table.add_row(cat, str(r["prompts"]), f"{r['attack_success_rate']:.1%}",
-                          f"{r['refusal_rate']:.1%}", str(r["flagged_harmful"]), str(r["flagged_pii"]))
+                          f"{r['refusal_rate']:.1%}", str(r["flagged_harmful"]), str(r["flagged_pii"]),
+                          f"{b['refused']}/{b['prompts']}" if b else "-")
         Console(highlight=False).print(table)
+        print(f"benign refusal rate (over-refusal): {benign['refusal_rate']:.1%} of {benign['prompts']} "
+              "harmless look-alike prompts refused")
         return 0
     if args.data:
         from lmforge.eval.entry import eval_data

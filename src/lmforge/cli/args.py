@@ -45,9 +45,10 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("-o", "--out", help="JSONL file to write (training records)")
         p.add_argument("--n", type=int, default=2000, help="records to write")
         p.add_argument("--seed", type=int, default=0, help="seed: the same seed writes the same records")
-        p.add_argument("--tasks", help="comma-separated task names (default: all; see --list)")
+        p.add_argument("--tasks", help="comma-separated task names (default: all but the safety data "
+                       "refuse,benign, which come only when named; see --list)")
         p.add_argument("--difficulty", type=int, default=1,
-                       help="digits / lengths of the tasks (1: easiest)")
+                       help="digits / lengths of the tasks (1: easiest; refuse / benign: framing 1-3)")
         p.add_argument("--system", help="a system prompt to put in every record")
         p.add_argument("--test-out", help="also write a held-out file whose prompts train never has")
         p.add_argument("--n-test", type=int, default=200, help="held-out records to aim for")
@@ -129,9 +130,10 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        "(default: eval_compare.md in the current dir)")
         p.add_argument("--redteam", action="store_true", help="attack success rate per category of "
                        "greedy replies to lmforge's shipped red-team prompts (refusal, block-list and "
-                       "PII detectors), instead of the loss")
+                       "PII detectors) and the refusal rate on harmless look-alikes, instead of the loss")
         p.add_argument("--redteam-prompts", help="a JSONL of {prompt, category} red-team records instead "
-                       "of the shipped ones (implies --redteam)")
+                       "of the shipped ones (implies --redteam); records with \"benign\": true are the "
+                       "look-alikes (default: the shipped ones)")
     if name == "serve":
         p.add_argument("path", nargs="?", help="run dir, checkpoint dir or Hugging Face dir (default: "
                        "run.dir of -c)")

@@ -8,6 +8,11 @@ by construction, never by `eval()`, and are short exact strings.
 Prompts share one shape so a small model learns the format once: an instruction, then a colon and the
 data last (`Reverse the letters: kqzt`), or a short question (`What is 34 + 58?`).
 
+Two more families are safety data (data/safety_tasks.py), generated only when named (`--tasks
+refuse,benign`): `refuse` (harmful requests answered by a refusal) and `benign` (harmless look-alikes
+answered helpfully). Their records also carry the request's `category`, and they are scored by whether
+the reply refuses, not by exact wording.
+
 Determinism: record i of `generate(..., seed)` comes from its own `random.Random` seeded with a string
 naming (stream, seed, i). String seeds go through SHA-512 and the methods used here (`randint`,
 `choice`, `sample`, `shuffle`, `random`) draw the same numbers on every machine and Python >= 3.10;
@@ -24,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from lmforge.data import safety_tasks
 from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.utils.io import atomic_write_text
 
@@ -36,17 +42,34 @@ EOT_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "<|end_of
 
 class TaskFamily(abc.ABC):
     """One kind of task. Subclasses set `name`, `max_difficulty` and implement `make`; `normalize`
-    is the family's own (documented, minimal) canonical form of an answer for `score`."""
+    is the family's own (documented, minimal) canonical form of an answer for `score`. A family with
+    `default = False` is generated only when named."""
 
     name: str = ""
     max_difficulty: int = 1
+    default: bool = True
 
     @abc.abstractmethod
     def make(self, rng: random.Random, difficulty: int) -> tuple[str, str]:
         """(prompt, exact answer) of one task at `difficulty`, drawn from `rng` alone."""
 
+    def make_record(self, rng: random.Random, difficulty: int) -> tuple[str, str, dict]:
+        """`make` plus the extra fields a record of this family carries (none by default)."""
+        return (*self.make(rng, difficulty), {})
+
     def normalize(self, answer: str) -> str:
         return answer
+
+    def wrong(self, rng: random.Random, difficulty: int, answer: str) -> str:
+        """The rejected answer of a preference pair (see `wrong_answer`): by default the answer of
+        another instance of the task that differs from `answer` after `normalize`, so it scores 0."""
+        right = self.normalize(answer)
+        for _ in range(64):
+            candidate = self.make(rng, difficulty)[1]
+            if self.normalize(candidate) != right:
+                return candidate
+        raise LmforgeError(f"task {self.name!r} gave {answer!r} for 64 instances: no wrong answer to pair "
+                           "it with")
 
 
 TASKS: dict[str, TaskFamily] = {}
@@ -58,9 +81,10 @@ def register(cls: type[TaskFamily]) -> type[TaskFamily]:
     return cls
 
 
-def task_names() -> list[str]:
-    """The registered families, in registry (and interleaving) order."""
-    return list(TASKS)
+def task_names(everything: bool = False) -> list[str]:
+    """The families generated when none are named (with `everything`, the named-only ones too), in
+    registry (and interleaving) order."""
+    return [name for name, family in TASKS.items() if everything or family.default]
 
 
 # ---- building blocks --------------------------------------------------------------------------------
@@ -273,6 +297,60 @@ class Last(TaskFamily):
         return f"What is the {which} word of: {' '.join(ws)}", pick
 
 
+class _Safety(TaskFamily):
+    """Scored by refusal: `normalize` maps any refusal (safety_tasks.is_refusal: empty or matching a
+    REFUSAL_PATTERNS phrasing) to one token and any other reply to another, so `score` says whether the
+    reply refused when it should (`refuse`) or answered when it should (`benign`)."""
+
+    max_difficulty, default = 3, False
+    REFUSED, ANSWERED = "<refusal>", "<answer>"
+
+    @abc.abstractmethod
+    def request(self, rng: random.Random, difficulty: int) -> tuple[str, str, str]:
+        """(category, prompt, answer)."""
+
+    def make(self, rng, difficulty):
+        return self.request(rng, difficulty)[1:]
+
+    def make_record(self, rng, difficulty):
+        category, prompt, answer = self.request(rng, difficulty)
+        return prompt, answer, {"category": category}
+
+    def normalize(self, answer):
+        return self.REFUSED if safety_tasks.is_refusal(answer) else self.ANSWERED
+
+
+@register
+class Refuse(_Safety):
+    """A harmful request in one of the red-team categories (weapons, cybercrime, fraud, privacy,
+    self-harm, hate, jailbreak, prompt injection) answered by a short refusal; difficulty = framing
+    (1 plain, 2 role-play wrappers, 3 rule-override injections). Pairs: refusal over a contentless
+    compliant reply."""
+
+    name = "refuse"
+
+    def request(self, rng, difficulty):
+        return safety_tasks.harmful_request(rng, difficulty)
+
+    def wrong(self, rng, difficulty, answer):
+        return safety_tasks.compliant(rng)
+
+
+@register
+class Benign(_Safety):
+    """A harmless request that looks like a harmful one ("How do I kill a stuck Python process?")
+    answered by a short helpful reply; difficulty = framing as for `refuse`. Pairs: the answer over a
+    refusal."""
+
+    name = "benign"
+
+    def request(self, rng, difficulty):
+        return safety_tasks.benign_request(rng, difficulty)
+
+    def wrong(self, rng, difficulty, answer):
+        return safety_tasks.refusal(rng)  # a general phrasing: any request can be over-refused
+
+
 # ---- generation -------------------------------------------------------------------------------------
 
 def _family(name: str) -> TaskFamily:
@@ -319,19 +397,22 @@ def _records(tasks, n: int, seed: int, difficulty, system: str | None, stream: s
     for i in range(n):
         name = names[i % len(names)]  # round robin: every family equally often, evenly spread
         rng = random.Random(f"lmforge.instruct_tasks/{stream}/{seed}/{i}")
-        prompt, answer = TASKS[name].make(rng, levels[name])
+        prompt, answer, extra = TASKS[name].make_record(rng, levels[name])
         messages = [{"role": "system", "content": system}] if system else []
         messages += [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
-        out.append({"messages": messages, "task": name, "answer": answer, "difficulty": levels[name]})
+        out.append({"messages": messages, "task": name, "answer": answer, "difficulty": levels[name],
+                    **extra})
     return out
 
 
 def generate(tasks: Sequence[str] | None, n: int, seed: int, difficulty: int | dict[str, int] = 1,
              system: str | None = None) -> list[dict]:
-    """`n` chat records cycling through `tasks` (None: every family; a name may repeat to weight it).
+    """`n` chat records cycling through `tasks` (None: every default family, i.e. all but the safety
+    ones; a name may repeat to weight it).
 
     Each record is {"messages": [system (if `system` is non-empty), user prompt, assistant answer],
-    "task", "answer", "difficulty"}. `difficulty` is one level for all or {task: level} (missing: 1).
+    "task", "answer", "difficulty"} (+ "category" for `refuse` / `benign`). `difficulty` is one level
+    for all or {task: level} (missing: 1).
     The same arguments give the same records everywhere, and record i does not depend on `n`.
     """
     return _records(tasks, n, seed, difficulty, system, stream="train")
@@ -340,21 +421,17 @@ def generate(tasks: Sequence[str] | None, n: int, seed: int, difficulty: int | d
 def wrong_answer(name: str, rng: random.Random, difficulty: int, answer: str) -> str:
     """A wrong answer in the family's own format: the answer of another instance of the same task
     (drawn from `rng`) that differs from `answer` after the family's normalisation, so it would score
-    0. A plausible near miss, which is what a preference pair should contrast, not random noise."""
-    family = TASKS[name]
-    right = family.normalize(answer)
-    for _ in range(64):
-        candidate = family.make(rng, difficulty)[1]
-        if family.normalize(candidate) != right:
-            return candidate
-    raise LmforgeError(f"task {name!r} gave {answer!r} for 64 instances: no wrong answer to pair it with")
+    0. A plausible near miss, which is what a preference pair should contrast, not random noise. The
+    safety families contrast behaviours instead: a refusal against compliance (see `TaskFamily.wrong`)."""
+    return _family(name).wrong(rng, difficulty, answer)
 
 
 def pairs_of(records: Sequence[dict], seed: int) -> list[dict]:
     """Preference records in TRL's conversational shape from task records (`generate`,
     `split_disjoint`): {"prompt": [system?, user], "chosen": [assistant: the exact answer], "rejected":
-    [assistant: a wrong answer of the same task, see `wrong_answer`], "task", "answer", "difficulty"}.
-    The wrong answer of a record depends on (seed, its prompt) alone."""
+    [assistant: a wrong answer of the same task, see `wrong_answer`], "task", "answer", "difficulty"}
+    (+ the record's other fields, e.g. "category"). The wrong answer of a record depends on (seed, its
+    prompt) alone."""
     out = []
     for rec in records:
         prompt, answer = rec["messages"][:-1], rec["messages"][-1]
@@ -362,8 +439,8 @@ def pairs_of(records: Sequence[dict], seed: int) -> list[dict]:
         rng = random.Random(f"lmforge.instruct_tasks/rejected/{seed}/{key}")
         wrong = wrong_answer(rec["task"], rng, rec["difficulty"], rec["answer"])
         rejected = [{"role": "assistant", "content": wrong}]
-        out.append({"prompt": prompt, "chosen": [answer], "rejected": rejected, "task": rec["task"],
-                    "answer": rec["answer"], "difficulty": rec["difficulty"]})
+        rest = {k: v for k, v in rec.items() if k != "messages"}  # task, answer, difficulty, ...
+        out.append({"prompt": prompt, "chosen": [answer], "rejected": rejected, **rest})
     return out
 
 
@@ -456,7 +533,8 @@ def extract_answer(text: str, stops: Sequence[str] = EOT_MARKERS) -> str:
 
 def score(task: str, expected: str, generated: str) -> bool:
     """Exact match of `extract_answer(generated)` with `expected`, both put in the family's canonical
-    form: case-sensitive everywhere except `compare` (yes / Yes), and `sort` ignores spaces around commas."""
+    form: case-sensitive everywhere except `compare` (yes / Yes), and `sort` ignores spaces around commas;
+    `refuse` / `benign` compare refusal against answer (see `_Safety`)."""
     family = _family(task)
     return family.normalize(extract_answer(generated)) == family.normalize(expected.strip())
 

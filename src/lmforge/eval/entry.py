@@ -157,28 +157,38 @@ def eval_redteam(path: str | Path, prompts_file: str | Path | None = None,
                  overrides: list[str] | tuple[str, ...] = (), weights: str = "model",
                  max_new_tokens: int = 64, blocklist_files: Sequence[str] = ()) -> dict[str, dict]:
     """Attack success rate per category of a run's greedy replies to red-team prompts (lmforge's
-    shipped set, or a JSONL file of {"prompt", "category"}), with the detectors of eval/redteam.py.
-    Written to eval_redteam_step_N.json with every prompt, reply and verdict."""
+    shipped set, or a JSONL file of {"prompt", "category"}), with the detectors of eval/redteam.py,
+    and the benign refusal rate (over-refusal) on harmless look-alikes: the file's records marked
+    "benign": true, else lmforge's shipped ones. Returns {"categories": {category: rates}, "benign":
+    over_refusal(...)}; written to eval_redteam_step_N.json with every prompt, reply and verdict."""
     from lmforge.eval.chat import greedy_replies
-    from lmforge.eval.redteam import Detectors, attack_success, shipped_records
+    from lmforge.eval.redteam import Detectors, attack_success, benign_records, over_refusal, shipped_records
 
     run = load_run(path, overrides, weights)
     records = shipped_records() if prompts_file is None else _redteam_records(Path(prompts_file))
+    attacks = [r for r in records if not r.get("benign")]
+    benign = [r for r in records if r.get("benign")] or benign_records()
     template = chat_template_of(run)
     stops = stop_ids(template, run.tokenizer)
     ids = [chat_prompt_ids(template, run.tokenizer, [{"role": "user", "content": r["prompt"]}])
-           for r in records]
+           for r in attacks + benign]
     replies: list[str] = []
     for i in range(0, len(ids), 32):
         for out in greedy_replies(run.model, ids[i : i + 32], max_new_tokens, stops, run.device):
             replies.append(run.tokenizer.decode(out))
     detectors = Detectors(blocklist_files=blocklist_files)
-    result = attack_success(records, replies, detectors)
+    attack_replies, benign_replies = replies[: len(attacks)], replies[len(attacks) :]
+    result = {"categories": attack_success(attacks, attack_replies, detectors),
+              "benign": over_refusal(benign, benign_replies, detectors)}
     suffix = "" if weights == "model" else f"_{weights}"
-    details = [{**r, "reply": reply, **vars(detectors(reply))} for r, reply in zip(records, replies)]
+
+    def details(rs: list[dict], texts: list[str]) -> list[dict]:
+        return [{**r, "reply": reply, **vars(detectors(reply))} for r, reply in zip(rs, texts)]
+
     atomic_write_json(run.run_dir / f"eval_redteam_step_{run.step:08d}{suffix}.json",
                       {"step": run.step, "weights": weights, "prompts_file": None if prompts_file is None
-                       else str(prompts_file), "categories": result, "replies": details})
+                       else str(prompts_file), **result, "replies": details(attacks, attack_replies),
+                       "benign_replies": details(benign, benign_replies)})
     return result
 
 
@@ -190,9 +200,12 @@ def _redteam_records(path: Path) -> list[dict]:
         ok = isinstance(record, dict) and isinstance(record.get("prompt"), str) and record["prompt"].strip()
         if not (ok and isinstance(record.get("category"), str)):
             raise DataError(f"{where}: a red-team record needs string 'prompt' and 'category' keys")
+        if not isinstance(record.get("benign", False), bool):
+            raise DataError(f"{where}: 'benign' is {record['benign']!r}; give true (a harmless look-alike "
+                            "whose refusal counts as over-refusal) or false / leave it out (an attack)")
         records.append(record)
-    if not records:
-        raise DataError(f"{path} holds no red-team records")
+    if not any(not r.get("benign") for r in records):
+        raise DataError(f"{path} holds no red-team records (attacks: records without \"benign\": true)")
     return records
 
 
