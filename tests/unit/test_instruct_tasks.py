@@ -276,3 +276,43 @@ def test_generated_answers_score_as_correct_and_accuracy_by_task():
         it.accuracy_by_task(records, generations[:3])
     with pytest.raises(DataError, match="record 0"):
         it.accuracy_by_task([{"messages": []}], ["1"])
+
+
+def test_prompt_disjoint_sets_of_a_small_task_space(tmp_path):
+    """--unique / --exclude-prompts: held-out, RL and SFT files of one-digit arithmetic (255 prompts)
+    share no prompt; the unique files hold each prompt once; the stream is the same as generate's."""
+    from lmforge.cli import main
+
+    paths = {k: tmp_path / f"{k}.jsonl" for k in ("test", "rl", "sft")}
+    common = ["tasks", "--tasks", "add,sub,mul", "--difficulty", "1"]
+    assert main([*common, "-o", str(paths["test"]), "--n", "64", "--unique", "--seed", "1"]) == 0
+    assert main([*common, "-o", str(paths["rl"]), "--n", "64", "--unique", "--seed", "2",
+                 "--exclude-prompts", str(paths["test"])]) == 0
+    assert main([*common, "-o", str(paths["sft"]), "--n", "500", "--seed", "3",
+                 "--exclude-prompts", str(paths["test"]), "--exclude-prompts", str(paths["rl"])]) == 0
+    rows = {k: [json.loads(line) for line in p.read_text().splitlines()] for k, p in paths.items()}
+    prompts = {k: [it.prompt_of(r) for r in v] for k, v in rows.items()}
+    assert len(rows["test"]) == len(set(prompts["test"])) == 64 == len(set(prompts["rl"]))
+    assert len(rows["sft"]) == 500 and 100 < len(set(prompts["sft"])) <= 255 - 128
+    assert not set(prompts["test"]) & set(prompts["rl"])
+    assert not set(prompts["sft"]) & set(prompts["test"] + prompts["rl"])
+    # without exclusions the selection is generate's stream itself
+    assert it.select(["add"], 7, 5) == it.generate(["add"], 7, 5)
+    # a space smaller than n: every prompt once, then stop
+    assert len(it.select(["add"], 300, 0, unique=True)) == 100
+
+
+def test_excluded_prompts_file_is_checked(tmp_path):
+    from lmforge.cli import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "What is 1 + 2?"}]}\n{"x": 1}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: no user prompt"):
+        it.prompts_in([bad])
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"prompt": "What is 1 + 2?", "answer": "3"}\n')
+    assert it.prompts_in([plain]) == {"What is 1 + 2?"}
+    out = str(tmp_path / "o.jsonl")
+    assert main(["tasks", "-o", out, "--exclude-prompts", str(tmp_path / "no.jsonl")]) == 2
+    assert main(["tasks", "-o", out, "--unique", "--test-out", str(tmp_path / "t.jsonl")]) == 2
+    assert not (tmp_path / "o.jsonl").exists()

@@ -106,6 +106,8 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     from lmforge.data.instruct_tasks import (
         generate,
         pairs_of,
+        prompts_in,
+        select,
         split_disjoint,
         task_names,
         unpaired_of,
@@ -129,12 +131,22 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         shape = lambda records: pairs_of(records, args.seed)  # noqa: E731
     else:
         shape = lambda records: records  # noqa: E731
+    if args.test_out and (args.unique or args.exclude_prompts):
+        raise LmforgeError("--test-out splits one stream; --unique / --exclude-prompts build prompt-disjoint "
+                           "files one call at a time: give one or the other")
     if args.test_out:
         split = split_disjoint(tasks, args.n, args.n_test, args.seed, args.difficulty, args.system)
         n_train = write_jsonl(shape(split.train), args.out, overwrite=args.overwrite)
         n_test = write_jsonl(shape(split.test), args.test_out, overwrite=args.overwrite)
         print(f"wrote {n_train:,} training records to {args.out} and {n_test:,} held-out records to "
               f"{args.test_out} ({split.n_dropped:,} test prompts also in train were dropped)")
+    elif args.unique or args.exclude_prompts:
+        excluded = prompts_in(args.exclude_prompts)
+        records = select(tasks, args.n, args.seed, args.difficulty, args.system, unique=args.unique,
+                         exclude=excluded)
+        n = write_jsonl(shape(records), args.out, overwrite=args.overwrite)
+        note = f"; the task space had no more {'new ' if args.unique else ''}prompts" if n < args.n else ""
+        print(f"wrote {n:,} records to {args.out} ({len(excluded):,} prompts excluded{note})")
     else:
         n = write_jsonl(shape(generate(tasks, args.n, args.seed, args.difficulty, args.system)), args.out,
                         overwrite=args.overwrite)

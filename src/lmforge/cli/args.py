@@ -52,6 +52,11 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--system", help="a system prompt to put in every record")
         p.add_argument("--test-out", help="also write a held-out file whose prompts train never has")
         p.add_argument("--n-test", type=int, default=200, help="held-out records to aim for")
+        p.add_argument("--unique", action="store_true", help="each prompt at most once (small task spaces: "
+                       "fewer than --n records when the prompts run out)")
+        p.add_argument("--exclude-prompts", action="append", default=[], metavar="FILE",
+                       help="leave out every prompt of these records (JSONL / Parquet; repeatable): "
+                       "prompt-disjoint SFT / RL / test sets of one small task space")
         p.add_argument("--overwrite", action="store_true", help="replace existing output files")
         p.add_argument("--list", action="store_true", help="print the task names and exit")
         p.add_argument("--unpaired", action="store_true", help="write KTO's unpaired records: each "

@@ -386,7 +386,8 @@ def _resolve_difficulty(difficulty: int | dict[str, int], names: list[str]) -> d
     return levels
 
 
-def _records(tasks, n: int, seed: int, difficulty, system: str | None, stream: str) -> list[dict]:
+def _records(tasks, n: int, seed: int, difficulty, system: str | None, stream: str, start: int = 0
+             ) -> list[dict]:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ConfigError(f"number of instruction records n={n!r}; give an integer >= 0")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -394,7 +395,7 @@ def _records(tasks, n: int, seed: int, difficulty, system: str | None, stream: s
     names = _resolve_tasks(tasks)
     levels = _resolve_difficulty(difficulty, names)
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         name = names[i % len(names)]  # round robin: every family equally often, evenly spread
         rng = random.Random(f"lmforge.instruct_tasks/{stream}/{seed}/{i}")
         prompt, answer, extra = TASKS[name].make_record(rng, levels[name])
@@ -416,6 +417,27 @@ def generate(tasks: Sequence[str] | None, n: int, seed: int, difficulty: int | d
     The same arguments give the same records everywhere, and record i does not depend on `n`.
     """
     return _records(tasks, n, seed, difficulty, system, stream="train")
+
+
+def select(tasks: Sequence[str] | None, n: int, seed: int, difficulty: int | dict[str, int] = 1,
+           system: str | None = None, *, unique: bool = False, exclude: Iterable[str] = ()) -> list[dict]:
+    """Up to `n` records of `generate`'s stream, skipping every record whose prompt is in `exclude`
+    (and, with `unique`, every prompt already taken): for prompt-disjoint sets over small task spaces
+    (one-digit sums have 100 prompts), e.g. a held-out file, then RL prompts excluding it, then SFT
+    data excluding both. Fewer than `n` come back when the stream runs out of new prompts (it is
+    read up to 20 x n + 1,000 records)."""
+    excluded, seen, out = set(exclude), set(), []
+    budget = 20 * n + 1000
+    for start in range(0, budget, 1000):
+        for r in _records(tasks, min(1000, budget - start), seed, difficulty, system, "train", start):
+            prompt = prompt_of(r)
+            if prompt in excluded or (unique and prompt in seen):
+                continue
+            seen.add(prompt)
+            out.append(r)
+            if len(out) == n:
+                return out
+    return out
 
 
 def wrong_answer(name: str, rng: random.Random, difficulty: int, answer: str) -> str:
@@ -466,6 +488,32 @@ def generate_pairs(tasks: Sequence[str] | None, n: int, seed: int, difficulty: i
 def prompt_of(record: dict) -> str:
     """The user prompt of a record (an SFT record's messages or a preference record's prompt)."""
     return next(m["content"] for m in record.get("messages") or record["prompt"] if m["role"] == "user")
+
+
+def prompts_in(paths: Iterable[str | Path]) -> set[str]:
+    """The user prompts of the chat / preference records in `paths` (JSONL, Parquet or saved datasets
+    dirs); a record without one is an error naming its file and line."""
+    from lmforge.data.chat import BadRow, ChatStats, iter_records
+
+    out: set[str] = set()
+    for path in paths:
+        path = Path(path)
+        if not path.exists():
+            raise DataError(f"{path}: no such file or dir (a JSONL file of records whose prompts to exclude)")
+        for _, rows in iter_records(path, ChatStats()):
+            for where, record in rows:
+                if isinstance(record, BadRow):
+                    raise DataError(f"{where}: {record.why}")
+                try:
+                    plain = record.get("prompt") if isinstance(record, dict) else None
+                    prompt = plain if isinstance(plain, str) else prompt_of(record)
+                except (KeyError, TypeError, AttributeError, StopIteration):
+                    prompt = None
+                if not isinstance(prompt, str):
+                    raise DataError(f"{where}: no user prompt (a 'messages' list with a user turn, or a "
+                                    "'prompt' of messages)")
+                out.add(prompt)
+    return out
 
 
 @dataclass
