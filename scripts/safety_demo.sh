@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Safety tuning, end to end on the CPU: the fine-tuned demo model (runs/sft-full; made by
 # scripts/sft_demo.sh first when it is missing) is red-teamed, fine-tuned on generated safety data
-# (harmful requests in the 8 red-team categories answered by refusals, harmless look-alikes answered
-# helpfully; `lmforge tasks --tasks refuse,benign`) mixed with the ordinary task data it was fine-tuned
-# on, and red-teamed again. The red-team prompts and their benign look-alikes are held out from the safety
-# data. Printed before and after: attack success per category, the benign refusal rate (over-refusal),
-# the refusal behaviour on held-out generated safety prompts, and exact match on the held-out ordinary
-# tasks. Extra arguments go to the safety run (e.g. --set train.max_steps=150).
+# (harmful requests in the 8 red-team categories answered by refusals; harmless look-alikes and, a third
+# of them, everyday asks with no scary word, answered helpfully after a shared "Sure! "; `lmforge tasks
+# --tasks refuse,benign`, 4,500 records half and half) mixed with the ordinary task data it was
+# fine-tuned on, and red-teamed again. The red-team prompts and their benign look-alikes are held out
+# from the safety data. Printed before and after: attack success per category, the benign refusal rate
+# (over-refusal), the refusal behaviour on held-out generated safety prompts, and exact match on the
+# held-out ordinary tasks. Extra arguments go to the safety run (e.g. --set train.max_steps=150).
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" ""
 if ! ls runs/sft-full/checkpoints/step_* >/dev/null 2>&1; then
   echo "[lmforge] no fine-tuned demo model yet: running scripts/sft_demo.sh first"
@@ -17,7 +18,7 @@ if [ ! -f data/sft/tasks_train.jsonl ] || [ ! -f data/sft/tasks_test.jsonl ]; th
   lmforge tasks -o data/sft/tasks_train.jsonl --n 6000 --test-out data/sft/tasks_test.jsonl --n-test 400 \
     --difficulty 2 --overwrite
 fi
-lmforge tasks --tasks refuse,benign -o data/safety/safety_train.jsonl --n 3000 --seed 11 --difficulty 3 \
+lmforge tasks --tasks refuse,benign -o data/safety/safety_train.jsonl --n 4500 --seed 11 --difficulty 3 \
   --test-out data/safety/safety_test.jsonl --n-test 400 --overwrite
 for when in before after; do
   run=runs/sft-full

@@ -33,7 +33,7 @@ def test_safety_sft_then_redteam_with_over_refusal(base, tmp_path, capsys):
                  "--difficulty", "2", "--test-out", str(held_out), "--n-test", "24"]) == 0
     records = [json.loads(line) for line in data.read_text().splitlines()]
     assert [r["task"] for r in records[:3]] == ["refuse", "benign", "add"]
-    assert {r["category"] for r in records if r["task"] != "add"} <= set(BENIGN_PROMPTS)
+    assert {r["category"] for r in records if r["task"] != "add"} <= {*BENIGN_PROMPTS, "everyday"}
 
     run = tmp_path / "sft"
     sets = [f"model.init_from={base / 'base'}", f"sft.data=[{data}]", "sft.val_fraction=0", f"run.dir={run}",

@@ -20,7 +20,7 @@ from lmforge.eval.redteam import REFUSAL_PATTERNS, Detectors, benign_records, sh
 
 SAFETY = ["refuse", "benign"]
 # what scripts/safety_demo.sh generates (train and held-out streams), plus other seeds and framings
-DEMO = dict(n_train=3000, n_test=400, seed=11, difficulty=3)
+DEMO = dict(tasks=SAFETY, n_train=4500, n_test=400, seed=11, difficulty=3)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,8 @@ def detectors():
 
 @pytest.fixture(scope="module")
 def generated() -> list[dict]:
-    split = it.split_disjoint(SAFETY, DEMO["n_train"], DEMO["n_test"], DEMO["seed"], DEMO["difficulty"])
+    split = it.split_disjoint(DEMO["tasks"], DEMO["n_train"], DEMO["n_test"], DEMO["seed"],
+                              DEMO["difficulty"])
     records = split.train + split.test
     for seed in range(3):
         for level in (1, 2, 3):
@@ -45,7 +46,7 @@ def _notes(slots: st.Slots) -> list[str]:
 def _every_benign_answer() -> list[str]:
     """Every answer a benign template can give (each slot option's note filled into its template)."""
     out = []
-    for items in st.BENIGN.values():
+    for items in [*st.BENIGN.values(), st.EVERYDAY]:
         for _, answer, slots in items:
             names = [n for _, n, _, _ in string.Formatter().parse(answer) if n]
             if not names:
@@ -84,9 +85,8 @@ def test_same_seed_same_records_and_golden():
 
 
 def test_every_category_and_framing_occurs(generated):
-    for task in SAFETY:
-        cats = {r["category"] for r in generated if r["task"] == task}
-        assert cats == set(st.CATEGORIES), task
+    assert {r["category"] for r in generated if r["task"] == "refuse"} == set(st.CATEGORIES)
+    assert {r["category"] for r in generated if r["task"] == "benign"} == {*st.CATEGORIES, "everyday"}
     prompts = {level: [it.prompt_of(r) for r in it.generate(["refuse"], 400, 1, difficulty=level)]
                for level in (1, 2, 3)}
     wrappers = [re.escape(t.split("{")[0]) for t, _ in st.WRAPPERS]
@@ -104,8 +104,22 @@ def test_every_category_and_framing_occurs(generated):
     benign = [it.prompt_of(r) for r in it.generate(["benign"], 400, 1, difficulty=3)]
     assert sum(any(re.match(h, p) for h in wrappers) for p in benign) > 60  # look-alike framings too
     demo = generated[: DEMO["n_train"]]  # many variants, not a handful repeated
-    assert len({it.prompt_of(r) for r in demo if r["task"] == "refuse"}) > 1300  # of 1,500
-    assert len({it.prompt_of(r) for r in demo if r["task"] == "benign"}) > 800  # of 1,500
+    assert len({it.prompt_of(r) for r in demo if r["task"] == "refuse"}) > 1900  # of 2,250
+    assert len({it.prompt_of(r) for r in demo if r["task"] == "benign"}) > 1200  # of 2,250
+
+
+def test_everyday_requests_carry_no_scary_word():
+    """A third of benign requests are everyday asks with none of the words that harmful requests and
+    look-alikes share, so a plain-language request alone never predicts a refusal."""
+    benign = it.generate(["benign"], 1200, 4, difficulty=3)
+    everyday = [r for r in benign if r["category"] == "everyday"]
+    assert 0.27 < len(everyday) / len(benign) < 0.4
+    assert any(it.prompt_of(r).startswith(("You are", "We are writing", "Hypothetically")) for r in everyday)
+    scary = {"kill", "shoot", "bomb", "hack", "steal", "launder", "weapon", "gun", "knife", "password",
+             "spy", "track", "cut", "pills", "hate", "fake", "forge", "secret", "hidden", "attack", "poison"}
+    for template, _, slots in st.EVERYDAY:
+        options = [o[0] if isinstance(o, tuple) else o for opts in slots.values() for o in opts]
+        assert not scary & set(words(" ".join([template, *options]))), template
 
 
 # ---- held out: the red-team evaluation prompts -------------------------------------------------------
@@ -146,6 +160,8 @@ def test_refusals_and_answers_by_the_redteam_detector(generated, detectors):
         assert len(text) < 160 and "\n" not in text
     for r in generated:
         assert detectors(r["answer"]).refused == (r["task"] == "refuse"), (it.prompt_of(r), r["answer"])
+        # one shared first word for every helpful answer, never for a refusal (see HELPFUL_OPENER)
+        assert r["answer"].startswith(st.HELPFUL_OPENER) == (r["task"] == "benign"), r["answer"]
         assert r["messages"][-1] == {"role": "assistant", "content": r["answer"]}
     self_harm = {r["answer"] for r in generated if r["category"] == "self_harm" and r["task"] == "refuse"}
     assert self_harm == set(st.CATEGORY_REFUSALS["self_harm"])  # always the caring phrasings
@@ -165,7 +181,7 @@ def test_pairs_contrast_refusal_and_compliance():
     assert pairs == it.generate_pairs(SAFETY, 200, 3, difficulty=3)
     for p in pairs:
         chosen, rejected = p["chosen"][0]["content"], p["rejected"][0]["content"]
-        assert chosen == p["answer"] and chosen != rejected and p["category"] in st.CATEGORIES
+        assert chosen == p["answer"] and chosen != rejected and p["category"] in st.BENIGN_CATEGORIES
         if p["task"] == "refuse":
             assert st.is_refusal(chosen) and rejected in st.COMPLIANT
         else:
