@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/lora_step.py                        # --preset cpu, ~1 minute on 2 idle cores
     .venv/bin/python bench/lora_step.py --method full          # adds lmforge full fine-tuning for scale
+    .venv/bin/python bench/lora_step.py --floor                # adds the no-adapter floor (the bound)
     .venv/bin/python bench/lora_step.py --preset gpu --compile # Llama ~1B, bf16 weights, on CUDA
 
 Model: a Llama-layout lmforge Transformer (RMSNorm, RoPE, SwiGLU, no biases, untied embeddings) built
@@ -33,6 +34,10 @@ Step, both sides: forward, loss (mean over the B x (T-1) next-token targets), ba
            opt.zero_grad(set_to_none=True); loss.item()`; with --compile, torch.compile(peft_model).
 --method full adds a third side: lmforge with every parameter training (same weights, same engine
 step), to show what LoRA saves (its matmul FLOPs are about 2/3 of full fine-tuning's).
+--floor adds a side that bounds the ratio: the same lmforge model with NO adapters, every weight
+frozen but the final norm's, its embedding output made to require grad so the backward still runs
+through every block (the frozen GEMMs, attention, norms and loss both LoRA sides share): PEFT ms /
+floor ms is the ratio adapters that cost nothing would give.
 
 Method: --warmup steps per side, then --repeats rounds of one step per side, the order alternating
 every round (the machines are shared and noisy). Reported: median ms/step, tokens/s (B x T input
@@ -153,6 +158,15 @@ def build_sides(args, p: dict, cfg: ModelConfig, device: torch.device, batches: 
     hf.train()
     info = dict(hf_attn_implementation=hf.config._attn_implementation)
     info["max_logit_diff"] = check_logits(ours, hf, cfg, device)
+    floor = None
+    if args.floor:
+        floor = build_model(cfg, device)
+        floor.load_state_dict(ours.state_dict())
+        floor.to(p["dtype"]).train()
+        for q in floor.parameters():
+            q.requires_grad_(False)
+        floor.norm.weight.requires_grad_(True)  # something for the optimizer; its gradient is negligible
+        floor.tok_embeddings.register_forward_hook(lambda m, i, out: out.detach().requires_grad_())
     full = None
     if args.method == "full":
         full = build_model(cfg, device)
@@ -198,6 +212,8 @@ def build_sides(args, p: dict, cfg: ModelConfig, device: torch.device, batches: 
     sides = {"lmforge": engine_side(ours, "lmforge LoRA (engine train_step)"), "peft": peft_side()}
     if full is not None:
         sides["full"] = engine_side(full, "lmforge full FT (engine train_step)")
+    if floor is not None:
+        sides["floor"] = engine_side(floor, "lmforge, no adapters (floor)")
     return sides, info
 
 
@@ -248,6 +264,7 @@ def run(args) -> dict:
     trainable = sum(q.numel() for q in sides["lmforge"]["model"].parameters() if q.requires_grad)
     fpt = {"lmforge": adapter_flops_per_token(cfg, T, trainable), "full": flops_per_token(cfg, T)}
     fpt["peft"] = fpt["lmforge"]
+    fpt["floor"] = adapter_flops_per_token(cfg, T, cfg.d_model)
     res = dict(
         preset=args.preset, device=str(device), dtype=str(p["dtype"]), batch=B, seq_len=T,
         shape={k: v for k, v in p.items() if k != "dtype"}, r=R, alpha=ALPHA, compile=args.compile,
@@ -265,6 +282,8 @@ def run(args) -> dict:
     per_round = sorted(h / o for h, o in zip(times["peft"], times["lmforge"]))
     res["ratio_per_round_q25_q75"] = [per_round[len(per_round) // 4], per_round[(3 * len(per_round)) // 4]]
     res["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses["lmforge"], losses["peft"]))
+    if "floor" in sides:
+        res["ratio_floor"] = res["sides"]["peft"]["median_ms"] / res["sides"]["floor"]["median_ms"]
     if "full" in sides:
         res["lora_over_full_time"] = res["sides"]["lmforge"]["median_ms"] / res["sides"]["full"]["median_ms"]
         res["lora_over_full_flops"] = fpt["lmforge"] / fpt["full"]
@@ -305,6 +324,10 @@ def print_tables(res: dict) -> None:
           f"{res['max_loss_diff']:.2e} "
           f"(first {s['lmforge']['losses'][0]:.5f} / {s['peft']['losses'][0]:.5f}, last "
           f"{s['lmforge']['losses'][-1]:.5f} / {s['peft']['losses'][-1]:.5f})")
+    if "ratio_floor" in res:
+        print(f"PEFT ms / floor ms: {res['ratio_floor']:.3f} (the speed-up of adapters that cost nothing; "
+              f"lmforge's adapters cost {s['lmforge']['median_ms'] - s['floor']['median_ms']:.0f} ms, PEFT's "
+              f"{s['peft']['median_ms'] - s['floor']['median_ms']:.0f} ms)")
     if "lora_over_full_time" in res:
         print(f"LoRA / full fine-tuning step time: {res['lora_over_full_time']:.3f} "
               f"(matmul FLOPs ratio {res['lora_over_full_flops']:.3f})")
@@ -318,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--method", choices=["lora", "full"], default="lora",
                     help="full: also time lmforge full fine-tuning of the same model (reference)")
     ap.add_argument("--compile", action="store_true", help="torch.compile both sides")
+    ap.add_argument("--floor", action="store_true", help="also time the same model without adapters, with a "
+                    "gradient through every block: the bound on the speed-up")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per side")
     ap.add_argument("--repeats", type=int, default=10, help="timed rounds (one step per side each)")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads on CPU")
