@@ -367,7 +367,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     ramp = BatchRamp(cfg, dims.dp_size)
     tc = cfg.train
     schedule = LRSchedule(
-        cfg.schedule, optimizer, cfg.optim.lr, tc.max_steps, ramp.total_tokens(tc.max_steps)
+        cfg.schedule, optimizer, cfg.optim.lr, tc.max_steps, ramp.total_tokens(tc.max_steps), tc.max_time
     )
     # Every rank must run the same number of evaluation batches (their forwards are collective);
     # a pipeline splits each one into its micro-batches.

@@ -375,6 +375,16 @@ def cmd_plot_schedule(args: argparse.Namespace) -> int:
     console = Console(highlight=False)
     last = len(curve.lrs) - 1
     end = curve.warmup_end
+    if curve.seconds is not None:  # unit time: the steps depend on the machine's speed
+        at = curve.seconds
+        console.print(f"schedule {cfg.schedule.name} over train.max_time={cfg.train.max_time:g}s of training",
+                      markup=False)
+        console.print(f"peak lr      {max(curve.lrs):.4e} at {at[curve.peak_step]:.1f}s", markup=False)
+        warm = f"{at[end]:.1f}s" if end is not None else "not reached"
+        console.print(f"warm-up end  {warm}", markup=False)
+        console.print(f"final lr     {curve.lrs[last]:.4e} at {at[last]:.1f}s", markup=False)
+        console.print(f"wrote {out}", markup=False)
+        return 0
     console.print(f"schedule {cfg.schedule.name} in {cfg.schedule.unit}: {len(curve.lrs):,} steps, "
                   f"{curve.max_tokens:,} tokens", markup=False)
     console.print(f"peak lr      {max(curve.lrs):.4e} at step {curve.peak_step}", markup=False)

@@ -6,9 +6,10 @@ wrong types and out-of-range values are errors raised before any work starts.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lmforge.config.curate import CurateConfig
 from lmforge.config.optim import AdamWConfig, OptimConfig
@@ -294,9 +295,32 @@ class ModelConfig(Section):
         return 64 * ((hidden + 63) // 64)
 
 
+_DURATION = re.compile(r"(?:(\d+(?:\.\d*)?)h)?(?:(\d+(?:\.\d*)?)m)?(?:(\d+(?:\.\d*)?)s)?")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "300", "90s", "5m", "1h30m", "2.5m"; a ValueError naming the accepted forms otherwise."""
+    t = text.strip().lower().replace(" ", "")
+    try:
+        return float(t)
+    except ValueError:
+        pass
+    m = _DURATION.fullmatch(t)
+    if not t or m is None or not any(m.groups()):
+        raise ValueError(f"{text!r} is not a duration: give seconds (300) or hours/minutes/seconds such as "
+                         "'90s', '5m', '1h30m'")
+    h, mins, secs = (float(g) if g else 0.0 for g in m.groups())
+    return h * 3600 + mins * 60 + secs
+
+
+# The suffix of the length keys of each schedule unit: warmup_steps, warmup_tokens, warmup_seconds, ...
+UNIT_SUFFIX = {"steps": "steps", "tokens": "tokens", "time": "seconds"}
+
+
 class ScheduleConfig(Section):
-    """The learning-rate schedule. Lengths count optimizer steps (`*_steps` keys) or tokens seen
-    (`*_tokens` keys), as `unit` says; keys of the other unit are errors, never silently ignored."""
+    """The learning-rate schedule. Lengths count optimizer steps (`*_steps` keys), tokens seen
+    (`*_tokens` keys) or seconds of training (`*_seconds` keys, against train.max_time), as `unit`
+    says; keys of another unit are errors, never silently ignored."""
 
     name: Literal[
         "cosine", "linear", "constant", "inverse_sqrt", "polynomial", "one_cycle", "wsd", "constant_cooldown"
@@ -305,15 +329,21 @@ class ScheduleConfig(Section):
         "constant; inverse_sqrt; one_cycle (torch OneCycleLR); wsd (warmup-stable-decay, as transformers); "
         "constant_cooldown (constant, then a cooldown at the end, Hägele et al. 2024)."
     )
-    unit: Literal["steps", "tokens"] = Field(
-        "steps", description="What the schedule counts: optimizer steps, or tokens seen (stays right when "
-        "the batch size ramps up)."
+    unit: Literal["steps", "tokens", "time"] = Field(
+        "steps", description="What the schedule counts: optimizer steps, tokens seen (stays right when "
+        "the batch size ramps up), or seconds of training against the wall-clock budget train.max_time "
+        "(the lr at each step follows the time the run has trained so far, so the decay ends when the "
+        "budget does)."
     )
     warmup_steps: int | None = Field(
         None, ge=0, description="Linear warm-up steps from 0 to the peak lr (None: 100; one_cycle: none)."
     )
     warmup_tokens: int | None = Field(
         None, ge=0, description="unit=tokens: linear warm-up tokens (0: none; one_cycle: leave unset)."
+    )
+    warmup_seconds: float | None = Field(
+        None, ge=0.0, description="unit=time: linear warm-up over this many seconds of training (0: none; "
+        "one_cycle: leave unset)."
     )
     min_lr_ratio: float = Field(
         0.1, ge=0.0, le=1.0, description="Final lr as a fraction of the peak (cosine, linear, polynomial, "
@@ -325,6 +355,9 @@ class ScheduleConfig(Section):
     decay_tokens: int | None = Field(
         None, ge=1, description="unit=tokens: tokens seen when the decay ends (None: all the run's tokens)."
     )
+    decay_seconds: float | None = Field(
+        None, gt=0.0, description="unit=time: seconds of training when the decay ends (None: train.max_time)."
+    )
     power: float = Field(1.0, gt=0.0, description="polynomial: exponent of the decay (1: linear).")
     timescale_steps: int | None = Field(
         None, ge=1, description="inverse_sqrt: lr = peak / sqrt((step - warmup + t) / t) after warm-up "
@@ -333,15 +366,21 @@ class ScheduleConfig(Section):
     timescale_tokens: int | None = Field(
         None, ge=1, description="unit=tokens: inverse_sqrt timescale in tokens (None: warmup_tokens)."
     )
+    timescale_seconds: float | None = Field(
+        None, gt=0.0, description="unit=time: inverse_sqrt timescale in seconds (None: warmup_seconds)."
+    )
     cooldown_fraction: float | None = Field(
         None, gt=0.0, le=1.0, description="wsd/constant_cooldown: the final decay spans this fraction of "
-        "the schedule up to its decay end (None: 0.2, unless cooldown_steps/cooldown_tokens is set)."
+        "the schedule up to its decay end (None: 0.2, unless cooldown_steps/_tokens/_seconds is set)."
     )
     cooldown_steps: int | None = Field(
         None, ge=1, description="wsd/constant_cooldown: the final decay spans this many steps."
     )
     cooldown_tokens: int | None = Field(
         None, ge=1, description="unit=tokens: wsd/constant_cooldown final decay length in tokens."
+    )
+    cooldown_seconds: float | None = Field(
+        None, gt=0.0, description="unit=time: wsd/constant_cooldown final decay length in seconds."
     )
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = Field(
         "1-sqrt", description="wsd/constant_cooldown: shape of the final decay (constant_cooldown: linear "
@@ -357,20 +396,21 @@ class ScheduleConfig(Section):
 
     @model_validator(mode="after")
     def _check_combination(self) -> ScheduleConfig:
-        own, other = ("steps", "tokens") if self.unit == "steps" else ("tokens", "steps")
+        own = UNIT_SUFFIX[self.unit]
         for key in ("warmup", "decay", "cooldown", "timescale"):
-            if getattr(self, f"{key}_{other}") is not None:
-                raise ValueError(f"schedule.{key}_{other} counts {other} but schedule.unit={self.unit}; "
-                                 f"use schedule.{key}_{own} or set schedule.unit={other}")
+            for unit, suffix in UNIT_SUFFIX.items():
+                if unit != self.unit and getattr(self, f"{key}_{suffix}") is not None:
+                    raise ValueError(f"schedule.{key}_{suffix} counts {suffix} but schedule.unit="
+                                     f"{self.unit}; use schedule.{key}_{own} or set schedule.unit={unit}")
         warmup, decay = getattr(self, f"warmup_{own}"), getattr(self, f"decay_{own}")
         cooldown = getattr(self, f"cooldown_{own}")
         if self.name == "one_cycle" and warmup:
             raise ValueError(f"schedule.name=one_cycle rises from peak/div_factor over pct_start of the "
                              f"cycle; remove schedule.warmup_{own} (or set it to 0) and tune "
                              "schedule.pct_start")
-        if self.unit == "tokens" and warmup is None and self.name != "one_cycle":
-            raise ValueError("schedule.unit=tokens needs schedule.warmup_tokens (tokens of linear warm-up; "
-                             "0 for none)")
+        if self.unit != "steps" and warmup is None and self.name != "one_cycle":
+            raise ValueError(f"schedule.unit={self.unit} needs schedule.warmup_{own} ({own} of linear "
+                             "warm-up; 0 for none)")
         if decay is not None and self.name in ("constant", "inverse_sqrt"):
             raise ValueError(f"schedule.name={self.name} never ends a decay; remove schedule.decay_{own}")
         if decay is not None and warmup is not None and decay <= warmup:
@@ -388,10 +428,10 @@ class ScheduleConfig(Section):
                              f"schedule.decay_{own}")
         if getattr(self, f"timescale_{own}") is not None and self.name != "inverse_sqrt":
             raise ValueError(f"schedule.timescale_{own} applies to name=inverse_sqrt, not {self.name}")
-        if (self.name == "inverse_sqrt" and self.unit == "tokens" and not warmup
-                and self.timescale_tokens is None):
-            raise ValueError("schedule.name=inverse_sqrt with unit=tokens and no warm-up needs "
-                             "schedule.timescale_tokens (the tokens over which the lr falls to 1/sqrt(2))")
+        if (self.name == "inverse_sqrt" and self.unit != "steps" and not warmup
+                and getattr(self, f"timescale_{own}") is None):
+            raise ValueError(f"schedule.name=inverse_sqrt with unit={self.unit} and no warm-up needs "
+                             f"schedule.timescale_{own} (the {own} over which the lr falls to 1/sqrt(2))")
         if self.name == "constant_cooldown" and self.decay_shape == "cosine":
             raise ValueError("schedule.name=constant_cooldown cools down as linear or 1-sqrt; set "
                              "schedule.decay_shape to one of those, or use name=wsd for a cosine decay")
@@ -400,6 +440,13 @@ class ScheduleConfig(Section):
 
 class TrainConfig(Section):
     max_steps: int = Field(1000, ge=1, description="Optimizer steps to train.")
+    max_time: float | None = Field(
+        None, gt=0.0, description="Wall-clock budget of training, in seconds or as '90s', '5m', '1h30m' "
+        "(None: none). The run stops before a step that would end past it, saves a checkpoint and runs the "
+        "final evaluation; validations, task evaluations and checkpoint saves do not count against it. "
+        "train.max_steps still applies (set it high for a run that only the clock ends), and "
+        "schedule.unit=time spreads the schedule over the budget."
+    )
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward pass.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
     seq_len: int | None = Field(None, ge=1, description="Training sequence length (None: model.max_seq_len).")
@@ -442,6 +489,11 @@ class TrainConfig(Section):
         0, ge=0, description="Compute the output projection and cross-entropy this many tokens at a time, "
         "never holding all (tokens x vocab) logits (0: off; e.g. 4096 saves memory at large vocabularies)."
     )
+
+    @field_validator("max_time", mode="before")
+    @classmethod
+    def _parse_duration(cls, value: Any) -> Any:
+        return parse_duration(value) if isinstance(value, str) else value
 
 
 class ObjectiveConfig(Section):
@@ -884,6 +936,9 @@ class Config(Section):
                 f"train.seq_len={seq} exceeds model.max_seq_len={self.model.max_seq_len}; "
                 "lower train.seq_len or raise model.max_seq_len"
             )
+        if self.schedule.unit == "time" and self.train.max_time is None:
+            raise ValueError("schedule.unit=time spreads the schedule over the wall-clock budget: set "
+                             "train.max_time (e.g. 5m), or count steps or tokens (schedule.unit)")
         encoder, mlm = self.model.arch == "encoder", self.objective.name == "mlm"
         if encoder != mlm:
             raise ValueError(

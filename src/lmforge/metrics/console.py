@@ -84,12 +84,16 @@ class Console:
         if self.progress is not None:
             self.progress.update(self._task, completed=step)
 
-    def log(self, record: dict[str, Any], total: int) -> None:
+    def log(self, record: dict[str, Any], total: int, budget_left: float | None = None) -> None:
+        """One log line (plain) or the bar's stats; `budget_left`: seconds of a time budget still to go,
+        which bound the estimate of the time left."""
         if self.mode == "bar" and self.progress is not None:
             self.progress.update(self._task, completed=record["step"], stats=_compact(record))
         elif self.mode == "plain":
             done = record["step"] - self._first
             eta = (time.perf_counter() - self._t0) / done * (total - record["step"]) if done > 0 else 0.0
+            if budget_left is not None:
+                eta = min(eta, budget_left) if done > 0 else budget_left
             m, s = divmod(int(eta), 60)
             self.print(f"step {record['step']:>6}/{total}  {_fmt(record)}  eta {m}:{s:02d}")
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from lmforge.config.schema import ScheduleConfig
+from lmforge.config.schema import UNIT_SUFFIX, ScheduleConfig
 from lmforge.errors import ConfigError
 
 DEFAULT_WARMUP_STEPS = 100
@@ -21,24 +21,29 @@ DEFAULT_COOLDOWN_FRACTION = 0.2  # Hägele et al. 2024: a 20% cooldown matches a
 DEFAULT_TIMESCALE_STEPS = 10_000  # transformers' get_inverse_sqrt_schedule without warm-up
 
 
-def warmup_length(cfg: ScheduleConfig) -> int:
+def _length(cfg: ScheduleConfig, key: str) -> float | None:
+    """The `key` length (warmup, decay, cooldown, timescale) in the schedule's unit, as configured."""
+    return getattr(cfg, f"{key}_{UNIT_SUFFIX[cfg.unit]}")
+
+
+def warmup_length(cfg: ScheduleConfig) -> float:
     """The linear warm-up in `cfg.unit`: the key that was set, else 100 steps (one_cycle: none)."""
-    n = cfg.warmup_steps if cfg.unit == "steps" else cfg.warmup_tokens
+    n = _length(cfg, "warmup")
     if n is not None:
         return n
     return DEFAULT_WARMUP_STEPS if cfg.unit == "steps" and cfg.name != "one_cycle" else 0
 
 
-def decay_end(cfg: ScheduleConfig, total: int) -> int:
+def decay_end(cfg: ScheduleConfig, total: float) -> float:
     """Where the decay (one_cycle: the cycle) ends, in `cfg.unit`: the key that was set, else `total`."""
-    n = cfg.decay_steps if cfg.unit == "steps" else cfg.decay_tokens
+    n = _length(cfg, "decay")
     return total if n is None else n
 
 
-def lr_multiplier(x: int, cfg: ScheduleConfig, total: int) -> float:
+def lr_multiplier(x: float, cfg: ScheduleConfig, total: float) -> float:
     """The factor applied to the peak lr at position `x` (0-based): the optimizer step about to be
-    taken, or the tokens seen before it when `cfg.unit` is "tokens". `total` is the run's length in
-    the same unit (train.max_steps, or the tokens the whole run sees).
+    taken, or the tokens seen (unit tokens) or seconds trained (unit time) before it. `total` is the
+    run's length in the same unit (train.max_steps, the tokens the whole run sees, train.max_time).
 
     Every schedule but one_cycle starts with a linear warm-up from 0 (wsd: from min_lr_ratio, as
     transformers' `get_wsd_schedule`) to the peak. The values equal transformers'
@@ -70,26 +75,38 @@ def lr_multiplier(x: int, cfg: ScheduleConfig, total: int) -> float:
     return floor + (1.0 - floor) * (1.0 - progress)
 
 
-def make_multiplier(cfg: ScheduleConfig, max_steps: int, max_tokens: int) -> Callable[[int, int], float]:
-    """(step, tokens_seen) -> the factor on the peak lr for the optimizer step about to be taken
-    (0-based step; tokens_seen before it). `max_tokens` is what the whole run will see."""
-    total = max_steps if cfg.unit == "steps" else max_tokens
-    if total < 1:
-        raise ConfigError(f"a schedule in {cfg.unit} needs a run of at least one {cfg.unit[:-1]}, "
-                          f"got {total}")
+Multiplier = Callable[..., float]  # (step, tokens_seen, seconds=0.0) -> factor
+
+
+def make_multiplier(cfg: ScheduleConfig, max_steps: int, max_tokens: int,
+                    max_seconds: float | None = None) -> Multiplier:
+    """(step, tokens_seen, seconds=0.0) -> the factor on the peak lr for the optimizer step about to be
+    taken (0-based step; tokens seen and seconds trained before it). `max_tokens` is what the whole
+    run will see, `max_seconds` its wall-clock budget (needed by unit=time)."""
+    if cfg.unit == "time":
+        if max_seconds is None:
+            raise ConfigError("schedule.unit=time needs the wall-clock budget train.max_time")
+        total: float = max_seconds
+    else:
+        total = max_steps if cfg.unit == "steps" else max_tokens
+        if total < 1:
+            raise ConfigError(f"a schedule in {cfg.unit} needs a run of at least one {cfg.unit[:-1]}, "
+                              f"got {total}")
     if cfg.name == "one_cycle" and _one_cycle_peak(cfg, decay_end(cfg, total)) <= 0:
         raise ConfigError(f"schedule.pct_start={cfg.pct_start} puts one_cycle's peak before the first "
                           f"step of a {decay_end(cfg, total)}-step cycle; raise pct_start or train longer")
+    if cfg.unit == "time":
+        return lambda step, tokens_seen, seconds=0.0: lr_multiplier(seconds, cfg, total)
     if cfg.unit == "tokens":
-        return lambda step, tokens_seen: lr_multiplier(tokens_seen, cfg, max_tokens)
-    return lambda step, tokens_seen: lr_multiplier(step, cfg, max_steps)
+        return lambda step, tokens_seen, seconds=0.0: lr_multiplier(tokens_seen, cfg, total)
+    return lambda step, tokens_seen, seconds=0.0: lr_multiplier(step, cfg, total)
 
 
-def make_schedule(cfg: ScheduleConfig, peak_lr: float, max_steps: int,
-                  max_tokens: int) -> Callable[[int, int], float]:
-    """(step, tokens_seen) -> absolute lr for the optimizer step about to be taken."""
-    multiplier = make_multiplier(cfg, max_steps, max_tokens)
-    return lambda step, tokens_seen: peak_lr * multiplier(step, tokens_seen)
+def make_schedule(cfg: ScheduleConfig, peak_lr: float, max_steps: int, max_tokens: int,
+                  max_seconds: float | None = None) -> Multiplier:
+    """(step, tokens_seen, seconds=0.0) -> absolute lr for the optimizer step about to be taken."""
+    multiplier = make_multiplier(cfg, max_steps, max_tokens, max_seconds)
+    return lambda step, tokens_seen, seconds=0.0: peak_lr * multiplier(step, tokens_seen, seconds)
 
 
 class LRSchedule:
@@ -99,20 +116,21 @@ class LRSchedule:
     The initial lrs are read once from the optimizer as built from the config (Muon's matrices start
     at optim.muon.lr, everything else at optim.lr), so one rule serves every optimizer and a resumed
     run follows the config, not the lrs its checkpoint happened to hold. Stateless: the step and the
-    tokens seen (the trainer's progress) are the whole position.
+    tokens seen and the seconds trained (the trainer's progress and clock) are the whole position.
     """
 
     def __init__(self, cfg: ScheduleConfig, optimizer: torch.optim.Optimizer, base_lr: float, max_steps: int,
-                 max_tokens: int) -> None:
-        self.multiplier = make_multiplier(cfg, max_steps, max_tokens)
+                 max_tokens: int, max_seconds: float | None = None) -> None:
+        self.multiplier = make_multiplier(cfg, max_steps, max_tokens, max_seconds)
         self.base_lr = base_lr
         self.initial = [g["lr"] for g in optimizer.param_groups]
 
     def apply(
-        self, optimizer: torch.optim.Optimizer, step: int, tokens_seen: int, scale: float = 1.0
+        self, optimizer: torch.optim.Optimizer, step: int, tokens_seen: int, scale: float = 1.0,
+        seconds: float = 0.0,
     ) -> float:
         """Set the lrs for the coming step; returns the headline lr (base_lr's), as logged."""
-        m = self.multiplier(step, tokens_seen)
+        m = self.multiplier(step, tokens_seen, seconds)
         set_lrs(optimizer, self.initial, m, scale)
         return self.base_lr * m * scale
 
@@ -126,20 +144,20 @@ def set_lrs(optimizer: torch.optim.Optimizer, initial: list[float | None], multi
             group["lr"] = lr0 * multiplier * scale
 
 
-def _timescale(cfg: ScheduleConfig, warmup: int) -> int:
-    t = cfg.timescale_steps if cfg.unit == "steps" else cfg.timescale_tokens
+def _timescale(cfg: ScheduleConfig, warmup: float) -> float:
+    t = _length(cfg, "timescale")
     if t is not None:
         return t
     return warmup or DEFAULT_TIMESCALE_STEPS  # tokens without warm-up: the config demands timescale_tokens
 
 
-def _cooldown(x: int, cfg: ScheduleConfig, end: int, floor: float) -> float:
+def _cooldown(x: float, cfg: ScheduleConfig, end: float, floor: float) -> float:
     """Flat at the peak, then the final decay over [end - length, end) to `floor`, then the floor.
 
     The decay window is anchored at the end, so a warm-up that overlaps it wins where they meet,
     exactly as transformers' wsd does when its stable phase comes out negative.
     """
-    length = cfg.cooldown_steps if cfg.unit == "steps" else cfg.cooldown_tokens
+    length = _length(cfg, "cooldown")
     if length is None:
         length = (cfg.cooldown_fraction or DEFAULT_COOLDOWN_FRACTION) * end
     start = end - length
@@ -157,13 +175,13 @@ def _cooldown(x: int, cfg: ScheduleConfig, end: int, floor: float) -> float:
     return factor * (1.0 - floor) + floor
 
 
-def _one_cycle_peak(cfg: ScheduleConfig, end: int) -> float:
+def _one_cycle_peak(cfg: ScheduleConfig, end: float) -> float:
     # OneCycleLR numbers steps 0..total-1, so its rise ends at pct_start*total - 1 and its floor is reached
-    # at step total-1. Counted in tokens the cycle is continuous: from 0 to the run's last token.
+    # at step total-1. Counted in tokens or seconds the cycle is continuous: from 0 to the run's end.
     return cfg.pct_start * end - (1 if cfg.unit == "steps" else 0)
 
 
-def _one_cycle(x: int, cfg: ScheduleConfig, end: int) -> float:
+def _one_cycle(x: float, cfg: ScheduleConfig, end: float) -> float:
     """torch's OneCycleLR (anneal_strategy="cos", three_phase=False) as a multiplier of its max_lr:
     a cosine rise from 1/div_factor to 1, then a cosine fall to 1/(div_factor*final_div_factor)."""
     start_lr = 1.0 / cfg.div_factor

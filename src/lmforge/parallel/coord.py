@@ -58,3 +58,12 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def max_over_ranks(value: float, device: torch.device | None = None) -> float:
+    """The largest of every rank's `value` (e.g. the slowest rank's step time), on every rank."""
+    if not _active():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())

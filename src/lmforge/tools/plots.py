@@ -18,13 +18,16 @@ if TYPE_CHECKING:
 
 @dataclass
 class ScheduleCurve:
-    """The lr of every optimizer step of a run, and the tokens seen before each step."""
+    """The lr of every optimizer step of a run, and the tokens seen before each step. A schedule over a
+    wall-clock budget (unit time) has no steps known in advance: its points are evenly spaced seconds of
+    training (`seconds`), and `tokens` is empty."""
 
     lrs: list[float]
     tokens: list[int]
     max_tokens: int
     unit: str
     warmup_end: int | None  # first step past the warm-up (one_cycle: at its peak); None: not in this run
+    seconds: list[float] | None = None  # unit time: the training time of each point
 
     @property
     def peak_step(self) -> int:
@@ -41,6 +44,8 @@ def schedule_curve(cfg: Config, world_size: int = 1) -> ScheduleCurve:
         from lmforge.errors import ConfigError
 
         raise ConfigError(f"world size {world_size}: a run has at least one data-parallel rank")
+    if cfg.schedule.unit == "time":
+        return _time_curve(cfg)
     steps = cfg.train.max_steps
     ramp = BatchRamp(cfg, world_size)
     max_tokens = ramp.total_tokens(steps)
@@ -60,12 +65,34 @@ def schedule_curve(cfg: Config, world_size: int = 1) -> ScheduleCurve:
     return curve
 
 
+TIME_POINTS = 1000
+
+
+def _time_curve(cfg: Config) -> ScheduleCurve:
+    """The lr over the budget train.max_time, at TIME_POINTS evenly spaced seconds of training."""
+    from lmforge.optim.schedule import make_schedule, warmup_length
+
+    budget = cfg.train.max_time
+    lr_at = make_schedule(cfg.schedule, cfg.optim.lr, cfg.train.max_steps, 0, budget)
+    seconds = [budget * i / TIME_POINTS for i in range(TIME_POINTS)]
+    lrs = [lr_at(0, 0, t) for t in seconds]
+    curve = ScheduleCurve(lrs, [], 0, "time", None, seconds)
+    if cfg.schedule.name == "one_cycle":
+        curve.warmup_end = curve.peak_step
+    else:
+        warmup = warmup_length(cfg.schedule)
+        curve.warmup_end = next((i for i, t in enumerate(seconds) if t >= warmup), None)
+    return curve
+
+
 def plot_schedule(curve: ScheduleCurve, out_path: str | os.PathLike, title: str = "") -> Path:
     """Draw the lr against the step, and against tokens seen when the schedule counts tokens."""
     plt = pyplot()
     panels = 2 if curve.unit == "tokens" else 1
     fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 * panels), squeeze=False)
     xs = [("step", list(range(len(curve.lrs))))]
+    if curve.seconds is not None:
+        xs = [("seconds of training", curve.seconds)]
     if panels == 2:
         xs.append(("tokens seen", curve.tokens))
     for ax, (label, x) in zip(axes[:, 0], xs):

@@ -119,7 +119,9 @@ class MetricsLogging(Callback):
         record.update({f"grad_norm/{k}": v for k, v in result.group_grad_norms.items()})
         record.update({f"update_ratio/{k}": v for k, v in result.update_ratios.items()})
         self.logger.log(record)
-        trainer.console.log(record, trainer.cfg.train.max_steps)
+        budget = trainer.cfg.train.max_time
+        trainer.console.log(record, trainer.cfg.train.max_steps,
+                            None if budget is None else max(0.0, budget - trainer.clock.seconds))
         self._reset()
 
     def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:

@@ -1,7 +1,8 @@
 """`lmforge train` and `lmforge.Trainer`: the training loop over the parts `build_run` assembles.
 
-The loop (`Trainer.fit`) reads top to bottom: schedule -> step -> account -> callbacks -> validate ->
-checkpoint. Everything with state is a Stateful part in `Trainer.states` (progress, lr scale, data
+The loop (`Trainer.fit`) reads top to bottom: budget -> schedule -> step -> account -> callbacks ->
+validate -> checkpoint. Everything with state is a Stateful part in `Trainer.states` (progress, training
+clock, lr scale, data
 loader, RNG, precision scaler, stability guards, weight averages, stateful callbacks, the batches an
 objective trains on again); the checkpoint manager saves and restores that dict without knowing its
 members, so a run killed at any point resumes onto the exact same loss curve.
@@ -38,7 +39,7 @@ from lmforge.metrics.console import Console
 from lmforge.metrics.throughput import peak_flops
 from lmforge.metrics.trackers import check_trackers
 from lmforge.models.flops import adapter_flops_per_token, flops_per_token
-from lmforge.parallel.coord import any_rank, on_rank0
+from lmforge.parallel.coord import any_rank, max_over_ranks, on_rank0
 from lmforge.parallel.init import abandon, shutdown
 from lmforge.parallel.world import World
 from lmforge.train.averaging import build_averages
@@ -76,6 +77,35 @@ class Progress:
     def load_state_dict(self, sd: dict) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
         self.skipped_steps = int(sd.get("skipped_steps", 0))
+
+
+@dataclass
+class Clock:
+    """Seconds spent training (the loop's steps, data and logging; not validation or checkpointing),
+    summed over every process that worked on the run, and the last iteration's length (what the next
+    one is expected to take): what train.max_time and schedule.unit=time count. Its own part, outside a
+    spike rollback: time spent on steps that were redone is spent."""
+
+    seconds: float = 0.0
+    last: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.seconds += seconds
+        self.last = seconds
+
+    def would_overrun(self, budget: float | None) -> bool:
+        """Whether one more iteration as long as the last one would end past `budget` seconds."""
+        return budget is not None and self.seconds + self.last > budget
+
+    def state_dict(self) -> dict:
+        return {"seconds": self.seconds, "last": self.last}
+
+    def load_state_dict(self, sd: dict) -> None:
+        values = float(sd["seconds"]), float(sd.get("last", 0.0))
+        if not all(math.isfinite(v) and v >= 0 for v in values):
+            raise CheckpointError(f"the training clock in this checkpoint reads {values!r} seconds; finite "
+                                  "numbers >= 0 were expected")
+        self.seconds, self.last = values
 
 
 @dataclass
@@ -147,7 +177,7 @@ class Trainer:
         self.cfg, self.world, self.device, self.dims = run.cfg, run.world, run.device, run.dims
         self.model, self.parallel = run.model, run.parallel
         self.optimizer, self.precision = run.optimizer, run.precision
-        self.progress, self.control = Progress(), Control()
+        self.progress, self.control, self.clock = Progress(), Control(), Clock()
         sc = self.cfg.stability
         self.guard = NonFiniteGuard(sc.max_nonfinite)
         self.spikes = SpikeDetector(sc) if sc.spike_detection else None
@@ -161,6 +191,7 @@ class Trainer:
         self.callbacks: list[Callback] = [MetricsLogging(), self.early, *callbacks]
         self.states: dict[str, Any] = {
             "progress": self.progress,
+            "clock": self.clock,
             "control": self.control,
             "loader": run.train_loader,
             "rng": RNGState(),
@@ -186,8 +217,11 @@ class Trainer:
         self._first_compiled_step = True
         if run.resumed:
             self._restore()
-        # A resumed run that already reached train.max_steps has nothing to do and changes nothing.
-        self.complete = run.resumed and self.step >= self.cfg.train.max_steps
+        # A resumed run that already reached train.max_steps (or spent train.max_time) has nothing to do
+        # and changes nothing.
+        budget = self.cfg.train.max_time
+        self.complete = run.resumed and (self.step >= self.cfg.train.max_steps
+                                         or self.clock.would_overrun(budget))
         if self.world.is_main and not self.complete:  # a refused resume leaves the old config intact
             save_config(self.cfg, run.run_dir / "config.yaml")
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -225,8 +259,8 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        """Train to `train.max_steps` (or a stop request); returns the final metrics: step, train_loss
-        (the last step's) and the final validation's loss, ppl, tokens, bpb."""
+        """Train to `train.max_steps`, the end of `train.max_time` or a stop request; returns the final
+        metrics: step, train_loss (the last step's) and the final validation's loss, ppl, tokens, bpb."""
         tc, final = self.cfg.train, None
         if self.complete:
             return self._completed()
@@ -234,11 +268,16 @@ class Trainer:
         self._emit("on_train_start")
         try:
             while self.step < tc.max_steps:
+                if self._out_of_time():
+                    break
+                t0 = time.perf_counter()
                 result = self._train_step()
                 if result.verdict is not None and self._recover(result.verdict.finding):
+                    self._tick(t0)
                     continue  # rolled back: the steps since the checkpoint are redone on new data
                 self._account(result)
                 self._emit("on_step_end", self.step, result)
+                self._tick(t0)
                 if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
                     self.validate()
                 if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
@@ -269,11 +308,18 @@ class Trainer:
         self.run.release()
 
     def _completed(self) -> dict[str, Any]:
-        """fit() of a resumed run that already reached train.max_steps: its recorded final metrics."""
+        """fit() of a resumed run that already reached train.max_steps or spent train.max_time: its recorded
+        final metrics."""
         from lmforge.metrics.loggers import read_metrics
 
-        self.console.warn(f"the run in {self.run_dir} is complete (step {self.step} of train.max_steps="
-                          f"{self.cfg.train.max_steps}); nothing to do. Raise train.max_steps to train on.")
+        tc = self.cfg.train
+        if self.step >= tc.max_steps:
+            self.console.warn(f"the run in {self.run_dir} is complete (step {self.step} of train.max_steps="
+                              f"{tc.max_steps}); nothing to do. Raise train.max_steps to train on.")
+        else:
+            self.console.warn(f"the run in {self.run_dir} has spent its time budget ({self.clock.seconds:.1f}"
+                              f"s of train.max_time={tc.max_time:g}s); nothing to do. Raise train.max_time "
+                              "to train on.")
         records = read_metrics(self.run_dir / "metrics.jsonl")
         val = [r for r in records if r.get("step") == self.step and "val_loss" in r]
         train = [r["loss"] for r in records if "loss" in r and "event" not in r]
@@ -287,9 +333,30 @@ class Trainer:
         return out
 
     # -- pieces of the loop -------------------------------------------------------------------
+    def _tick(self, t0: float) -> None:
+        """Add the iteration since `t0` to the training clock (before validation and checkpointing, which
+        the budget does not count). Ranks agree on the clock: the slowest rank's time counts, so every
+        rank stops at the same step."""
+        seconds = time.perf_counter() - t0
+        if self.cfg.train.max_time is not None and self.world.world_size > 1:
+            seconds = max_over_ranks(seconds, self.device)
+        self.clock.add(seconds)
+
+    def _out_of_time(self) -> bool:
+        """train.max_time: stop before a step that, taking as long as the last one, would end past the
+        budget (a budget never overruns by a step). Records the stop in metrics.jsonl."""
+        budget = self.cfg.train.max_time
+        if not self.clock.would_overrun(budget):
+            return False
+        self._event("time_budget", train_seconds=round(self.clock.seconds, 3), max_time=budget)
+        self.console(f"train.max_time={budget:g}s reached after {self.clock.seconds:.1f}s of training "
+                     f"(step {self.step}); saving and evaluating")
+        return True
+
     def _train_step(self) -> StepResult:
         tc, run = self.cfg.train, self.run
-        self.lr = run.schedule.apply(self.optimizer, self.step, self.tokens_seen, self.control.lr_scale)
+        self.lr = run.schedule.apply(self.optimizer, self.step, self.tokens_seen, self.control.lr_scale,
+                                     seconds=self.clock.seconds)
         t0 = time.perf_counter()
         again = self.replay.take() if self.replay is not None else None
         if again is not None:
