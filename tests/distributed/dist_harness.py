@@ -13,7 +13,8 @@ plain single-process `train_step`.
 A scenario is a JSON-able dict: name; model / parallel / train / optim overrides of the tiny
 model below; steps; rows (sequences per global micro-batch); clip; first_step (index of the
 first batch, for resumed runs); save_at + save_dir (checkpoint after that many steps);
-load_dir (resume from there first); probe_no_sync (record what each micro-batch's backward
+load_dir (resume from there first); defer (steps keep their loss on the device: train_step's defer);
+probe_no_sync (record what each micro-batch's backward
 left behind in the first step); export (write the consolidated safetensors file there);
 eval (summed loss of one held-out global batch via evaluate_loss over the ParallelModel).
 """
@@ -228,13 +229,15 @@ def _run(spec: dict, world) -> dict:
     if spec.get("probe_no_sync"):
         probe = pm.comm = _Probe(pm.comm)
     first = spec.get("first_step", 0)
-    losses, norms = [], []
+    losses, norms, deferred = [], [], []
     for step in range(first, first + spec["steps"]):
         batches = global_batches(spec, step, cfg.train.grad_accum_steps, cfg.model.vocab_size)
         b = batches[0][0].shape[0] // dims.dp_size
         rows = slice(dims.dp_rank * b, (dims.dp_rank + 1) * b)
         local = [(x[rows], y[rows]) for x, y in batches]
-        r = pm.step(local, opt, Precision("fp32", CPU), grad_clip=cfg.train.grad_clip)
+        r = pm.step(local, opt, Precision("fp32", CPU), grad_clip=cfg.train.grad_clip,
+                    defer=spec.get("defer", False))
+        deferred.append(not r.settled)
         if probe is not None:
             pm.comm, probe_events = probe.inner, probe.events
             probe = None
@@ -257,7 +260,7 @@ def _run(spec: dict, world) -> dict:
         # The Trainer's validation path: each dp rank its own rows, sums over the job.
         ev = evaluate_loss(pm, [(x[rows], y[rows])], pm.objective, pm.comm, precision=Precision("fp32", CPU))
         extra["eval"] = (ev["loss"] * ev["tokens"], ev["tokens"])
-    out = {**extra, "losses": losses, "grad_norms": norms, "dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank,
+    out = {**extra, "losses": losses, "grad_norms": norms, "deferred": deferred, "dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank,
            "tp_rank": dims.tp_rank,
            "params": get_model_state_dict(pm.model, options=StateDictOptions(full_state_dict=True))}
     if spec.get("probe_no_sync"):

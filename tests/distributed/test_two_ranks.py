@@ -59,6 +59,10 @@ SCENARIOS = [
     dict(name="ddp_chunked_loss", parallel={"dp_replicate": 2}, train={"loss_chunk_tokens": 48}),
     dict(name="zero3_chunked_loss_tied", parallel={"dp_shard": 2}, model={"tie_embeddings": True},
          train={"loss_chunk_tokens": 48}),
+    # Steps that keep loss, norm and skip flag on the device (fused AdamW skips on found_inf itself).
+    dict(name="ddp_deferred", parallel={"dp_replicate": 2}, defer=True),
+    dict(name="zero3_deferred", parallel={"dp_shard": 2}, defer=True),
+    dict(name="tp_deferred", parallel={"tp": 2}, defer=True),
     # A layout that cannot fit the job: must fail before any model is built.
     dict(name="bad_layout", parallel={"tp": 4}),
     dict(name="compile_with_tp", parallel={"tp": 2}, train={"compile": True}),
@@ -118,6 +122,14 @@ def test_fsdp_defers_reduce_scatter_to_last_microbatch(runs):
     for ev in (r["no_sync"] for r in runs[0]["zero3_ac"]):
         assert ev[0]["reductions"] == 0 and ev[0]["grads_set"] == 0  # accumulated unsharded, not reduced
         assert ev[1]["reductions"] >= 1 and ev[1]["grads_set"] > 0
+
+
+@pytest.mark.parametrize("name", ["ddp_deferred", "zero3_deferred", "tp_deferred"])
+def test_deferred_steps_stay_on_the_device(runs, name):
+    """Every step of these ran without reading its loss on the host (and still equals one process:
+    test_equals_single_process); the plain scenarios read theirs at once."""
+    assert all(all(r["deferred"]) for r in runs[0][name])
+    assert not any(any(r["deferred"]) for r in runs[0]["ddp"])
 
 
 def test_bad_layout_fails_at_startup_naming_the_keys(runs):

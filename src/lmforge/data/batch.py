@@ -7,7 +7,7 @@ weights for RL) instead of changing the step.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +34,21 @@ class PaddedRows:
         return self.input_ids.size(0)
 
 
+def _count(batch: TokenBatch | ChatBatch) -> int:
+    """The batch's loss-carrying targets: the count it carries, else counted (a synchronisation when the
+    targets are on an accelerator)."""
+    if batch.n_targets is not None:
+        return batch.n_targets
+    return int((batch.targets != IGNORE_INDEX).sum())
+
+
+def _host_count(batch: TokenBatch | ChatBatch) -> int | None:
+    """The count to carry to another device: known, or counted now while the targets are on the host."""
+    if batch.n_targets is None and batch.targets.device.type == "cpu":
+        return _count(batch)
+    return batch.n_targets
+
+
 @dataclass(frozen=True)
 class TokenBatch:
     """Next-token prediction: `input_ids` (B, T) and `targets` (B, T), targets[i] = the token after
@@ -41,6 +56,9 @@ class TokenBatch:
 
     input_ids: torch.Tensor
     targets: torch.Tensor
+    # The targets that are not IGNORE_INDEX, counted on the host before the batch moved to its device
+    # (None: not counted yet), so the step's loss normaliser needs no device-to-host synchronisation.
+    n_targets: int | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, batch: TokenBatch | tuple[torch.Tensor, torch.Tensor]) -> TokenBatch:
@@ -61,7 +79,11 @@ class TokenBatch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TokenBatch:
         return TokenBatch(self.input_ids.to(device, non_blocking=non_blocking),
-                          self.targets.to(device, non_blocking=non_blocking))
+                          self.targets.to(device, non_blocking=non_blocking), _host_count(self))
+
+    def target_count(self) -> int:
+        """Targets that carry a loss (not IGNORE_INDEX)."""
+        return _count(self)
 
     @property
     def device(self) -> torch.device:
@@ -90,6 +112,7 @@ class ChatBatch(PaddedRows):
     position_ids: torch.Tensor | None = None
     segment_ids: torch.Tensor | None = None
     real_tokens: int = 0
+    n_targets: int | None = field(default=None, compare=False)  # as TokenBatch.n_targets
 
     def __iter__(self):
         return iter((self.input_ids, self.targets))
@@ -110,7 +133,11 @@ class ChatBatch(PaddedRows):
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ChatBatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return ChatBatch(move(self.input_ids), move(self.targets), move(self.position_ids),
-                         move(self.segment_ids), self.real_tokens)
+                         move(self.segment_ids), self.real_tokens, _host_count(self))
+
+    def target_count(self) -> int:
+        """Targets that carry a loss (not IGNORE_INDEX)."""
+        return _count(self)
 
 @dataclass(frozen=True)
 class PreferenceBatch(PaddedRows):

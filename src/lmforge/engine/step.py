@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -33,18 +33,56 @@ class Verdict:
     finding: Any = None  # what the judge found (e.g. a loss spike), for the caller to act on
 
 
-@dataclass
 class StepResult:
-    loss: float  # mean loss per target over the whole step
-    tokens: int  # input tokens processed (the whole job: all data-parallel ranks; padding not counted)
-    target_tokens: int  # targets that carried a loss (the whole job)
-    grad_norm: float  # global gradient norm before clipping
-    skipped: bool = False  # the update was not applied (non-finite loss or gradients, or the judge said so)
-    verdict: Verdict | None = None  # the judge's ruling, when there was a judge and it found something
-    metrics: dict[str, float] = field(default_factory=dict)  # the objective's metrics, means per target
-    group_grad_norms: dict[str, float] = field(default_factory=dict)  # with group_stats
-    update_ratios: dict[str, float] = field(default_factory=dict)  # |update| / |param| per group
-    seconds: float = 0.0  # wall time of the step, batches included (the trainer fills it in)
+    """What one optimizer step did.
+
+    `loss`, `grad_norm` and `skipped` may still live on the device when the step was run with
+    `defer=True` and could decide on the device whether to apply its update (a fused Adam/AdamW skips a
+    non-finite step by itself): reading one of them copies them to the host then (one synchronisation),
+    and `settle_all` does that for many results at once. Everything else is known on the host.
+    """
+
+    def __init__(self, loss: float, tokens: int, target_tokens: int, grad_norm: float, skipped: bool = False,
+                 verdict: Verdict | None = None, metrics: dict[str, float] | None = None) -> None:
+        self._loss, self._grad_norm, self._skipped = loss, grad_norm, skipped
+        self._pending: torch.Tensor | None = None  # [loss, grad_norm, skipped] on the device, unread
+        self.tokens = tokens  # input tokens processed (the whole job: all data-parallel ranks; no padding)
+        self.target_tokens = target_tokens  # targets that carried a loss (the whole job)
+        self.verdict = verdict  # the judge's ruling, when there was a judge and it found something
+        self.metrics: dict[str, float] = metrics or {}  # the objective's metrics, means per target
+        self.group_grad_norms: dict[str, float] = {}  # with group_stats
+        self.update_ratios: dict[str, float] = {}  # |update| / |param| per group
+        self.seconds = 0.0  # wall time of the step, batches included (the trainer fills it in)
+
+    def defer(self, loss: torch.Tensor, grad_norm: torch.Tensor, skipped: torch.Tensor) -> None:
+        """Keep the step's loss, gradient norm and skip flag on the device until someone reads them."""
+        self._pending = torch.stack([loss.detach().float(), grad_norm.detach().float(), skipped.float()])
+
+    @property
+    def settled(self) -> bool:
+        return self._pending is None
+
+    @staticmethod
+    def settle_all(results: Sequence[StepResult]) -> None:
+        """Read every unsettled result's values with one device-to-host copy."""
+        pending = [r for r in results if r._pending is not None]
+        if not pending:
+            return
+        values = torch.stack([r._pending for r in pending]).tolist()
+        for r, (loss, norm, skipped) in zip(pending, values):
+            r._loss, r._grad_norm, r._skipped, r._pending = loss, norm, bool(skipped), None
+
+    def _get(self, name: str) -> Any:
+        if self._pending is not None:
+            StepResult.settle_all([self])
+        return getattr(self, name)
+
+    loss = property(lambda self: self._get("_loss"), lambda self, v: setattr(self, "_loss", v),
+                    doc="mean loss per target over the whole step")
+    grad_norm = property(lambda self: self._get("_grad_norm"), lambda self, v: setattr(self, "_grad_norm", v),
+                         doc="global gradient norm before clipping")
+    skipped = property(lambda self: self._get("_skipped"), lambda self, v: setattr(self, "_skipped", v),
+                       doc="the update was not applied (non-finite loss or gradients, or the judge said so)")
 
 
 @dataclass
@@ -108,6 +146,7 @@ def train_step(
     judge: Callable[[float], Verdict | None] | None = None,
     hooks: Sequence[StepHook] = (),
     forward: Callable[[Any], ObjectiveOutput] | None = None,
+    defer: bool = False,
 ) -> StepResult:
     """Accumulate gradients of `objective` (default: causal LM) over `micro_batches`, then clip and
     apply one update.
@@ -118,6 +157,11 @@ def train_step(
     last micro-batch. `forward(batch)` computes the objective when it is not `objective(model, batch)`
     (a compiled `ObjectiveModule`). `judge(loss)` rules before the update is applied: a verdict with
     apply=False leaves the weights untouched and marks the step skipped.
+
+    `defer=True` asks for a step without a device-to-host synchronisation: where the optimizer can skip
+    a non-finite update on the device (fused Adam/AdamW) and nothing else needs the loss on the host
+    (no judge, no hooks, no expert-bias update, no loss scaler, no group stats, no objective metrics),
+    the result's loss, gradient norm and skip flag stay on the device until read (`StepResult`).
     """
     objective = objective or CausalLM()
     batches = [objective.batch_of(b) for b in micro_batches]
@@ -141,6 +185,13 @@ def train_step(
         loss_total += loss.detach()
         metrics.add(out)
     comm.finish_grads()
+    on_device = (defer and judge is None and not hooks and balance is None and scaler is None
+                 and not group_stats and not metrics.sums and skips_on_device(optimizer))
+    if on_device:
+        result = StepResult(math.nan, n_tokens, n_targets, math.nan)
+        apply_update(optimizer, precision, result, grad_clip, grad_clip_value, group_stats, comm,
+                     loss=comm.mean_loss(loss_total))
+        return result
     result = StepResult(float(comm.mean_loss(loss_total)), n_tokens, n_targets, 0.0)
     result.metrics = metrics.means(comm, denom)
     if withheld(result, judge, optimizer):
@@ -153,6 +204,12 @@ def train_step(
         for hook in hooks:
             hook(ctx)
     return result
+
+
+def skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` honours a `found_inf` tensor itself (torch's fused Adam/AdamW/SGD, the
+    contract torch's GradScaler relies on): then a non-finite step is skipped without the host looking."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
 
 
 def withheld(result: StepResult, judge: Callable[[float], Verdict | None] | None,
@@ -177,12 +234,19 @@ def apply_update(
     grad_clip_value: float = 0.0,
     group_stats: bool = False,
     comm: Comm = LOCAL,
+    loss: torch.Tensor | None = None,
 ) -> None:
     """Clip the accumulated gradients (by value, then by the global norm), step, zero the grads.
 
     A step whose loss or gradient norm is not finite is never applied: one NaN would otherwise
     poison the weights and the optimizer moments for good. Fills `result.grad_norm`,
     `result.skipped` and, with `group_stats`, the per-group norms and update/param ratios.
+
+    With `loss` (the step's loss as a device tensor; only for an optimizer that `skips_on_device`, and
+    no loss scaler or group stats) the finiteness check happens on the device: the optimizer gets the
+    flag as its `found_inf` and leaves weights, moments and step count alone when it is set, and the
+    result keeps loss, norm and flag on the device (`StepResult.defer`). The arithmetic of an applied
+    step is the same either way.
     """
     scaler = precision.scaler
     if scaler is not None:
@@ -198,6 +262,24 @@ def apply_update(
         return per_group, comm.reduce_norm_sq(total.square()).sqrt() if comm is not LOCAL else total
 
     per_group, total = norms()
+    if loss is not None:
+        bad = ~(torch.isfinite(total) & torch.isfinite(loss))
+        clipped = total
+        if grad_clip_value > 0:  # a non-finite step is clipped too, harmlessly: its update never applies
+            for ps in groups:
+                torch.nn.utils.clip_grad_value_(ps, grad_clip_value)
+            clipped = norms()[1]
+        if grad_clip > 0:
+            for ps in groups:
+                torch.nn.utils.clip_grads_with_norm_(ps, grad_clip, clipped)
+        optimizer.found_inf = bad.float()
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.found_inf
+        optimizer.zero_grad(set_to_none=True)
+        result.defer(loss, total, bad)
+        return
     grad_norm = float(total)  # before any clipping: an Inf here is never clamped into a finite step
     result.grad_norm = grad_norm
     # Clipping runs per param group: foreach kernels refuse to mix plain tensors with DTensors or

@@ -77,10 +77,12 @@ class ParallelModel:
         group_stats: bool = False,
         judge: Callable[[float], Verdict | None] | None = None,
         hooks: Sequence[StepHook] = (),
+        defer: bool = False,
     ) -> StepResult:
         """One optimizer step over this rank's micro-batches (its data-parallel share of the step).
 
         Same contract as `train_step`; the loss and gradient norm in the result are the whole job's.
+        A pipeline never defers (its schedule reads the loss on the host).
         """
         if self.pipeline is not None:
             return self.pipeline.step(micro_batches, optimizer, precision, self.comm,
@@ -88,7 +90,7 @@ class ParallelModel:
                                       group_stats=group_stats, judge=judge)
         return train_step(self.model, micro_batches, optimizer, precision, objective=self.objective,
                           grad_clip=grad_clip, grad_clip_value=grad_clip_value, group_stats=group_stats,
-                          comm=self.comm, judge=judge, hooks=hooks, forward=self.forward)
+                          comm=self.comm, judge=judge, hooks=hooks, forward=self.forward, defer=defer)
 
     @torch.no_grad()
     def eval_loss(self, objective: Objective, batch: Any) -> ObjectiveOutput:
@@ -126,7 +128,7 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: st
     tc = cfg.train
     objective = objective or CausalLM()
     if dims.world_size == 1:
-        apply_activation_checkpointing(model, tc.activation_checkpointing, tc.ac_every)
+        apply_activation_checkpointing(model, tc.activation_checkpointing, tc.ac_every, tc.ac_save)
         # One process compiles the model and the objective together: one graph, the loss included
         # (an eager loss on a copy of all logits outside the graph costs as much as the model's blocks).
         forward = torch.compile(ObjectiveModule(model, objective)) if tc.compile else None
@@ -166,7 +168,7 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: st
             expert_params += apply_ep(part, dims.ep_mesh)
         if dims.tp > 1:
             apply_tp(part, mesh["tp"], pc.sequence_parallel)
-        apply_activation_checkpointing(part, tc.activation_checkpointing, tc.ac_every)
+        apply_activation_checkpointing(part, tc.activation_checkpointing, tc.ac_every, tc.ac_save)
         _maybe_compile(part, tc.compile)
         if dims.fsdp:
             dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]

@@ -66,7 +66,7 @@ class MetricsLogging(Callback):
         self._reset()
 
     def _reset(self) -> None:
-        self.window, self.losses, self.norms = Throughput(), [], []
+        self.window, self.results = Throughput(), []
 
     def _open(self, trainer: Trainer) -> None:
         self.logger = MetricsLogger.for_run(
@@ -94,17 +94,16 @@ class MetricsLogging(Callback):
     def on_step_end(self, trainer: Trainer, step: int, result: StepResult) -> None:
         self.window.seconds += result.seconds
         self.window.tokens += result.tokens
-        self.losses.append(result.loss)
-        self.norms.append(result.grad_norm)
+        self.results.append(result)  # read at the log step: a deferred step's loss is still on the device
         if not trainer.is_log_step(step):
             trainer.console.step(step)
             return
         tps = self.window.tokens_per_s
         record = {
             "step": step,
-            "loss": sum(self.losses) / len(self.losses),
+            "loss": sum(r.loss for r in self.results) / len(self.results),
             "lr": trainer.lr,
-            "grad_norm": sum(self.norms) / len(self.norms),
+            "grad_norm": sum(r.grad_norm for r in self.results) / len(self.results),
             "tokens_per_s": tps,
             "mfu": trainer.flops_per_token * tps / (trainer.peak_flops * trainer.world.world_size),
             "peak_mem_mib": peak_memory_mib(trainer.device),
@@ -120,8 +119,11 @@ class MetricsLogging(Callback):
         record.update({f"update_ratio/{k}": v for k, v in result.update_ratios.items()})
         self.logger.log(record)
         budget = trainer.cfg.train.max_time
-        trainer.console.log(record, trainer.cfg.train.max_steps,
-                            None if budget is None else max(0.0, budget - trainer.clock.seconds))
+        if budget is None:  # a console of the user's own (lmforge.Trainer(console=...)) may take no more
+            trainer.console.log(record, trainer.cfg.train.max_steps)
+        else:
+            trainer.console.log(record, trainer.cfg.train.max_steps,
+                                budget_left=max(0.0, budget - trainer.clock.seconds))
         self._reset()
 
     def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:

@@ -210,7 +210,8 @@ class Trainer:
         self.ckpt = CheckpointManager(run.run_dir, self.cfg.checkpoint.keep_last, self.world.rank,
                                       self.world.world_size)
         self.lr = 0.0
-        self._last_loss = math.nan
+        self._last_result: StepResult | None = None
+        self._unsettled: list[tuple[int, StepResult]] = []  # steps whose loss is still on the device
         self._last_val: tuple[int, dict[str, float]] | None = None
         self._last_saved_step = -1
         self._signal: int | None = None
@@ -261,39 +262,18 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to `train.max_steps`, the end of `train.max_time` or a stop request; returns the final
         metrics: step, train_loss (the last step's) and the final validation's loss, ppl, tokens, bpb."""
-        tc, final = self.cfg.train, None
+        final = None
         if self.complete:
             return self._completed()
         old_handlers = self._install_signal_handlers()
         self._emit("on_train_start")
         try:
-            while self.step < tc.max_steps:
-                if self._out_of_time():
-                    break
-                t0 = time.perf_counter()
-                result = self._train_step()
-                if result.verdict is not None and self._recover(result.verdict.finding):
-                    self._tick(t0)
-                    continue  # rolled back: the steps since the checkpoint are redone on new data
-                self._account(result)
-                self._emit("on_step_end", self.step, result)
-                self._tick(t0)
-                if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
-                    self.validate()
-                if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
-                    self.save()
-                # Decide on the agreed flag only: a rank must never stop (and save) alone.
-                if any_rank(self._signal is not None, self.device):
-                    self._stop_on_signal()
-                if self.control.stop is not None:
-                    event, fields = self.control.stop
-                    if event:
-                        self._event(event, **fields)
-                    break
+            self._loop()
             if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
                 self.save()  # before the final evaluation: a failure there loses no training
             evaluated_now = self._last_val is not None and self._last_val[0] == self.step
-            final = {"step": self.step, "train_loss": self._last_loss,
+            final = {"step": self.step,
+                     "train_loss": self._last_result.loss if self._last_result is not None else math.nan,
                      **(self._last_val[1] if evaluated_now else self.validate())}
         finally:
             self._restore_signal_handlers(old_handlers)
@@ -302,6 +282,34 @@ class Trainer:
             finally:
                 self._release()
         return final
+
+    def _loop(self) -> None:
+        """Steps until train.max_steps, the end of train.max_time or a stop request."""
+        tc = self.cfg.train
+        while self.step < tc.max_steps:
+            if self._out_of_time():
+                break
+            t0 = time.perf_counter()
+            result = self._train_step()
+            if result.verdict is not None and self._recover(result.verdict.finding):
+                self._tick(t0)
+                continue  # rolled back: the steps since the checkpoint are redone on new data
+            self._account(result)
+            self._emit("on_step_end", self.step, result)
+            self._tick(t0)
+            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
+                self.validate()
+            if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                self.save()
+            # Decide on the agreed flag only: a rank must never stop (and save) alone.
+            if any_rank(self._signal is not None, self.device):
+                self._stop_on_signal()
+            if self.control.stop is not None:
+                event, fields = self.control.stop
+                if event:
+                    self._event(event, **fields)
+                break
+        self._settle()
 
     def _release(self) -> None:
         """The run dir is free for another process (the loop is over)."""
@@ -373,10 +381,11 @@ class Trainer:
                 group_stats=tc.log_group_stats and self.is_log_step(self.step + 1),
                 judge=self._judge if self.spikes is not None else None,
                 hooks=run.hooks,
+                defer=self._defer(),
             )
         )
         result.seconds = time.perf_counter() - t0
-        self._last_loss = result.loss
+        self._last_result = result
         return result
 
     def _guard_compile(self, step: Callable[[], StepResult]) -> StepResult:
@@ -401,28 +410,49 @@ class Trainer:
     def _next_batch(self):
         return self.run.train_loader.next_batch().to(self.device, non_blocking=True)
 
+    def _defer(self) -> bool:
+        """Whether the coming step may keep its loss and skip flag on the device (no host
+        synchronisation): nothing reads them before the next log step. The spike guard judges every
+        loss and the weight averages skip the steps that were not applied, so either needs them now."""
+        return self.spikes is None and not self.averages and not self.is_log_step(self.step + 1)
+
     def _account(self, result: StepResult) -> None:
-        """Counters, the non-finite guard and the weight averages after one step."""
+        """Counters after one step; the non-finite guard and the weight averages once its loss and skip
+        flag are on the host (at once, or for a deferred step at the next `_settle`)."""
         self.progress.step += 1
         self.progress.tokens_seen += result.tokens
+        self._unsettled.append((self.step, result))
+        if result.settled:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Read the deferred steps' losses and skip flags (one device-to-host copy for all of them) and
+        run the non-finite guard and the weight averages over every unsettled step, in order. Runs at
+        log steps and before anything that saves or reports the run's state."""
+        pending, self._unsettled = self._unsettled, []
+        StepResult.settle_all([r for _, r in pending])
+        for step, result in pending:
+            self._judge_finite(step, result)
+
+    def _judge_finite(self, step: int, result: StepResult) -> None:
         # With fp16 a gradient overflow is the loss scaler's business (it skips and lowers the scale);
         # only a non-finite loss counts then.
         grad_ok = self.precision.scaler is not None or math.isfinite(result.grad_norm)
         nonfinite = result.skipped and not (math.isfinite(result.loss) and grad_ok)
         self.progress.skipped_steps += result.skipped
         if nonfinite:
-            self._event("nonfinite", loss=result.loss, grad_norm=result.grad_norm,
-                        consecutive=self.guard.consecutive + 1)
+            self._emit("on_event", {"step": step, "event": "nonfinite", "loss": result.loss,
+                                    "grad_norm": result.grad_norm, "consecutive": self.guard.consecutive + 1})
         if self.guard.observe(not nonfinite):
             raise TrainingDiverged(
                 f"{self.guard.consecutive} consecutive steps with NaN/Inf loss or gradients at step "
-                f"{self.step} (none was applied); checkpoint of the last good weights: {self._save_now()}. "
+                f"{step} (none was applied); checkpoint of the last good weights: {self._save_now()}. "
                 "Lower optim.lr, raise schedule warm-up, check the data, or use train.precision=bf16/fp32 "
                 "instead of fp16; then continue with --resume"
             )
         if not result.skipped:
             for avg in self.averages.values():
-                if avg.due(self.step):
+                if avg.due(step):
                     avg.update(self.model)
 
     def _recover(self, spike: Spike) -> bool:
@@ -465,6 +495,7 @@ class Trainer:
     def validate(self) -> dict[str, float]:
         """Validation loss of the weights (and of their EMA/SWA averages); {} without validation data.
         Early stopping and the keep-best checkpoint (callbacks) follow the trained weights' loss."""
+        self._settle()
         if self.run.val_loader is None:
             return {}
         out = self._val_loss()
@@ -505,6 +536,7 @@ class Trainer:
 
     def save(self, name: str | None = None) -> Path:
         """A checkpoint of the run now (`name`, e.g. "best": outside the step sequence and its retention)."""
+        self._settle()
         path = self.ckpt.save(
             self.step, self.model, self.optimizer, self.states, self.averages.tensors(), name=name
         )

@@ -133,7 +133,7 @@ class TokenObjective(Objective):
         return TokenBatch.of(raw)
 
     def num_targets(self, batch: TokenBatch) -> int:
-        return int((batch.targets != IGNORE_INDEX).sum())
+        return batch.target_count()  # counted on the host before the batch moved
 
     def target_ids(self, batch: TokenBatch) -> torch.Tensor:
         return batch.targets[batch.targets != IGNORE_INDEX]

@@ -32,7 +32,7 @@ class SFT(Objective):
         return cls(chunk_tokens=cfg.train.loss_chunk_tokens, packing=cfg.sft.packing)
 
     def num_targets(self, batch: ChatBatch) -> int:
-        return int((batch.targets != IGNORE_INDEX).sum())
+        return batch.target_count()  # counted on the host before the batch moved
 
     def target_ids(self, batch: ChatBatch) -> torch.Tensor:
         return batch.targets[batch.targets != IGNORE_INDEX]
