@@ -260,8 +260,8 @@ def _run(spec: dict, world) -> dict:
         # The Trainer's validation path: each dp rank its own rows, sums over the job.
         ev = evaluate_loss(pm, [(x[rows], y[rows])], pm.objective, pm.comm, precision=Precision("fp32", CPU))
         extra["eval"] = (ev["loss"] * ev["tokens"], ev["tokens"])
-    out = {**extra, "losses": losses, "grad_norms": norms, "deferred": deferred, "dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank,
-           "tp_rank": dims.tp_rank,
+    out = {**extra, "losses": losses, "grad_norms": norms, "deferred": deferred, "dp_rank": dims.dp_rank,
+           "pp_rank": dims.pp_rank, "tp_rank": dims.tp_rank,
            "params": get_model_state_dict(pm.model, options=StateDictOptions(full_state_dict=True))}
     if spec.get("probe_no_sync"):
         out["no_sync"] = probe_events
