@@ -466,10 +466,15 @@ class TrainConfig(Section):
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="fp32, bf16/fp16 autocast; auto measures what is fast on this device."
     )
-    activation_checkpointing: Literal["none", "full", "every_k"] = Field(
-        "none", description="Recompute activations in backward: in no block, every block, every k-th."
+    activation_checkpointing: Literal["none", "full", "every_k", "selective"] = Field(
+        "none", description="Recompute activations in backward: in no block, every block, every k-th; "
+        "selective: in every block, only the cheap ops (matmul and attention outputs are kept)."
     )
     ac_every: int = Field(2, ge=1, description="k for activation_checkpointing=every_k.")
+    ac_save: Literal["all_matmuls", "alternate_matmuls"] = Field(
+        "all_matmuls", description="activation_checkpointing=selective keeps every matmul's output, or "
+        "every second one (torchtitan's rule: less memory, half the matmuls redone)."
+    )
     compile: bool = Field(False, description="torch.compile the model.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device (auto: cuda if available).")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default).")

@@ -500,10 +500,13 @@ def suggest(cfg: Config, world_size: int, device_type: str, budget: int) -> list
         if mb % m == 0:
             candidates.append(({"train.micro_batch_size": m, "train.grad_accum_steps": accum * mb // m},
                                "same tokens per step"))
-    for ac in ("every_k", "full"):
-        if tc.activation_checkpointing == ac or (ac == "every_k" and tc.activation_checkpointing == "full"):
+    # least recomputation first: selective redoes only elementwise ops; nothing saves more than full
+    for ac, why in (("selective", "recompute the cheap ops in backward"),
+                    ("every_k", "recompute activations in backward"),
+                    ("full", "recompute activations in backward")):
+        if tc.activation_checkpointing in (ac, "full"):
             continue
-        candidates.append(({"train.activation_checkpointing": ac}, "recompute activations in backward"))
+        candidates.append(({"train.activation_checkpointing": ac}, why))
     if cfg.model.vocab_size and tc.loss_chunk_tokens == 0:
         candidates.append(({"train.loss_chunk_tokens": 4096}, "never hold all the logits"))
     if world_size > 1 and pc.tp == 1 and pc.pp == 1:

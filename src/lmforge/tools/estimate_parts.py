@@ -301,6 +301,47 @@ def block_saved(cfg: Config, B: int, T: int, precision: str, tp: int = 1, sp: bo
     return total
 
 
+def selective_kept(cfg: Config, B: int, T: int, precision: str, tp: int = 1, ep: int = 1,
+                   grouped: bool = False) -> int:
+    """Bytes one block keeps beyond its input under activation_checkpointing=selective
+    (parallel/checkpointing.py): the outputs of its matmuls in forward order (every second one with
+    ac_save=alternate_matmuls), of its attention kernel (output and logsumexp; the math kernel's two
+    batched matmuls with dropout) and of the router's top-k. A dense block's w_down output is never kept
+    when no dropout follows it and its weight shape is unique in the block (the recompute never needs it)."""
+    from lmforge.models.moe import expert_d_ff, shared_d_ff
+
+    m = cfg.model
+    c = 2 if precision in ("bf16", "fp16") else 4
+    N, d, D = B * T, m.d_model, m.resolved_head_dim
+    h, hk, F = m.n_heads // tp, m.resolved_kv_heads // tp, m.resolved_d_ff // tp
+    mm = [N * h * D * c, N * hk * D * c, N * hk * D * c, N * d * c]  # wq, wk, wv, wo
+    kept = B * h * T * T * c + N * h * D * c if m.dropout > 0 else N * h * D * c + N * h * 4
+    if m.moe is not None:
+        E, k, Fe, Fs = m.moe.n_experts, m.moe.top_k, expert_d_ff(m), shared_d_ff(m)
+        M, local = moe_rows(cfg, N), E // ep
+        kept += N * k * (4 + 8)  # top-k scores (fp32) and indices
+        mm.append(N * E * c)  # router logits
+        # the CPU loop: one gate-and-up GEMM and one down GEMM per expert (balanced rows assumed); CUDA:
+        # three grouped GEMMs over all rows
+        if grouped:
+            mm += [M * Fe * c, M * Fe * c, M * d * c]
+        else:
+            mm += [M // local * 2 * Fe * c, M // local * d * c] * local
+        if Fs:
+            mm += [N * Fs * c, N * Fs * c, N * d * c] + ([N * c] if m.moe.shared_gate else [])
+    else:
+        mm += [N * F * c] * (2 if m.mlp == "swiglu" else 1)
+        w_down = (m.d_model, m.resolved_d_ff)
+        shapes = [(m.n_heads * D, d), (m.resolved_kv_heads * D, d), (m.resolved_kv_heads * D, d),
+                  (d, m.n_heads * D), (m.resolved_d_ff, d), w_down]
+        if m.mlp == "swiglu":
+            shapes.append((m.resolved_d_ff, d))
+        if m.dropout > 0 or shapes.count(w_down) > 1:
+            mm.append(N * d * c)
+    every = 2 if cfg.train.ac_save == "alternate_matmuls" else 1
+    return kept + sum(mm[::every])
+
+
 def _head_saved(cfg: Config, B: int, T: int, precision: str, tp: int, sp: bool) -> tuple[int, int, int]:
     """(saved bytes, forward transient, backward transient) of final norm + head + loss."""
     m, tc = cfg.model, cfg.train
@@ -341,10 +382,15 @@ def activation_profile(cfg: Config, B: int, T: int, precision: str, device_type:
     full = block_saved(cfg, B, T, precision, tp, sp, packed, ep, grouped)
     n_res = N // tp if (tp > 1 and sp) else N
     ac = tc.activation_checkpointing
+    # a checkpointed block keeps its input (the fp32 residual stream); a selective one also the outputs
+    # of its expensive ops
+    kept = n_res * d * 4
+    if ac == "selective":
+        kept += selective_kept(cfg, B, T, precision, tp, ep, grouped)
     per_block = []
     for i in layers:
-        checkpointed = ac == "full" or (ac == "every_k" and i % tc.ac_every == 0)
-        per_block.append(n_res * d * 4 if checkpointed else full)
+        checkpointed = ac in ("full", "selective") or (ac == "every_k" and i % tc.ac_every == 0)
+        per_block.append(kept if checkpointed else full)
     stem = N * 8 if first else 0  # token ids (embedding backward)
     if first and m.dropout > 0:
         stem += N * d * 4  # embedding dropout mask
