@@ -85,6 +85,10 @@ class TokenBatch:
         """Targets that carry a loss (not IGNORE_INDEX)."""
         return _count(self)
 
+    def pin_memory(self) -> TokenBatch:
+        """A copy in page-locked host memory, whose copy to a GPU runs asynchronously."""
+        return TokenBatch(self.input_ids.pin_memory(), self.targets.pin_memory(), _host_count(self))
+
     @property
     def device(self) -> torch.device:
         return self.input_ids.device
@@ -138,6 +142,12 @@ class ChatBatch(PaddedRows):
     def target_count(self) -> int:
         """Targets that carry a loss (not IGNORE_INDEX)."""
         return _count(self)
+
+    def pin_memory(self) -> ChatBatch:
+        """A copy in page-locked host memory, whose copy to a GPU runs asynchronously."""
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return ChatBatch(pin(self.input_ids), pin(self.targets), pin(self.position_ids),
+                         pin(self.segment_ids), self.real_tokens, _host_count(self))
 
 @dataclass(frozen=True)
 class PreferenceBatch(PaddedRows):

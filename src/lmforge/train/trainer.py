@@ -408,7 +408,12 @@ class Trainer:
         )
 
     def _next_batch(self):
-        return self.run.train_loader.next_batch().to(self.device, non_blocking=True)
+        batch = self.run.train_loader.next_batch()
+        if self.device.type == "cuda" and hasattr(batch, "pin_memory"):
+            # Page-locked, the copy below is asynchronous: with no synchronisation inside a step (see
+            # _defer) the host prepares and sends the next batches while the GPU is still busy.
+            batch = batch.pin_memory()
+        return batch.to(self.device, non_blocking=True)
 
     def _defer(self) -> bool:
         """Whether the coming step may keep its loss and skip flag on the device (no host
