@@ -128,7 +128,8 @@ def test_budget_stops_saves_and_evaluates(tiny_cfg, fake_clock):
     # Step k (1-based) starts after k - 1 seconds of training: lr = peak x cosine over 7.5 s, warm-up 2 s.
     assert lrs == [PEAK * lr_multiplier(float(k), cfg.schedule, 7.5) for k in range(7)]
     (event,) = [r for r in recs if r.get("event") == "time_budget"]
-    assert event == {"step": 7, "event": "time_budget", "train_seconds": 7.0, "max_time": 7.5}
+    assert event == {"step": 7, "event": "time_budget", "train_seconds": 7.0, "max_time": 7.5,
+                     "tokens_seen": 7 * 2 * 8 * 64}
     assert (Path(cfg.run.dir) / "checkpoints" / "step_00000007").is_dir()
     assert any(r.get("step") == 7 and "val_loss" in r for r in recs)
 

@@ -356,7 +356,8 @@ class Trainer:
         budget = self.cfg.train.max_time
         if not self.clock.would_overrun(budget):
             return False
-        self._event("time_budget", train_seconds=round(self.clock.seconds, 3), max_time=budget)
+        self._event("time_budget", train_seconds=round(self.clock.seconds, 3), max_time=budget,
+                    tokens_seen=self.tokens_seen)
         self.console(f"train.max_time={budget:g}s reached after {self.clock.seconds:.1f}s of training "
                      f"(step {self.step}); saving and evaluating")
         return True
