@@ -2,7 +2,8 @@
 gradient norm and skip flag on the device (the optimizer skips a non-finite update by itself through
 its `found_inf`), and the trainer reads them all at the next log step. Checked here: no scalar is read
 inside such a step, the weights and logged losses equal those of a run that reads every step, and
-non-finite steps are still skipped, reported at their own step and stop the run after K in a row."""
+non-finite steps are still skipped, reported at their own step and stop the run after K in a row.
+(The trainer defers on accelerators only; `Trainer.defer_steps = True` makes it defer on the CPU here.)"""
 
 from __future__ import annotations
 
@@ -30,6 +31,11 @@ class HostReads(TorchDispatchMode):
         if func.__name__.split(".")[0] in READS:
             self.reads.append(func.__name__)
         return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(autouse=True)
+def defer_on_cpu(monkeypatch):
+    monkeypatch.setattr(Trainer, "defer_steps", True)
 
 
 def nan_at(trainer: Trainer, steps: set[int]) -> None:
@@ -61,6 +67,13 @@ def test_a_deferred_step_reads_nothing_on_the_host(tiny_cfg):
     with HostReads() as mode:
         immediate = run.parallel.step(batches, run.optimizer, run.precision, grad_clip=1.0)
     assert immediate.settled and len(mode.reads) >= 2  # the loss and the norm, read at once
+
+
+def test_a_cpu_trainer_reads_every_step_by_default(tiny_cfg, monkeypatch):
+    monkeypatch.setattr(Trainer, "defer_steps", None)
+    t = Trainer(tiny_cfg("train.max_steps=4", "train.log_every=4"))
+    assert t.device.type == "cpu" and not t._defer()
+    t.run.release()
 
 
 def test_deferred_run_equals_a_run_that_reads_every_step(tiny_cfg, tmp_path):

@@ -20,6 +20,7 @@ into the bias update (`ExpertBias`).
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -288,6 +289,10 @@ def router_losses(layers: list[MoE]) -> RouterLosses | None:
     return RouterLosses(loss, metrics)
 
 
+# model -> its MoE layers that balance by bias (the model's structure does not change while it trains)
+_BIASED_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class ExpertBias:
     """Aux-loss-free balancing (DeepSeek-V3, torchtitan): the step observes each balancing router's
     load after every micro-batch's forward, and after an applied optimizer step moves its bias by
@@ -300,8 +305,12 @@ class ExpertBias:
 
     @classmethod
     def of(cls, model: nn.Module) -> ExpertBias | None:
-        """The balancer for `model`, or None when no router of it balances by bias."""
-        layers = [m for m in moe_layers(model) if m.router.expert_bias is not None]
+        """The balancer for `model`, or None when no router of it balances by bias. Asked every step: the
+        walk over the model's modules is done once per model."""
+        layers = _BIASED_LAYERS.get(model)
+        if layers is None:
+            layers = [m for m in moe_layers(model) if m.router.expert_bias is not None]
+            _BIASED_LAYERS[model] = layers
         return cls(layers) if layers else None
 
     def observe(self) -> None:

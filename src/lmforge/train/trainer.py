@@ -143,6 +143,8 @@ def as_config(config: Config | str | Path | dict | None) -> Config:
 class Trainer:
     """Owns the parts of one training run and runs its loop; see the module docstring."""
 
+    defer_steps: bool | None = None  # steps without host synchronisation (see _defer); None: not on a CPU
+
     def __init__(
         self,
         config: Config | str | Path | dict | None = None,
@@ -419,8 +421,11 @@ class Trainer:
     def _defer(self) -> bool:
         """Whether the coming step may keep its loss and skip flag on the device (no host
         synchronisation): nothing reads them before the next log step. The spike guard judges every
-        loss and the weight averages skip the steps that were not applied, so either needs them now."""
-        return self.spikes is None and not self.averages and not self.is_log_step(self.step + 1)
+        loss and the weight averages skip the steps that were not applied, so either needs them now.
+        `defer_steps` None: on accelerators only (on a CPU a read costs nothing, and the optimizer's
+        device-side skip costs a little: 1.20 vs 1.12 ms for a step of a tiny model)."""
+        wanted = self.device.type != "cpu" if self.defer_steps is None else self.defer_steps
+        return wanted and self.spikes is None and not self.averages and not self.is_log_step(self.step + 1)
 
     def _account(self, result: StepResult) -> None:
         """Counters after one step; the non-finite guard and the weight averages once its loss and skip
