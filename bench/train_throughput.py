@@ -9,6 +9,7 @@ with a reference fp32 matmul timed in every round as the MFU denominator. Report
     python bench/train_throughput.py --shapes a --rounds 200
     python bench/train_throughput.py --compile             # adds lmforge + torch.compile
     python bench/train_throughput.py --shapes nanogpt --nanogpt ~/nanoGPT   # vs nanoGPT's own loop
+    python bench/train_throughput.py --shapes nanochat --nanochat ~/nanochat   # vs nanochat's own loop
 
 lmforge side = what `lmforge train` runs per step: the run `build_run` assembles from the config
 (model, optimizer, precision, objective; `train.compile` compiles the model and its loss as one
@@ -25,10 +26,10 @@ on device "cpu" (torch's default foreach AdamW), fp32, forward with targets, bac
 zero_grad(set_to_none=True). With --compile both sides are compiled too (nanoGPT: torch.compile(model),
 as its train.py does with compile=True). Without a checkout the row is skipped with how to get one.
 
-nanochat (PyPI `nanochat`, 0.1.1 and 0.1.2) is not compared: both releases are a 16 kB source archive
-holding only the `rustbpe` Rust tokenizer (module-name "rustbpe", no Python model code, no GPT class),
-built with maturin, which fetches its Rust crates from crates.io at install time (unreachable on our
-machines: `pip install nanochat` fails in `cargo metadata`); they also pin numpy==1.26.4.
+Shape `nanochat` (opt-in) times each tool's OWN model and optimizer at one shape, runs/runcpu.sh scaled
+down: nanochat's GPT (window "L"), MuonAdamW and base_train.py step from a checkout the user provides
+(`--nanochat PATH` or LMFORGE_NANOCHAT; PyPI's `nanochat` is only its tokenizer) against lmforge's closest
+model with optim.name=muon, fp32; with --compile both compiled. Details: bench/nanochat_ref.py.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+import nanochat_ref  # bench/nanochat_ref.py
 from lmforge.assembly import Run, build_run
 from lmforge.config.schema import Config, ModelConfig
 from lmforge.engine.loss import token_loss_sum
@@ -88,6 +90,11 @@ SHAPES = {
     "nanogpt": dict(
         layout="gpt2", n_layers=4, n_heads=4, d_model=128, seq_len=64, batch=12, vocab=65, rounds=300,
         budget_s=45, warmup=5,
+    ),
+    # runs/runcpu.sh scaled down, each tool's own model and Muon setup; only with --shapes nanochat.
+    "nanochat": dict(
+        layout="nanochat", n_layers=4, n_heads=4, d_model=256, seq_len=256, batch=8, vocab=8192, rounds=30,
+        budget_s=120, warmup=2,
     ),
 }
 MIN_ROUNDS = 5
@@ -192,12 +199,12 @@ def check_same_function(ours: torch.nn.Module, hf: torch.nn.Module, cfg: ModelCo
 
 
 def assemble(cfg: ModelConfig, data: torch.Tensor, compile: bool = False, precision: str = "fp32",
-             **train) -> Run:
+             optim: dict | None = None, **train) -> Run:
     """The run `lmforge train` would assemble for this model (no run dir; fp32 unless `precision`
-    says otherwise, AdamW lr 3e-4, weight decay 0.1, clip 1.0, more train keys from `train`); the timed
-    batches are the bench's own, `data` only has to exist."""
+    says otherwise, AdamW lr 3e-4, weight decay 0.1 unless `optim` replaces the optim section, clip 1.0,
+    more train keys from `train`); the timed batches are the bench's own, `data` only has to exist."""
     config = Config.model_validate({
-        "model": cfg.model_dump(), "optim": {"lr": 3e-4, "weight_decay": 0.1},
+        "model": cfg.model_dump(), "optim": optim or {"lr": 3e-4, "weight_decay": 0.1},
         "train": {"grad_clip": 1.0, "precision": precision, "compile": compile, "micro_batch_size": 1,
                   "seq_len": cfg.max_seq_len, **train},
         "schedule": {"name": "constant", "warmup_steps": 0},
@@ -329,6 +336,8 @@ def rounds_of(s: dict, args) -> tuple[int, float | None, int]:
 def bench_shape(name: str, s: dict, args) -> dict:
     if s.get("layout") == "gpt2":
         return bench_nanogpt_shape(name, s, args)
+    if s.get("layout") == "nanochat":
+        return nanochat_ref.bench_shape(name, s, args, bench=sys.modules[__name__])
     cfg = lmforge_config(s)
     B, T = s["batch"], s["seq_len"]
     rounds, budget_s, warmup = rounds_of(s, args)
@@ -545,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--nanogpt", default=None, metavar="PATH",
                    help="a nanoGPT checkout for shape nanogpt (default: $LMFORGE_NANOGPT)")
+    p.add_argument("--nanochat", default=None, metavar="PATH",
+                   help="a nanochat checkout for shape nanochat (default: $LMFORGE_NANOCHAT)")
     p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
 
@@ -554,8 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         if n not in SHAPES:
             p.error(f"unknown shape {n!r}; choose from {', '.join(SHAPES)}")
     if args.profile:
-        if "nanogpt" in names:
-            p.error("--profile covers the HF shapes (a, b); not nanogpt")
+        if {"nanogpt", "nanochat"} & set(names):
+            p.error("--profile covers the HF shapes (a, b); not nanogpt or nanochat")
         for n in names:
             profile_shape(n, SHAPES[n], args.profile)
         return 0
