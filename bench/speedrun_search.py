@@ -3,10 +3,11 @@ that `lmforge train` reaches in a fixed wall-clock budget of training (train.max
 
 Every candidate is the speedrun config at the search's starting point (SEARCH_BASE: the demo's d256
 model and lr 2e-3) plus a few --set overrides (shape, vocabulary, batch, lr, schedule), trained by the
-real CLI in its own process, one after another (never two at once: they would share the cores). Each is scored by its final validation bpb over the same held-out documents
-(data.val_fraction splits documents before tokenizing, so bpb compares across vocabularies) and the
-same number of validation tokens. Two rounds: every candidate at a short screening budget, then the
-best few at the full budget (a short screen favours small, fast models; the full round is what counts).
+real CLI in its own process, one after another (never two at once: they would share the cores). Each is
+scored by its final validation bpb over the same held-out documents (data.val_fraction splits documents
+before tokenizing, so bpb compares across vocabularies) and the same number of validation tokens. Two
+rounds: every candidate at a short screening budget, then the best few at the full budget (a short screen
+favours small, fast models; the full round is what counts).
 
     python bench/speedrun_search.py                             # screen at 60 s, then the best 3 at 5 min
     python bench/speedrun_search.py --screen 60 --final 300 --top 2
