@@ -39,12 +39,11 @@ import statistics
 import subprocess
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from lmforge.tools.estimate_measure import LiveOutputs
 from machine import machine_info, print_markdown_table  # bench/machine.py (on sys.path)
 
 VARIANTS = {
@@ -85,27 +84,6 @@ def _status_bytes(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
-class LiveOutputs(TorchDispatchMode):
-    """Weak references to every op output; those alive after the forward are what the backward keeps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: list[weakref.ref] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.refs.append(weakref.ref(t))
-        return out
-
-    def live_bytes(self) -> int:
-        storages = {}
-        for ref in self.refs:
-            t = ref()
-            if t is not None:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(storages.values())
 
 
 def worker(args) -> int:

@@ -7,7 +7,6 @@ through the Trainer gives the same loss curve and checkpoint as one without chec
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import Counter
 
 import pytest
@@ -22,6 +21,7 @@ from lmforge.errors import ConfigError
 from lmforge.metrics.loggers import read_metrics
 from lmforge.models.transformer import build_model
 from lmforge.parallel.checkpointing import apply_activation_checkpointing
+from lmforge.tools.estimate_measure import LiveOutputs
 from lmforge.tools.estimate_parts import activation_profile, selective_kept
 from lmforge.train.trainer import Trainer
 
@@ -139,27 +139,6 @@ def test_backward_recomputes_the_cheap_ops_but_no_matmul():
         assert sel[op] == full[op] > none[op]
 
 
-class _LiveOutputs(TorchDispatchMode):
-    """Every tensor the forward makes, weakly: those alive after it are what the backward keeps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: list[weakref.ref] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.refs.append(weakref.ref(t))
-        return out
-
-    def live_bytes(self) -> int:
-        storages = {}
-        for ref in self.refs:
-            t = ref()
-            if t is not None:
-                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return sum(storages.values())
 
 
 def test_memory_kept_for_backward_lies_between_full_and_none():
@@ -168,7 +147,7 @@ def test_memory_kept_for_backward_lies_between_full_and_none():
     kept = {}
     for mode, save in MODES:
         model = _model(cfg, mode, save)
-        with _LiveOutputs() as live:
+        with LiveOutputs() as live:
             loss = _loss(model, x, y)
         kept[mode, save] = live.live_bytes()
         loss.backward()

@@ -20,11 +20,40 @@ import json
 import os
 import sys
 import tempfile
+import weakref
 from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lmforge.parallel.local_ranks import run_ranks
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}
+
+
+class LiveOutputs(TorchDispatchMode):
+    """Weak references to every op output made under it: the storages still alive after a forward are
+    what its backward keeps (activation checkpointing's kept outputs included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.refs.append(weakref.ref(t))
+        return out
+
+    def live_bytes(self) -> int:
+        """Bytes of the distinct storages of the outputs that are still alive."""
+        storages = {}
+        for ref in self.refs:
+            t = ref()
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return sum(storages.values())
 
 
 def _status(key: str) -> int:
