@@ -223,6 +223,12 @@ def _run(spec: dict, world) -> dict:
     torch.manual_seed(spec.get("seed", 0))
     pm = parallelize(build_model(cfg.model), cfg, dims, "fp32", build_objective(cfg))
     opt = pm.wrap_optimizer(build_optimizer(pm.model, cfg.optim))
+    if spec.get("count_twin"):
+        # What a CUDA (NCCL) job sums its target counts over: a gloo twin of the dp group, forced here
+        # where the dp group is gloo already.
+        from lmforge.parallel.init import host_twin
+
+        pm.comm.count_group = host_twin(pm.comm.dp_group, force=True)
     if spec.get("load_dir"):
         load_states(Path(spec["load_dir"]), pm.model, opt)
     probe = None
@@ -265,6 +271,13 @@ def _run(spec: dict, world) -> dict:
            "params": get_model_state_dict(pm.model, options=StateDictOptions(full_state_dict=True))}
     if spec.get("probe_no_sync"):
         out["no_sync"] = probe_events
+    if spec.get("count_twin"):
+        import torch.distributed as dist
+
+        out["count_group"] = {"ranks": dist.get_process_group_ranks(pm.comm.count_group),
+                              "dp_ranks": dist.get_process_group_ranks(pm.comm.dp_group),
+                              "distinct": pm.comm.count_group is not pm.comm.dp_group,
+                              "backend": dist.get_backend(pm.comm.count_group)}
     if cfg.parallel.ep > 1:  # what this rank itself holds of each expert tensor
         out["local_experts"] = {k: p.to_local().detach().clone() for k, p in pm.model.named_parameters()
                                 if ".experts." in k}

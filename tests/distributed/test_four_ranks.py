@@ -33,7 +33,8 @@ LAYOUTS = [
     dict(name="hsdp", parallel={"dp_replicate": 2, "dp_shard": 2},
          train={"activation_checkpointing": "full"}),
     dict(name="fsdp_x_pp_tied", parallel={"dp_shard": 2, "pp": 2, "pp_schedule": "1f1b"}, model=TIED),
-    dict(name="replicate_x_tp", parallel={"dp_replicate": 2, "tp": 2}),
+    # Counts over gloo twins of the two dp groups (what a CUDA job uses; forced here on gloo).
+    dict(name="replicate_x_tp", parallel={"dp_replicate": 2, "tp": 2}, count_twin=True),
     dict(name="fsdp_x_interleaved_ac", parallel={"dp_shard": 2, "pp": 2, "pp_schedule": "interleaved_1f1b",
                                                    "pp_stages_per_rank": 2},
          train={"activation_checkpointing": "full"}, export="{tmp}/interleaved.safetensors"),
@@ -76,6 +77,14 @@ def test_layout_equals_single_process(runs, name):
     assert min(ref["grad_norms"]) > 0.5
     tol = SGD_PARAM_TOL if spec.get("optim", {}).get("name") == "sgd" else PARAM_TOL
     assert_matches(runs[0][name], ref, LOSS_TOL, NORM_RTOL, tol)
+
+
+def test_count_twins_partition_the_ranks_like_the_dp_groups(runs):
+    """Each rank sums its counts over a gloo group of exactly its dp group's ranks (the layout's parity
+    with one process, test_layout_equals_single_process, shows the sums are right)."""
+    groups = [r["count_group"] for r in runs[0]["replicate_x_tp"]]
+    assert all(g["distinct"] and g["backend"] == "gloo" and g["ranks"] == g["dp_ranks"] for g in groups)
+    assert sorted({tuple(g["ranks"]) for g in groups}) in ([(0, 2), (1, 3)], [(0, 1), (2, 3)])
 
 
 def test_interleaved_fsdp_export_is_the_whole_model(runs):

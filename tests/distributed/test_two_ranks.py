@@ -63,6 +63,8 @@ SCENARIOS = [
     dict(name="ddp_deferred", parallel={"dp_replicate": 2}, defer=True),
     dict(name="zero3_deferred", parallel={"dp_shard": 2}, defer=True),
     dict(name="tp_deferred", parallel={"tp": 2}, defer=True),
+    # Target counts summed over a gloo twin of the dp group, as a CUDA job does (never a device sync).
+    dict(name="ddp_deferred_count_twin", parallel={"dp_replicate": 2}, defer=True, count_twin=True),
     # A layout that cannot fit the job: must fail before any model is built.
     dict(name="bad_layout", parallel={"tp": 4}),
     dict(name="compile_with_tp", parallel={"tp": 2}, train={"compile": True}),
@@ -130,6 +132,15 @@ def test_deferred_steps_stay_on_the_device(runs, name):
     test_equals_single_process); the plain scenarios read theirs at once."""
     assert all(all(r["deferred"]) for r in runs[0][name])
     assert not any(any(r["deferred"]) for r in runs[0]["ddp"])
+
+
+def test_counts_sum_over_a_gloo_twin_of_the_dp_group(runs):
+    """The twin holds the dp group's ranks and is another group; that the sums over it are right is
+    test_equals_single_process (a count summed over one rank would double the loss)."""
+    for r in runs[0]["ddp_deferred_count_twin"]:
+        g = r["count_group"]
+        assert g["distinct"] and g["backend"] == "gloo" and g["ranks"] == g["dp_ranks"] == [0, 1]
+    assert all(all(r["deferred"]) for r in runs[0]["ddp_deferred_count_twin"])
 
 
 def test_bad_layout_fails_at_startup_naming_the_keys(runs):

@@ -148,6 +148,7 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: st
         raise ValueError("ParallelDims.build_mesh(device_type) must run before parallelize()")
     from lmforge.parallel.comm import DistComm
     from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp, mixed_precision
+    from lmforge.parallel.init import host_twin
     from lmforge.parallel.tensor_parallel import apply_tp
 
     mesh, pc = dims.mesh, dims.cfg
@@ -177,7 +178,8 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: st
         elif dims.ddp:
             apply_ddp(part, dims.dp_mesh, device, ignored=expert_modules(part) if dims.ep > 1 else ())
     edp_group = dims.ep_mesh.get_group("edp") if dims.ep > 1 else None
-    comm = DistComm(dp_group, pp_group, device, expert_params, edp_group)
+    comm = DistComm(dp_group, pp_group, device, expert_params, edp_group,
+                    count_group=host_twin(dp_group))
     pipeline = None
     if dims.pp > 1:
         from lmforge.parallel.pipeline import Pipeline, gather_parts

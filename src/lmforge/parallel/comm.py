@@ -29,8 +29,11 @@ class DistComm(Comm):
 
     def __init__(self, dp_group: ProcessGroup | None, pp_group: ProcessGroup | None,
                  device: torch.device, expert_params: list[nn.Parameter] = (),
-                 edp_group: ProcessGroup | None = None) -> None:
+                 edp_group: ProcessGroup | None = None, count_group: ProcessGroup | None = None) -> None:
         self.dp_group = dp_group if _size(dp_group) > 1 else None
+        # Counts are host integers: summed over a gloo group of the dp ranks (`init.host_twin`) on CPU
+        # tensors, so a CUDA step learns its global target count without waiting for the device.
+        self.count_group = count_group if count_group is not None else self.dp_group
         self.pp_group = pp_group if _size(pp_group) > 1 else None
         self.device = device
         # Expert-parallel experts: ranks of edp_group hold the same experts for different data.
@@ -47,17 +50,13 @@ class DistComm(Comm):
                 g.copy_(part.view_as(g))
 
     def sum_count(self, n: int) -> int:
-        if self.dp_group is None:
-            return n
-        t = torch.tensor([n], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, group=self.dp_group)
-        return int(t.item())
+        return self.sum_counts(n)[0]
 
     def sum_counts(self, *ns: int) -> list[int]:
         if self.dp_group is None:
             return list(ns)
-        t = torch.tensor(ns, dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, group=self.dp_group)
+        t = torch.tensor(ns, dtype=torch.int64)
+        dist.all_reduce(t, group=self.count_group)
         return t.tolist()
 
     def grad_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:

@@ -51,19 +51,25 @@ def rank0_first(fn: Callable[[], T]) -> T:
     return fn()
 
 
-def any_rank(flag: bool, device: torch.device | None = None) -> bool:
-    """True on every rank when it is True on any (e.g. a SIGTERM that reached one rank)."""
+def any_rank(flag: bool) -> bool:
+    """True on every rank when it is True on any (e.g. a SIGTERM that reached one rank). A host value
+    over the host (gloo) group: asking every step never waits on the device."""
     if not _active():
         return flag
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    from lmforge.parallel.init import host_group
+
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group())
     return bool(t.item())
 
 
-def max_over_ranks(value: float, device: torch.device | None = None) -> float:
-    """The largest of every rank's `value` (e.g. the slowest rank's step time), on every rank."""
+def max_over_ranks(value: float) -> float:
+    """The largest of every rank's `value` (e.g. the slowest rank's step time), on every rank; over the
+    host (gloo) group like `any_rank`."""
     if not _active():
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    from lmforge.parallel.init import host_group
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group())
     return float(t.item())

@@ -2,6 +2,12 @@
 
     init_distributed(timeout_s, device) -> World     (no-op for a single process)
     shutdown()                                       barrier + destroy_process_group
+    coord_group(), host_group(), host_twin(group)    the CPU-side (gloo) groups
+
+A CUDA job's collectives run over NCCL, and reading an NCCL result on the host waits for everything
+queued on the device before it. What the loop agrees on every step (target counts, a signal flag, the
+slowest rank's clock) are host values, so they travel over gloo groups on CPU tensors: the host stays
+ahead of the device, which only waits where a logged value is read.
 """
 
 from __future__ import annotations
@@ -65,7 +71,10 @@ def init_distributed(timeout_s: int = 600, device: torch.device | None = None,
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend_for(device), store=_store(world, timeout), rank=world.rank,
                             world_size=world.world_size, timeout=timeout)
-    global _COORD_GROUP
+    global _COORD_GROUP, _HOST_GROUP, _TIMEOUT
+    _TIMEOUT = timeout
+    # Per-step host values (parallel.coord's flags and clocks): the default group where that is gloo.
+    _HOST_GROUP = None if backend_for(device) == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     # CPU-side agreement (lmforge.parallel.coord) waits on rank 0's work, e.g. preparing a corpus,
     # which may take far longer than a training collective may: its own gloo group, a long timeout.
     _COORD_GROUP = dist.new_group(backend="gloo", timeout=timedelta(hours=24))
@@ -73,6 +82,8 @@ def init_distributed(timeout_s: int = 600, device: torch.device | None = None,
 
 
 _COORD_GROUP = None
+_HOST_GROUP = None
+_TIMEOUT: timedelta | None = None
 
 
 def coord_group():
@@ -80,19 +91,45 @@ def coord_group():
     return _COORD_GROUP
 
 
+def host_group():
+    """The gloo group of all ranks for per-step host values (None: the default group, gloo itself)."""
+    return _HOST_GROUP
+
+
+def host_twin(group, force: bool = False):
+    """A gloo group over the ranks of `group`, for summing host values over them without a device
+    synchronisation: `group` itself when it is gloo already (unless `force`), None for None.
+
+    Every rank must call this together, each with its own group of one partition of the ranks (a
+    mesh dimension's groups): the partition is gathered and each of its groups created in one order.
+    """
+    if group is None:
+        return None
+    if not force and dist.get_backend(group) == "gloo":
+        return group
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dist.get_process_group_ranks(group), group=coord_group())
+    twin = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        created = dist.new_group(list(ranks), backend="gloo", timeout=_TIMEOUT)
+        if dist.get_rank() in ranks:
+            twin = created
+    return twin
+
+
 def shutdown() -> None:
     """Leave the job. The barrier first: a rank that destroys its group while a peer still runs a
     collective (FSDP's last reshard, a checkpoint's final gather) made runs abort at exit."""
-    global _COORD_GROUP
+    global _COORD_GROUP, _HOST_GROUP
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    _COORD_GROUP = None
+    _COORD_GROUP = _HOST_GROUP = None
 
 
 def abandon() -> None:
     """Leave the job after an error, without the barrier: the other ranks may never reach it."""
-    global _COORD_GROUP
+    global _COORD_GROUP, _HOST_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _COORD_GROUP = None
+    _COORD_GROUP = _HOST_GROUP = None

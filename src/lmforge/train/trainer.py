@@ -304,7 +304,7 @@ class Trainer:
             if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
                 self.save()
             # Decide on the agreed flag only: a rank must never stop (and save) alone.
-            if any_rank(self._signal is not None, self.device):
+            if any_rank(self._signal is not None):
                 self._stop_on_signal()
             if self.control.stop is not None:
                 event, fields = self.control.stop
@@ -349,7 +349,7 @@ class Trainer:
         rank stops at the same step."""
         seconds = time.perf_counter() - t0
         if self.cfg.train.max_time is not None and self.world.world_size > 1:
-            seconds = max_over_ranks(seconds, self.device)
+            seconds = max_over_ranks(seconds)
         self.clock.add(seconds)
 
     def _out_of_time(self) -> bool:
@@ -573,7 +573,7 @@ class Trainer:
                 raise
             except CheckpointError as e:
                 error = e
-            if not any_rank(error is not None, self.device):  # every rank must take the same one
+            if not any_rank(error is not None):  # every rank must take the same one
                 break
             failed.append((info.path, str(error or "unreadable on another rank")))
         else:
