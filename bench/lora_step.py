@@ -37,7 +37,9 @@ step), to show what LoRA saves (its matmul FLOPs are about 2/3 of full fine-tuni
 --floor adds a side that bounds the ratio: the same lmforge model with NO adapters, every weight
 frozen but the final norm's, its embedding output made to require grad so the backward still runs
 through every block (the frozen GEMMs, attention, norms and loss both LoRA sides share): PEFT ms /
-floor ms is the ratio adapters that cost nothing would give.
+floor ms is the ratio adapters that cost nothing would give, and PEFT ms / (floor ms + the adapters'
+matmul FLOPs at the machine's GEMM peak, a 1024^3 matmul measured after the rounds) the most a LoRA
+step computing its adapters can give.
 
 Method: --warmup steps per side, then --repeats rounds of one step per side, the order alternating
 every round (the machines are shared and noisy). Reported: median ms/step, tokens/s (B x T input
@@ -284,10 +286,31 @@ def run(args) -> dict:
     res["max_loss_diff"] = max(abs(a - b) for a, b in zip(losses["lmforge"], losses["peft"]))
     if "floor" in sides:
         res["ratio_floor"] = res["sides"]["peft"]["median_ms"] / res["sides"]["floor"]["median_ms"]
+        # The adapters' own arithmetic (6 FLOPs per adapter weight and token: the forward's two GEMMs,
+        # the backward's four) at this machine's GEMM peak: what even perfect adapters add to the floor.
+        peak = gemm_peak(device, p["dtype"])
+        adapter_ms = 1e3 * 6.0 * trainable * tokens / peak
+        res["gemm_peak_tflops"] = peak / 1e12
+        res["adapter_ms_at_peak"] = adapter_ms
+        res["ratio_adapters_at_peak"] = res["sides"]["peft"]["median_ms"] / (
+            res["sides"]["floor"]["median_ms"] + adapter_ms)
     if "full" in sides:
         res["lora_over_full_time"] = res["sides"]["lmforge"]["median_ms"] / res["sides"]["full"]["median_ms"]
         res["lora_over_full_flops"] = fpt["lmforge"] / fpt["full"]
     return res
+
+
+def gemm_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
+    """FLOP/s of an n x n x n matmul in `dtype` on `device` (median of `reps`): the machine's GEMM peak."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for _ in range(reps + 2):
+        sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2.0 * n**3 / statistics.median(times[2:])
 
 
 def mib(n: int | None) -> str:
@@ -328,6 +351,9 @@ def print_tables(res: dict) -> None:
         print(f"PEFT ms / floor ms: {res['ratio_floor']:.3f} (the speed-up of adapters that cost nothing; "
               f"lmforge's adapters cost {s['lmforge']['median_ms'] - s['floor']['median_ms']:.0f} ms, PEFT's "
               f"{s['peft']['median_ms'] - s['floor']['median_ms']:.0f} ms)")
+        print(f"PEFT ms / (floor + adapter GEMMs at the {res['gemm_peak_tflops'] * 1e3:.0f} GFLOP/s peak, "
+              f"{res['adapter_ms_at_peak']:.0f} ms): {res['ratio_adapters_at_peak']:.3f} (the most any "
+              "LoRA step can reach)")
     if "lora_over_full_time" in res:
         print(f"LoRA / full fine-tuning step time: {res['lora_over_full_time']:.3f} "
               f"(matmul FLOPs ratio {res['lora_over_full_flops']:.3f})")

@@ -45,6 +45,7 @@ from lmforge.parallel.world import World
 from lmforge.train.averaging import build_averages
 from lmforge.train.callbacks import Callback, EarlyStopping, MetricsLogging, state_key
 from lmforge.train.stability import NonFiniteGuard, Spike, SpikeDetector
+from lmforge.utils.host_memory import keep_freed_memory
 from lmforge.utils.rng import RNGState
 
 
@@ -270,7 +271,8 @@ class Trainer:
         old_handlers = self._install_signal_handlers()
         self._emit("on_train_start")
         try:
-            self._loop()
+            with keep_freed_memory(self.cfg.train.keep_host_memory):
+                self._loop()
             if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
                 self.save()  # before the final evaluation: a failure there loses no training
             evaluated_now = self._last_val is not None and self._last_val[0] == self.step
