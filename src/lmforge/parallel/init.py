@@ -93,6 +93,11 @@ def coord_group():
 
 def host_group():
     """The gloo group of all ranks for per-step host values (None: the default group, gloo itself)."""
+    global _HOST_GROUP
+    if _HOST_GROUP is None and dist.is_initialized() and "gloo" not in str(dist.get_backend()):
+        # A default group someone else started (not init_distributed) without gloo: made on first use,
+        # which every rank reaches together (whoever asks for it runs a collective over it next).
+        _HOST_GROUP = dist.new_group(backend="gloo", timeout=_TIMEOUT)
     return _HOST_GROUP
 
 

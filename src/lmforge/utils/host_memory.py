@@ -5,7 +5,7 @@ MiB) with a fresh `mmap` and unmaps it on free, and returns free memory at the t
 OS beyond 128 KiB (the trim threshold). A training step on a CPU allocates and frees the same
 activations, gradients and temporaries every step, so every step pays for them again: a page fault and
 a zeroed page per 4 KiB touched. At lmforge's nanochat-size bench model (7.3M parameters, 2,048 tokens
-per step) that was ~80,000 minor faults and ~12% of the step (`bench/host_memory.py`).
+per step) that was ~80,000 minor faults and 14% of the step (`bench/host_memory.py`).
 
 `keep_freed_memory()` turns both off for its duration (`mallopt(M_MMAP_MAX, 0)`: every allocation
 comes from the heap; `mallopt(M_TRIM_THRESHOLD, 2 GiB)`: freed memory stays there), so after the first
