@@ -146,11 +146,16 @@ def _warm_up(world_size: int) -> None:
 
     from lmforge.config.schema import ModelConfig
     from lmforge.models.transformer import build_model
+    from lmforge.parallel.checkpointing import apply_activation_checkpointing
 
     m = build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16))
     opt = torch.optim.AdamW(m.parameters(), fused=True)
     m(torch.zeros(1, 16, dtype=torch.long)).float().mean().backward()
     opt.step()
+    # A checkpointed block's first forward and recompute set up torch.utils.checkpoint's machinery.
+    c = build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=16))
+    apply_activation_checkpointing(c, "full")
+    c(torch.zeros(1, 16, dtype=torch.long)).float().mean().backward()
     if world_size > 1:
         import torch.distributed as dist
 
@@ -158,7 +163,7 @@ def _warm_up(world_size: int) -> None:
         dist.all_reduce(t)
         dist.all_gather_into_tensor(torch.empty(world_size * t.numel()), t)
         dist.barrier()
-    del m, opt
+    del m, opt, c
 
 
 def _worker(spec_path: str, out_dir: str) -> None:
