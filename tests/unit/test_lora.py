@@ -184,6 +184,15 @@ def test_torch_compile_matches_eager(dora):
     x = ids()
     compiled = torch.compile(m, backend="aot_eager", fullgraph=True)  # fullgraph: no graph breaks
     torch.testing.assert_close(compiled(x), m(x), atol=ATOL, rtol=0)
+    # Training: the fused and grouped functions' backward through the compiled graph.
+    m.train()
+    grads = []
+    for f in (compiled, m):
+        m.zero_grad(set_to_none=True)
+        f(x).square().mean().backward()
+        grads.append([p.grad for p in m.parameters() if p.requires_grad])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
 
 
 def _lora_linear(seed: int = 0, bias: bool = True) -> LoRALinear:
@@ -244,6 +253,99 @@ def test_fused_function_is_skipped_where_it_does_not_apply():
     layer = _lora_linear()
     layer.base.bias.requires_grad_(True)
     assert not layer._fusable()
+
+
+def _group(outs=(40, 16, 16), ranks=(4, 8, 4), bias=True, rslora=(False, True, False)) -> list[LoRALinear]:
+    """Layers sharing one 24-wide input, as attention's q/k/v: different widths, ranks and scalings."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    return [
+        LoRALinear(nn.Linear(24, out, bias=bias).requires_grad_(False), r=r, alpha=6, rslora=rs,
+                   init="seeded", generator=gen).train()
+        for out, r, rs in zip(outs, ranks, rslora)
+    ]
+
+
+def _run_group(layers: list[LoRALinear], x: torch.Tensor, grouped: bool, autocast: bool = False):
+    x = x.clone().requires_grad_()
+    for m in layers:
+        m.lora_A.grad = m.lora_B.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ys = LoRALinear.project_group(x, layers) if grouped else [m(x) for m in layers]
+    assert ys is not None
+    gs = [torch.linspace(-1, 1, y.numel()).view_as(y) * (i + 1) for i, y in enumerate(ys)]
+    sum((y.float() * g).sum() for y, g in zip(ys, gs)).backward()
+    return [*ys, x.grad, *(p.grad for m in layers for p in (m.lora_A, m.lora_B))]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_layers_equal_the_layers_one_by_one(bias):
+    """project_group (the A's stacked, one input gradient buffer) gives each layer's output, the input
+    gradient and every A/B gradient of the layers run one by one (fp32; float64 to 1e-12)."""
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
+        layers = [m.to(dtype) for m in _group(bias=bias)]
+        x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(1), dtype=dtype)
+        grouped, single = _run_group(layers, x, True), _run_group(layers, x, False)
+        assert len(grouped) == 3 + 1 + 6
+        for a, b in zip(grouped, single):
+            assert a.dtype == b.dtype == dtype
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def test_grouped_layers_under_autocast():
+    layers = _group()
+    x = torch.randn(3, 5, 24, generator=torch.Generator().manual_seed(1))
+    got = _run_group(layers, x, True, autocast=True)
+    want = _run_group(layers, x, False, autocast=True)
+    assert got[0].dtype == torch.bfloat16 and all(t.dtype == torch.float32 for t in got[4:])
+    for a, b in zip(got, want):  # the same bf16 products, summed in another order
+        scale = float(b.detach().float().abs().max())
+        torch.testing.assert_close(a.float(), b.float(), atol=2 * 2**-8 * scale, rtol=0)
+
+
+def _add_dropout(layer: LoRALinear) -> None:
+    layer.lora_dropout, layer.dropout_p = nn.Dropout(0.1), 0.1
+
+
+def test_grouping_steps_aside_where_it_does_not_apply():
+    x = torch.randn(2, 24)
+    assert LoRALinear.project_group(x, _group()) is not None
+    assert LoRALinear.project_group(x, _group()[:1]) is None  # one layer: its own function
+    cases = {
+        "disabled": lambda ms: setattr(ms[1], "disabled", True),
+        "merged": lambda ms: ms[2].merge(),
+        "hooked": lambda ms: ms[0].register_forward_hook(lambda *a: None),
+        "dropout": lambda ms: _add_dropout(ms[1]),
+        "fp64 adapter": lambda ms: ms[1].to(torch.float64),
+    }
+    for name, spoil in cases.items():
+        layers = _group()
+        spoil(layers)
+        assert LoRALinear.project_group(x, layers) is None, name
+
+
+def test_models_use_grouping_and_train_as_without_it(monkeypatch):
+    """The model's q/k/v and gate/up go through project_group; a training step with it equals one
+    with every layer on its own (fp32, 1e-6)."""
+    calls = []
+    group = LoRALinear.project_group
+
+    def counted(x, layers):
+        out = group(x, layers)
+        calls.append(out is not None)
+        return out
+
+    grads = []
+    for grouped in (True, False):
+        off = staticmethod(lambda x, ls: None)
+        monkeypatch.setattr(LoRALinear, "project_group", staticmethod(counted) if grouped else off)
+        m = model(bias=True).train()
+        apply_lora(m, "all-linear", r=4, alpha=8, init="seeded")
+        F.cross_entropy(m(ids()).flatten(0, 1), ids(2).flatten()).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    assert calls == [True] * 4  # 2 blocks x (q/k/v, gate/up)
+    for n, g in grads[0].items():
+        torch.testing.assert_close(g, grads[1][n], atol=1e-6, rtol=1e-6, msg=n)
 
 
 def test_head_path_sees_the_adapted_output_weight():

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config.schema import ModelConfig
+from lmforge.models.common.linear import project
 from lmforge.models.common.norm import RMSNorm
 from lmforge.models.common.rope import apply_rope
 
@@ -161,12 +162,12 @@ class Attention(nn.Module):
         kv: this layer's cache view; keys/values of x are written at pos..pos+T-1.
         """
         B, T, _ = x.shape
-        q, k = self.wq(x), self.wk(x)  # (B, T, H*D), (B, T, Hkv*D)
+        q, k, v = project(x, (self.wq, self.wk, self.wv))  # (B, T, H*D), (B, T, Hkv*D) twice
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)

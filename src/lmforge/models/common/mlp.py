@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.config.schema import ModelConfig
+from lmforge.models.common.linear import project
 
 
 class MLP(nn.Module):
@@ -29,7 +30,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: (B, T, d_model)
         if self.kind == "swiglu":
-            h = F.silu(self.w_gate(x)) * self.w_up(x)  # (B, T, d_ff)
+            gate, up = project(x, (self.w_gate, self.w_up))  # (B, T, d_ff) each
+            h = F.silu(gate) * up
         else:
             h = F.gelu(self.w_up(x), approximate=self.approximate)  # (B, T, d_ff)
         return self.w_down(h)
