@@ -1,6 +1,7 @@
 """One LoRA training step: lmforge vs transformers + PEFT, same model, batch and adapter placement.
 
     .venv/bin/python bench/lora_step.py                        # --preset cpu, ~1 minute on 2 idle cores
+    .venv/bin/python bench/lora_step.py --preset demo --loss-chunk-tokens 512 --repeats 40   # CPU target
     .venv/bin/python bench/lora_step.py --method full          # adds lmforge full fine-tuning for scale
     .venv/bin/python bench/lora_step.py --floor                # adds the no-adapter floor (the bound)
     .venv/bin/python bench/lora_step.py --preset gpu --compile # Llama ~1B, bf16 weights, on CUDA
