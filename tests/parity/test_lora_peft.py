@@ -5,8 +5,9 @@ our `save_peft_adapter` -> PEFT's `PeftModel.from_pretrained`. Then logits, grad
 tensor and merged weights against `merge_and_unload` must agree: within 1e-5 in float32, and within
 1e-12 in float64, where rounding cannot hide a difference in the maths.
 
-transformers runs its SDPA attention, the kernel lmforge calls, so that the two base models are bit
-for bit the same (asserted) and every difference is the adapters'. In float32 the adapters' own
+transformers runs its SDPA attention, the kernel lmforge calls, so that the two base models agree bit
+for bit (on the machines measured; asserted within a tenth of the tolerance, as other CPUs may differ in
+the last bits) and every difference is the adapters'. In float32 the adapters' own
 rounding differs from PEFT's (lmforge fuses them into the base GEMMs and stacks the A's of layers that
 share an input); through two layers it reaches a few 1e-6 on gradients near 1.5. In float64 the same
 check is seven orders of magnitude tighter.
@@ -51,7 +52,7 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
 
 def base_pair(bias: bool, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, Transformer]:
     """The same random Llama as transformers' LlamaForCausalLM and as our Transformer, in `dtype`,
-    with equal logits bit for bit."""
+    with equal logits (bit for bit on the machines measured)."""
     cfg = transformers.LlamaConfig(
         vocab_size=V, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=False,
@@ -65,8 +66,8 @@ def base_pair(bias: bool, dtype: torch.dtype = torch.float32) -> tuple[torch.nn.
     ours.load_state_dict({llama.KEYS.to_ours(k): v for k, v in hf.state_dict().items()}, strict=True)
     hf.to(dtype)
     ours.to(dtype)
-    with torch.no_grad():
-        assert torch.equal(ours(ids()), hf(input_ids=ids()).logits)
+    with torch.no_grad():  # bit-equal on the machines measured; other CPUs may differ in the last bits
+        torch.testing.assert_close(ours(ids()), hf(input_ids=ids()).logits, atol=ATOL[dtype] / 10, rtol=0)
     return hf, ours
 
 
