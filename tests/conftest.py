@@ -66,3 +66,15 @@ class CrashAt(Callback):
     def on_step_end(self, trainer, step, result):
         if step == self.at:
             raise Crash(f"crash after step {step}")
+
+
+@pytest.fixture
+def code_sandbox() -> str:
+    """The operating-system sandbox of pass@k (eval/sandbox/), or a skip that says what is missing and how
+    to install it (scripts/test.sh installs bubblewrap where it can)."""
+    from lmforge.eval.sandbox import SandboxUnavailable, check_isolation
+
+    try:
+        return check_isolation()
+    except SandboxUnavailable as e:
+        pytest.skip(f"no code sandbox on this machine: {e}")

@@ -63,7 +63,7 @@ def test_trained_model_above_chance_untrained_at_chance(trained, tmp_path):
     assert abs(base.metrics["acc"] - 0.25) < 3 * base.stderr["acc"]
 
 
-def test_cli_writes_results_samples_and_report(trained, capsys):
+def test_cli_writes_results_samples_and_report(trained, capsys, code_sandbox):
     assert main(["eval", str(trained), "--tasks", "builtin:code", "--limit", "12"]) == 0
     out = capsys.readouterr().out
     assert "code_word_order" in out and "bits_per_byte" in out
@@ -271,7 +271,7 @@ def test_report_flags_documents_copied_from_the_training_data(trained, tmp_path)
     assert json.loads((trained / "eval_harness_step_00000200.json").read_text())["contamination"] is None
 
 
-def test_pass_at_k_runs_sampled_completions_in_the_sandbox(trained, tmp_path):
+def test_pass_at_k_runs_sampled_completions_in_the_sandbox(trained, tmp_path, code_sandbox):
     # The completion lands in a comment line, so what the model writes cannot break the program: the
     # first function's test passes whatever was sampled, the second's never does.
     rows = [

@@ -1,11 +1,13 @@
-"""The sandboxed executor for model-written Python: statuses, limits, what the audit hook blocks, the
-temp dir and process-group clean-up, concurrency, and pass@k over outcomes."""
+"""The sandboxed executor for model-written Python: statuses, limits, what the audit hook blocks (the
+second layer, alone as under --unsafe-code-exec), the temp dir and process-group clean-up, concurrency,
+and pass@k over outcomes. tests/hostile/test_sandbox_escapes.py tries to get out of the whole sandbox."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 
 import pytest
@@ -13,7 +15,10 @@ import pytest
 from lmforge.eval.metrics import pass_at_k
 from lmforge.eval.sandbox import Outcome, _execute, pass_at_k_scores, run_many, run_program
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only")
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox is Linux-only"),
+    pytest.mark.usefixtures("code_sandbox"),  # skipped, saying what to install, without bubblewrap
+]
 
 
 def _gone(pid: int, wait_s: float = 2.0) -> bool:
@@ -108,6 +113,13 @@ def test_the_detail_line_survives_a_flood_on_stderr():
         ("import multiprocessing\nmultiprocessing.Pool(2).map(abs, [1, -2])\n", "no new processes"),
         ("import os\nos.kill(1, 0)\n", "no signals to other processes"),
         ("import ctypes\n", "this module is blocked"),
+        (
+            "import glob, importlib.machinery as m, importlib.util as u, sysconfig\n"
+            "f = glob.glob(sysconfig.get_path('platstdlib') + '/lib-dynload/_posixsubprocess*')[0]\n"
+            "u.module_from_spec(u.spec_from_file_location('x._posixsubprocess', f, "
+            "loader=m.ExtensionFileLoader('x._posixsubprocess', f)))\n",
+            "this module is blocked",
+        ),
         ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))\n", "the limits are fixed"),
         ("import shutil\nshutil.rmtree('/tmp/lmforge-no-such-dir')\n", "changing files outside"),
         ("import os\nos.symlink('/etc', 'etc')\n", "no links"),
@@ -117,7 +129,8 @@ def test_the_detail_line_survives_a_flood_on_stderr():
 def test_blocked_operations_are_forbidden_even_when_caught(source, why):
     # a broad except around the attempt must not turn "forbidden" into anything else
     body = "".join("    " + line + "\n" for line in source.splitlines())
-    out = run_program(f"try:\n{body}except BaseException:\n    pass\nprint('went on')\n", timeout_s=3)
+    program = f"try:\n{body}except BaseException:\n    pass\nprint('went on')\n"
+    out = run_program(program, timeout_s=3, isolation="hook")
     assert out.status == "forbidden", out
     assert out.detail.startswith("forbidden: " + why), out.detail
     assert "went on" not in out.stdout
@@ -133,7 +146,8 @@ def test_writing_outside_the_sandbox_is_forbidden_and_nothing_is_written(tmp_pat
         ]
     ):
         target = tmp_path / f"x_outside_{i}"
-        out = run_program(source.format(path=str(target), dir=str(tmp_path), i=i), timeout_s=2)
+        source = source.format(path=str(target), dir=str(tmp_path), i=i)
+        out = run_program(source, timeout_s=2, isolation="hook")
         assert out.status == "forbidden" and "writing outside the sandbox" in out.detail, out
         assert not target.exists()
 
@@ -144,7 +158,7 @@ def test_relative_dotdot_through_a_dir_fd_cannot_climb_out():
         "import os\nos.makedirs('a/b/c')\nfd = os.open('.', os.O_RDONLY)\nos.chdir('a/b/c')\n"
         "os.open('../../../../x_escape', os.O_WRONLY | os.O_CREAT, dir_fd=fd)\n"
     )
-    out = run_program(source, timeout_s=2)
+    out = run_program(source, timeout_s=2, isolation="hook")
     assert out.status == "forbidden" and "writing outside the sandbox" in out.detail
 
 
@@ -155,7 +169,7 @@ def test_the_sandbox_cannot_be_rewired_through_gc():
         "fs[0].__defaults__ = (type, str, '/', '/')\n"
         "open('/tmp/lmforge-rewired', 'w')\n"
     )
-    out = run_program(source, timeout_s=2)
+    out = run_program(source, timeout_s=2, isolation="hook")
     assert out.status == "forbidden" and "no rewiring" in out.detail
     assert not os.path.exists("/tmp/lmforge-rewired")
 
@@ -171,11 +185,17 @@ def test_writing_inside_is_allowed_and_the_temp_dir_is_removed_afterwards():
         "os.chmod('d', 0)\n"  # the clean-up must cope with this
         "print(open('f.txt').read(), os.getcwd())\n"
     )
-    out = run_program(source, timeout_s=3)
+    out = run_program(source, timeout_s=3, isolation="hook")
     assert out.status == "passed", out
     text, cwd = out.stdout.split()
     assert text == "hello" and os.path.basename(os.path.dirname(cwd)).startswith("lmforge-sandbox-")
     assert not os.path.exists(os.path.dirname(cwd))
+    # in the OS sandbox the program writes in its own /work (cwd, HOME) and /tmp, which vanish with it
+    before = set(os.listdir(tempfile.gettempdir()))
+    out = run_program(source.replace("print(", "open('/tmp/t', 'w').write('z')\nprint("), timeout_s=3)
+    assert (out.status, out.stdout) == ("passed", "hello /work\n"), out
+    left = set(os.listdir(tempfile.gettempdir())) - before
+    assert not {n for n in left if n.startswith("lmforge-sandbox-")}
 
 
 def test_the_standard_library_still_works():

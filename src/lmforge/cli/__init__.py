@@ -159,6 +159,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if args.tasks and not args.tasks.lower().endswith(".jsonl"):
         return _eval_harness(args)  # the one mode that takes several runs
+    if args.unsafe_code_exec:
+        raise LmforgeError("--unsafe-code-exec applies to --tasks with task files (pass@k runs code); "
+                           "this mode runs no model-written code")
     if len(args.path) > 1:
         raise LmforgeError("several runs are compared with --tasks only; give one run otherwise")
     args.path = args.path[0] if args.path else None
@@ -220,7 +223,8 @@ def _eval_harness(args: argparse.Namespace) -> int:
     outs = eval_harness(paths, items, args.set, weights=args.weights, num_fewshot=args.num_fewshot,
                         limit=args.limit, batch_size=args.batch_size, seed=args.seed, chat=args.chat,
                         multiturn=args.fewshot_as_multiturn, all_checkpoints=args.all_checkpoints,
-                        compare_out=args.compare_out, contamination=not args.no_contamination)
+                        compare_out=args.compare_out, contamination=not args.no_contamination,
+                        code_isolation="hook" if args.unsafe_code_exec else "os")
     console = Console(highlight=False)
     if len(outs) > 1:
         table = Table(title="runs side by side (eval_compare.md)", show_header=True)

@@ -127,6 +127,10 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        "with the run's chat template (a fine-tuned model)")
         p.add_argument("--fewshot-as-multiturn", action="store_true", help="with --chat: each few-shot "
                        "example its own user and assistant turn (default: one user message)")
+        p.add_argument("--unsafe-code-exec", action="store_true", help="--tasks: run the model-written code "
+                       "of pass@k tasks without the operating-system sandbox (bubblewrap), under the "
+                       "in-process audit hook only, which is not a security boundary: only for code you "
+                       "trust, on a machine without the sandbox")
         p.add_argument("--all-checkpoints", action="store_true", help="--tasks on every kept checkpoint "
                        "of the run: curves in eval_curves.md / eval_curves.png")
         p.add_argument("--no-contamination", action="store_true", help="skip the report of each task's "

@@ -19,7 +19,7 @@ from lmforge.errors import LmforgeError
 from lmforge.eval import metrics as M
 from lmforge.eval.bundle import BUNDLE, build_bundle
 from lmforge.eval.scorer import Scorer
-from lmforge.eval.tasks import Task, TaskResult, load_tasks, run_task
+from lmforge.eval.tasks import Task, TaskResult, load_tasks, require_code_sandbox, run_task
 from lmforge.utils.io import atomic_write_json, atomic_write_text
 
 
@@ -62,6 +62,7 @@ def eval_harness(
     compare_out: str | Path | None = None,
     contamination: bool = True,
     say: Callable[[str], None] = print,
+    code_isolation: str = "os",
 ) -> list[dict]:
     """Evaluate the tasks named by `items` on each run of `paths` (run dirs, checkpoint dirs or HF dirs).
 
@@ -70,12 +71,17 @@ def eval_harness(
     their (latest) results, written to `compare_out` (default eval_compare.md here).
     chat / multiturn: prompts rendered with each run's chat template (Task.context).
     contamination: each task's word 13-gram overlap with the run's training data (eval/contamination.py).
+    code_isolation: how pass@k tasks run model-written code: "os" (the sandbox; refused where it cannot
+    run) or "hook" (--unsafe-code-exec: the in-process audit hook only).
     Returns the results of each path's last evaluation."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not paths:
         raise LmforgeError("give at least one run dir, checkpoint dir or Hugging Face dir")
     outs = []
     tasks = load_task_set(items, num_fewshot)  # every document read before a model is loaded
+    code = require_code_sandbox(tasks, code_isolation, UNSAFE_HINT)
+    if code is not None:
+        say(f"{'warning: ' if code_isolation == 'hook' else ''}model-written code runs under {code}")
     for path in paths:
         overlap = contamination_of(path, tasks, limit, say) if contamination else None
         targets = checkpoints_of(path) if all_checkpoints else [Path(path)]
@@ -85,7 +91,8 @@ def eval_harness(
                 say(f"{target}:")
             run_outs.append(
                 evaluate_run(
-                    target, tasks, overrides, weights, limit, batch_size, seed, chat, multiturn, say, overlap
+                    target, tasks, overrides, weights, limit, batch_size, seed, chat, multiturn, say, overlap,
+                    code_isolation=code_isolation, code_execution=code,
                 )
             )
         if all_checkpoints:
@@ -96,6 +103,10 @@ def eval_harness(
     return outs
 
 
+UNSAFE_HINT = (
+    "Or pass --unsafe-code-exec to run it with the in-process audit hook only (not a security boundary: "
+    "only for code you trust)"
+)
 CONTAMINATION_MAX_CHARS = 500_000_000  # training text read for the overlap report, at most
 
 
@@ -159,6 +170,8 @@ def evaluate_run(
     multiturn: bool,
     say: Callable[[str], None],
     contamination: dict | None = None,
+    code_isolation: str = "os",
+    code_execution: str | None = None,
 ) -> dict:
     """One model on every task; results JSON, samples and report written into its run dir."""
     from lmforge.data.chat_template import stop_ids
@@ -180,7 +193,11 @@ def evaluate_run(
         stops=stops,
     )
     results = [
-        run_task(t, scorer, limit=limit, seed=seed, say=say, chat=render, multiturn=multiturn) for t in tasks
+        run_task(
+            t, scorer, limit=limit, seed=seed, say=say, chat=render, multiturn=multiturn,
+            code_isolation=code_isolation,
+        )
+        for t in tasks
     ]
     suffix = "" if weights == "model" else f"_{weights}"
     stem = f"step_{run.step:08d}{suffix}"
@@ -195,6 +212,7 @@ def evaluate_run(
         "fewshot_as_multiturn": multiturn,
         "tasks": {r.name: r.to_json() for r in results},
         "contamination": contamination,
+        "code_execution": code_execution,
     }
     run_dir = run.run_dir
     del run, scorer  # the next checkpoint's model is loaded next

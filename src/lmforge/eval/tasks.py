@@ -736,9 +736,12 @@ def run_task(
     say: Callable[[str], None] | None = None,
     chat: Callable[[list[dict]], str] | None = None,
     multiturn: bool = False,
+    code_isolation: str = "os",
 ) -> TaskResult:
     """Score `scorer` (eval/scorer.py) on the task's evaluation split (with `chat`, prompts are
-    conversations: see Task.context; the scorer must then read special tokens in its text)."""
+    conversations: see Task.context; the scorer must then read special tokens in its text).
+    code_isolation: how pass@k runs model-written code ("os": the whole sandbox; "hook": the audit hook
+    only, --unsafe-code-exec); the caller decides, never the task file."""
     docs = task.docs(task.eval_split)
     docs = docs[: select(len(docs), limit)]
     contexts = [
@@ -757,7 +760,7 @@ def run_task(
         return _loglikelihood(task, scorer, docs, contexts)
     if kind == "loglikelihood_rolling":
         return _rolling(task, scorer, docs)
-    return _generate(task, scorer, docs, contexts, seed)
+    return _generate(task, scorer, docs, contexts, seed, code_isolation)
 
 
 def _result(
@@ -878,7 +881,7 @@ def _rolling(task: Task, scorer, docs) -> TaskResult:
     return _result(task, docs, {}, samples, corpus=corpus)
 
 
-def _generate(task: Task, scorer, docs, contexts, seed: int) -> TaskResult:
+def _generate(task: Task, scorer, docs, contexts, seed: int, code_isolation: str = "os") -> TaskResult:
     n = task.repeats
     generations = scorer.generate_until(
         [c for c in contexts for _ in range(n)],
@@ -919,14 +922,14 @@ def _generate(task: Task, scorer, docs, contexts, seed: int) -> TaskResult:
             scores = M.rouge(preds, refs)
             corpus.update({m + suffix: scores[m] for m in rouge_wanted})
     if "pass_at_k" in task.metrics:
-        per_doc.update(_pass_at_k(task, docs, contexts, per_sample, samples))
+        per_doc.update(_pass_at_k(task, docs, contexts, per_sample, samples, code_isolation))
     chance = {}
     if task.chance is not None:
         chance = {k: task.chance for k in per_doc}
     return _result(task, docs, per_doc, samples, chance, corpus=corpus)
 
 
-def _pass_at_k(task: Task, docs, contexts, per_sample, samples) -> dict[str, list[float]]:
+def _pass_at_k(task: Task, docs, contexts, per_sample, samples, isolation: str) -> dict[str, list[float]]:
     """Run prompt + completion + the test code of every generation in the sandbox; per document the
     unbiased pass@k estimate from its `repeats` generations (k larger than repeats: not reported)."""
     from lmforge.eval.sandbox import run_many
@@ -939,7 +942,10 @@ def _pass_at_k(task: Task, docs, contexts, per_sample, samples) -> dict[str, lis
             raise TaskError(f"{where}: pass_at_k.test gives {type(test).__name__}, not code")
         programs.extend(ctx + g + "\n\n" + test + "\n" for g in gens)
     outcomes = run_many(
-        programs, timeout_s=float(opts.get("timeout_s", 5.0)), memory_mb=int(opts.get("memory_mb", 512))
+        programs,
+        timeout_s=float(opts.get("timeout_s", 5.0)),
+        memory_mb=int(opts.get("memory_mb", 512)),
+        isolation=isolation,
     )
     n = task.repeats
     out: dict[str, list[float]] = {f"pass@{k}": [] for k in opts["k"] if k <= n}
@@ -951,6 +957,23 @@ def _pass_at_k(task: Task, docs, contexts, per_sample, samples) -> dict[str, lis
         for k in out:
             out[k].append(M.pass_at_k(n, c, int(k.split("@")[1])))
     return out
+
+
+def require_code_sandbox(tasks: Sequence[Task], code_isolation: str, unsafe_hint: str) -> str | None:
+    """Before any model loads: where `tasks` run model-written code (pass@k), check that the sandbox can
+    run it here (a TaskError saying what is missing and `unsafe_hint`, the caller's way around it).
+    Returns how the code will be isolated, in words, or None when no task runs code."""
+    from lmforge.eval.sandbox import SandboxUnavailable, check_isolation
+
+    coders = [t.name for t in tasks if "pass_at_k" in t.metrics]
+    if not coders:
+        return None
+    if code_isolation == "hook":
+        return "UNSAFE: the in-process audit hook only (--unsafe-code-exec), no operating-system sandbox"
+    try:
+        return check_isolation()
+    except SandboxUnavailable as e:
+        raise TaskError(f"{', '.join(coders)}: pass@k runs model-written code: {e}. {unsafe_hint}") from None
 
 
 def discover(item: str, bundle_dir: Path | None = None) -> list[Path]:

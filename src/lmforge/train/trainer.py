@@ -165,8 +165,12 @@ class Trainer:
         self._eval_tasks: list = []
         if cfg.train.eval_tasks:  # read and checked before the run dir is touched
             from lmforge.eval.harness import load_task_set
+            from lmforge.eval.tasks import require_code_sandbox
 
             self._eval_tasks = load_task_set(cfg.train.eval_tasks)
+            require_code_sandbox(self._eval_tasks, "os", "Training runs such code only in the sandbox: "
+                                 "take these tasks out of train.eval_tasks and, if you trust the code, run "
+                                 "`lmforge eval RUN --tasks ... --unsafe-code-exec` on the trained run")
         self.run = build_run(cfg, "train", model=model, train_data=train_data, eval_data=eval_data,
                              tokenizer=tokenizer, objective=objective, resume=resume, say=self.console)
         try:
