@@ -15,11 +15,14 @@ permissions, stands in the way.
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -438,3 +441,63 @@ def test_benign_programs_still_pass(tmp_path):
     outs = run_many(right + wrong, timeout_s=5)
     assert all(o.passed for o in outs[: len(docs)]), [o for o in outs if not o.passed][:2]
     assert all(o.status == "failed" for o in outs[len(docs) :])
+
+
+UNPRIVILEGED = """
+import json, os, socket, sys
+from lmforge.eval.sandbox import _run, check_isolation
+check_isolation()
+probe = '''
+import json, os, socket
+out = {"uid": os.getuid(), "cwd": os.getcwd()}
+for name, fn in (
+    ("write", lambda: open(%r + "/x", "w")),
+    ("fork", os.fork),
+    ("net", lambda: socket.create_connection(("127.0.0.1", %d), timeout=1)),
+    ("root", lambda: os.mkdir("/x")),
+):
+    try:
+        fn()
+        out[name] = "done"
+    except OSError as e:
+        out[name] = e.errno
+print(json.dumps(out))
+''' % (sys.argv[1], int(sys.argv[2]))
+out = _run(probe, 5.0, 256, 10000, os_layer=True, hook=False)
+print(out.stdout or out.stderr)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user (the test runs as one)")
+def test_an_unprivileged_user_gets_the_same_sandbox(host, tmp_path):
+    """lmforge run by an ordinary user (not root): bwrap makes the user namespace itself. The sandbox
+    modules run from a copy in a bare system Python as uid 65534 (nobody)."""
+    import shutil
+
+    src = Path(__file__).resolve().parents[2] / "src" / "lmforge"
+    python, setpriv = shutil.which("python3", path="/usr/bin:/bin"), shutil.which("setpriv")
+    if python is None or setpriv is None:
+        pytest.skip("needs /usr/bin/python3 and setpriv (util-linux)")
+    root = Path(tempfile.mkdtemp(prefix="lmforge-unprivileged-"))  # pytest's tmp_path is root's alone
+    try:
+        tree = root / "lmforge"
+        shutil.copytree(src / "eval" / "sandbox", tree / "eval" / "sandbox")
+        shutil.copy(src / "errors.py", tree / "errors.py")
+        (tree / "__init__.py").write_text("")
+        (tree / "eval" / "__init__.py").write_text("")
+        for p in [root, *root.rglob("*")]:
+            os.chmod(p, 0o755 if p.is_dir() else 0o644)
+        proc = subprocess.run(
+            [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", UNPRIVILEGED,
+             str(host.dir), str(host.port)],
+            capture_output=True, text=True, timeout=60, cwd=root,
+            env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "HOME": str(root)},
+        )  # fmt: skip
+    finally:
+        shutil.rmtree(root)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["uid"] == 65534 and out["cwd"] == "/work"
+    assert out["fork"] == errno.EPERM and out["root"] == errno.EROFS
+    assert out["write"] == errno.ENOENT and out["net"] == errno.ECONNREFUSED
+    assert not list(host.dir.glob("x")) and not host.accepted

@@ -40,7 +40,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from lmforge.eval.metrics import pass_at_k
 from lmforge.eval.sandbox import isolation
 from lmforge.eval.sandbox.isolation import SandboxUnavailable
 from lmforge.eval.sandbox.prelude import EXIT_ERROR, EXIT_FAILED, EXIT_FORBIDDEN, EXIT_MEMORY, MARKER, command
@@ -150,6 +149,8 @@ def pass_at_k_scores(
     samples and c passes}. A problem with fewer than k samples is left out of pass@k's mean, and a k
     that no problem reaches has no key. The Codex / HumanEval convention reports pass@k only when every
     problem has n >= k: give every problem at least max(ks) samples for numbers comparable to papers."""
+    from lmforge.eval.metrics import pass_at_k  # numpy: not needed to run programs (a bare python can)
+
     for k in ks:
         if k < 1:
             raise ValueError(f"pass@k needs k >= 1, got {k} in ks={tuple(ks)}")
