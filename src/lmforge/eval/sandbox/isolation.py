@@ -162,8 +162,8 @@ def _mounts(program_file: str, python: str) -> list[str]:
         args += ["--ro-bind", root, root]
         bound.append(root)
     # the installation's third-party packages: not needed (-S) and not the program's business
-    for key in ("purelib", "platlib"):
-        site = os.path.realpath(sysconfig.get_paths(vars={"base": prefix, "platbase": prefix})[key])
+    paths = sysconfig.get_paths(vars={"base": prefix, "platbase": prefix})
+    for site in sorted({os.path.realpath(paths[key]) for key in ("purelib", "platlib")}):
         if os.path.isdir(site) and any(site.startswith(b + "/") for b in bound):
             args += ["--tmpfs", site]
     args += [
