@@ -256,7 +256,9 @@ def _scaling_args(p: argparse.ArgumentParser) -> None:
                       "config key (repeatable)")
     plan.add_argument("--out", help="write the planned config (YAML) here")
     fit = sub.add_parser("fit", help="fit L(N, D) = E + A/N^alpha + B/D^beta to trained runs")
-    fit.add_argument("runs", nargs="+", help="run dirs (trained to the end, with validation)")
+    fit.add_argument("runs", nargs="+", help="run dirs (trained to the end, with validation), sweep dirs "
+                     "(lmforge sweep --out) or globs of them; what is not a run (logs, sweep.json) is "
+                     "skipped and named, and so is a sweep's run that did not finish")
     fit.add_argument("--out", help="write the fit (JSON; `scaling plan --law FILE` reads it)")
     fit.add_argument("--plot", metavar="DIR", help="draw iso-loss contours and iso-FLOP curves into DIR")
     fit.add_argument("--predict", action="append", default=[], metavar="N=..,D=..", help="predicted loss "

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from lmforge.errors import LmforgeError
+from lmforge.tools.scaling_inputs import FitInputs, gather_runs
 
 HUBER_DELTA = 1e-3  # Hoffmann et al. D.2 (and Besiroglu et al.)
 COUNTS = ("total", "non-embedding")
@@ -544,6 +545,31 @@ def run_plan(law_spec: str, *, compute: float | None = None, params: float | Non
     return plan
 
 
+def fit_points(args: Sequence[str], count: str = "total", all_evals: bool = False
+               ) -> tuple[list[Point], int, FitInputs]:
+    """The points of the runs behind `scaling fit`'s arguments (tools/scaling_inputs.py), the number of
+    runs they came from, and what was skipped (with its reason)."""
+    inputs = gather_runs(args)
+    points: list[Point] = []
+    for run in inputs.named:
+        points += run_points(run, count, all_evals)
+    used = len(inputs.named)
+    for run in inputs.found:
+        try:
+            got = run_points(run, count, all_evals)
+        except LmforgeError as e:
+            inputs.skipped.append((str(run), str(e).removeprefix(f"{run}: ").removeprefix(f"{run}/")))
+            continue
+        points += got
+        used += 1
+    if not used:
+        raise LmforgeError("no trained run to fit in " + ", ".join(args) + ": "
+                           + "; ".join(f"{p} ({why})" for p, why in inputs.skipped[:5])
+                           + ("; ..." if len(inputs.skipped) > 5 else "")
+                           + "; give the dirs of runs trained to the end with validation, or a sweep dir")
+    return points, used, inputs
+
+
 def run_fit(runs: Sequence[str], *, out: str | None = None, plot: str | None = None,
             predict: Sequence[str] = (), predict_config: Sequence[str] = (), check: Sequence[str] = (),
             all_evals: bool = False, count: str = "total", samples: int = 0, seed: int = 0,
@@ -557,12 +583,15 @@ def run_fit(runs: Sequence[str], *, out: str | None = None, plot: str | None = N
     if out:
         check_replaceable(out)
     wanted = [parse_predict(s) for s in predict]  # bad input fails before the fit
-    points = [p for r in runs for p in run_points(r, count, all_evals)]
+    points, used, inputs = fit_points(runs, count, all_evals)
+    for line in inputs.skip_lines():
+        say(line)
     ns, ds, ls = [p.n for p in points], [p.d for p in points], [p.loss for p in points]
     law = fit_law(ns, ds, ls, count=count)
     ci = bootstrap(law, ns, ds, ls, samples, seed) if samples else None
     record = fit_record(law, points, ci)
-    say(f"{len(points)} points from {len(runs)} runs (N: {count} parameters; "
+    record["skipped"] = [{"path": path, "why": why} for path, why in inputs.skipped]
+    say(f"{len(points)} points from {used} runs (N: {count} parameters; "
         f"{'every evaluation' if all_evals else 'final evaluations'})")
     for k in ("E", "A", "B", "alpha", "beta"):
         interval = f"   95% CI [{ci[k][0]:.4g}, {ci[k][1]:.4g}] ({samples} bootstraps)" if ci else ""
