@@ -88,8 +88,8 @@ class _Common(_Strict):
         for name in sorted(self.model_fields_set & set(_UNSUPPORTED)):
             value = getattr(self, name)
             if not any(_same(value, neutral) for neutral in _UNSUPPORTED[name]):
-                raise ValueError(f"'{name}' is not supported by lmforge serve (got {json.dumps(value, default=repr)}); "
-                                 "leave it out")
+                got = json.dumps(value, default=repr)
+                raise ValueError(f"'{name}' is not supported by lmforge serve (got {got}); leave it out")
         if self.stream_options is not None and not self.stream:
             raise ValueError("'stream_options' is only allowed with 'stream': true")
         stops = self.stop_list()
