@@ -161,7 +161,9 @@ class Detectors:
         from lmforge.data.curate.steps.harmful import Step as Harmful
         from lmforge.data.curate.steps.pii import Step as Pii
 
-        self.harmful = Harmful(HarmfulStep(blocklist=list(blocklist), blocklist_files=list(blocklist_files)))
+        # the red team's own list of harm phrases, not the curation default (profanity, ldnoobw-en)
+        self.harmful = Harmful(HarmfulStep(lists=[], blocklist=list(blocklist),
+                                           blocklist_files=list(blocklist_files)))
         self.pii = Pii(PiiStep())
         self.refusal = re.compile("|".join([*REFUSAL_PATTERNS, *refusal_patterns]), re.IGNORECASE)
 
