@@ -54,6 +54,7 @@ def test_a_fine_tuning_run_resumes_from_its_own_config_yaml(world, tmp_path, nam
     assert main([verb, *_args(run, f"model.init_from={world / source}",
                               *(p.format(w=world) for p in pairs))]) == 0
     capsys.readouterr()
+    assert main(["prepare", "-c", str(run / "config.yaml")]) == 0, capsys.readouterr().err
     assert main([verb, "-c", str(run / "config.yaml"), "--resume", "--set", "train.max_steps=3"]) == 0, \
         capsys.readouterr().err
     assert (run / "checkpoints" / "step_00000003").is_dir()

@@ -28,7 +28,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         from lmforge.checkpoint.runs import resolve_init_from
         from lmforge.data.sft import prepare_sft
 
-        prepare_sft(resolve_init_from(cfg))
+        prepare_sft(resolve_init_from(cfg, derived=True))  # a run's own config.yaml states what it derived
         return 0
     prepare(cfg)
     return 0
