@@ -192,8 +192,9 @@ def test_kept_model_config_is_ordinary_and_generates_with_a_kv_cache():
 @pytest.mark.parametrize(
     "spec, match",
     [
-        (PruneSpec("magnitude", sparsity=1.0), r"\[0, 1\)"),
-        (PruneSpec("magnitude", sparsity=-0.1), r"\[0, 1\)"),
+        (PruneSpec("magnitude", sparsity=1.0), r"\(0, 1\)"),
+        (PruneSpec("magnitude", sparsity=-0.1), r"\(0, 1\)"),
+        (PruneSpec("magnitude", sparsity=0.0), r"\(0, 1\)"),  # a "success" that prunes nothing
         (PruneSpec("magnitude"), "needs --sparsity"),
         (PruneSpec("heads", heads=1), "multiple of 2"),
         (PruneSpec("heads", heads=4), "between 1 and 3"),
@@ -213,6 +214,33 @@ def test_kept_model_config_is_ordinary_and_generates_with_a_kv_cache():
 def test_bad_specs_are_refused_with_the_option_named(spec, match):
     with pytest.raises(LmforgeError, match=match):
         units_to_remove(spec, ModelConfig(**GQA))
+
+
+@pytest.mark.parametrize("spec", [PruneSpec("magnitude", sparsity=0.5), PruneSpec("2:4"),
+                                  PruneSpec("heads", heads=2), PruneSpec("channels", ratio=0.5)])
+def test_a_quantized_model_is_refused_not_pruned_to_zero_sparsity(spec):
+    """An int8 run's block weights are integers and scales: every method used to "succeed" with 0.00%
+    sparsity (unstructured) or fail inside (structured)."""
+    from lmforge.config.schema import QuantConfig
+    from lmforge.models.quant import QuantLinear
+
+    with pytest.raises(LmforgeError, match=r"quantized \(model.quant: int8.*prune the run it was quantized"):
+        units_to_remove(spec, ModelConfig(**GQA, quant=QuantConfig(bits=8, group_size=None)))
+    model = _model()
+    model.layers[0].attn.wq = QuantLinear.from_linear(model.layers[0].attn.wq, 8, None, True)
+    with pytest.raises(LmforgeError, match="layers are quantized \\(QuantLinear\\)"):
+        prune_model(model, spec)
+
+
+def test_mixture_of_experts_prunes_what_it_reaches_and_says_what_it_did_not():
+    cfg = dict(GQA, moe={"n_experts": 4, "top_k": 2, "d_ff_expert": 32})
+    model, details = prune_model(_model(**cfg), PruneSpec("magnitude", sparsity=0.5))
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".moe." in n)
+    assert details["not_pruned"] == {"moe_expert_params": experts} and experts > 0
+    assert sparsity_stats(model)["overall"] == pytest.approx(0.5, abs=1e-6)
+    assert "not_pruned" not in prune_model(_model(), PruneSpec("magnitude", sparsity=0.5))[1]
+    with pytest.raises(LmforgeError, match="mixture-of-experts layers"):
+        prune_model(_model(**cfg), PruneSpec("channels", ratio=0.5))
 
 
 def test_the_output_head_is_pruned_only_when_asked():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,3 +224,52 @@ def test_sweep_grid_random_search_and_names():
     for hostile in ("../../etc", "/abs/path", "a/b\\c", "..", "x" * 300):
         name = point_name({"run.note": hostile})
         assert "/" not in name and "\\" not in name and name not in ("", ".", "..") and len(name) <= 80
+
+
+def _fake_run(path, d_model: int, tokens: int, law: Law, finished: bool = True) -> None:
+    """A run dir as `lmforge train` leaves it: its resolved config.yaml and metrics.jsonl (the final
+    validation loss on `law`), or, not `finished`, a run cut short after its first validation."""
+    cfg = load_config(None, ["model.vocab_size=512", f"model.d_model={d_model}", "model.n_layers=2"])
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    loss = law.loss(count_params(cfg.model), tokens)
+    records = [{"step": 10, "tokens_seen": tokens // 2}, {"step": 10, "val_loss": loss + 0.5},
+               {"step": 20, "tokens_seen": tokens}] + ([{"step": 20, "val_loss": loss}] if finished else [])
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_scaling_fit_takes_a_sweep_dir_or_its_glob_and_names_what_it_skipped(tmp_path):
+    """The README's `lmforge scaling fit sweeps/s1/*`: the sweep dir also holds each point's log and
+    sweep.json, which are skipped and named; a point that did not finish is skipped (with its reason)
+    when found inside a sweep dir, and an error when named on its own."""
+    from lmforge.tools.scaling import fit_points, run_fit
+
+    law, sweep = LAWS["epoch"], tmp_path / "s1"
+    for i, (d, tokens) in enumerate([(32, 40_000), (32, 90_000), (64, 40_000), (64, 90_000), (96, 60_000)]):
+        _fake_run(sweep / f"p{i}", d, tokens, law)
+        (sweep / f"p{i}.log").write_text("training log\n")
+    (sweep / "sweep.json").write_text("{}")
+    said: list[str] = []
+    record = run_fit([str(sweep)], samples=0, say=said.append)  # the one fit; the rest reads points only
+    assert len(record["points"]) == 5 and "5 points from 5 runs" in "\n".join(said)
+    assert f"skipped {sweep / 'sweep.json'}: not a run dir" in "\n".join(said)
+    skipped = {Path(s["path"]).name for s in record["skipped"]}
+    assert skipped == {f"p{i}.log" for i in range(5)} | {"sweep.json"}
+    for args in ([str(p) for p in sorted(sweep.iterdir())], [str(sweep / "*")]):  # the shell's glob, ours
+        points, used, inputs = fit_points(args)
+        assert (len(points), used, len(inputs.skipped)) == (5, 5, 6), args
+    # a point that did not finish: skipped, with its reason, when found inside the sweep dir...
+    _fake_run(sweep / "p5", 96, 90_000, law, finished=False)
+    points, used, inputs = fit_points([str(sweep)])
+    assert (len(points), used) == (5, 5)
+    assert [why for path, why in inputs.skipped if path.endswith("p5")] == [
+        "the last validation (step 10) is before the last step (20); the run did not finish"]
+    # ... and an error that names it when it is named (the shell's glob names every entry)
+    with pytest.raises(LmforgeError, match="p5: the last validation .* did not finish"):
+        fit_points([str(p) for p in sorted(sweep.iterdir())])
+    # nothing to fit: the skipped paths are named in the error
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(LmforgeError, match="no trained run to fit .*empty .*holds no run dirs"):
+        run_fit([str(tmp_path / "empty"), str(sweep / "sweep.json")], samples=0, say=lambda m: None)
+    with pytest.raises(LmforgeError, match="no path matches"):
+        run_fit([str(tmp_path / "nothing*")], samples=0, say=lambda m: None)

@@ -26,6 +26,7 @@ from torch import nn
 from lmforge.checkpoint.manager import list_checkpoints
 from lmforge.checkpoint.run_dir import RunLock, mark_job, open_run_dir, restarted_job_owns
 from lmforge.checkpoint.runs import (
+    DERIVED_KEYS,
     check_rebuildable,
     load_weights,
     resolve_init_from,
@@ -202,8 +203,13 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
     if custom and cfg.model.init_from:
         raise ConfigError("model.init_from loads weights into lmforge's Transformer; with a model object of "
                           "your own, load its weights before handing it over and unset model.init_from")
+    stated: dict = {}
     if not custom:
-        cfg = resolve_init_from(cfg, say=say)
+        chat = cfg.objective.name in CHAT_OBJECTIVES  # these grow the vocabulary and add the scalar heads
+        if chat and cfg.model.init_from:  # a run's own config.yaml states what it derived: checked below
+            stated = {k: getattr(cfg.model, k) for k in DERIVED_KEYS & cfg.model.model_fields_set}
+        cfg = resolve_init_from(cfg, say=say, derived=chat)
+        _check_stated_heads(cfg, stated)
     if cfg.model.quant is not None:  # a quantized model's integer weights have no gradients
         source = f" (model.init_from={cfg.model.init_from})" if cfg.model.init_from else ""
         raise ConfigError(f"the model{source} is quantized (model.quant: int{cfg.model.quant.bits}, written "
@@ -271,6 +277,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
             resumed,
             lock,
             say,
+            stated_vocab=stated.get("vocab_size"),
         )
     except BaseException:
         if lock is not None:  # a run that could not be assembled leaves its run dir free
@@ -278,8 +285,29 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         raise
 
 
+def _check_stated_heads(cfg: Config, stated: dict) -> None:
+    """model.score_head / value_head stated in a fine-tuning config (its own config.yaml, resumed) must be
+    the head its objective adds: the objective decides them, the source's weights have none."""
+    head = _scalar_head(cfg)
+    for key in ("score_head", "value_head"):
+        name = key.removesuffix("_head")
+        if key in stated and stated[key] != (head == name):
+            does = "adds a" if stated[key] is False else "has no"
+            raise ConfigError(f"model.{key}={str(stated[key]).lower()}: objective {cfg.objective.name} "
+                              f"{does} {name} head (the objective decides it); remove model.{key}")
+
+
+def _check_stated_vocab(stated: int | None, derived: int, source: int | None) -> None:
+    """model.vocab_size stated in a fine-tuning config (its own config.yaml, resumed) must be the one this
+    run derives: the source's, grown when the chat template adds tokens."""
+    if stated is not None and stated != derived:
+        grown = f", the source's {source} grown for the chat template's tokens" if derived != source else ""
+        raise ConfigError(f"model.vocab_size={stated}: this run's vocabulary is {derived}{grown}; remove "
+                          "model.vocab_size (it comes from model.init_from and the template)")
+
+
 def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, dims,
-                    resumed, lock, say) -> Run:
+                    resumed, lock, say, stated_vocab: int | None = None) -> Run:
     custom = model is not None
     sft = cfg.objective.name in CHAT_OBJECTIVES  # chat data, a template, fine-tuning a given model
     if sft:
@@ -302,6 +330,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
                 f"{source_vocab} -> {vocab_size}")
         else:
             vocab_size = resolve_vocab_size(cfg, vocab)
+        _check_stated_vocab(stated_vocab, vocab_size, source_vocab)
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
     if sft and cfg.finetune.method != "full" and data.meta["added_tokens"]:
         # The template's new tokens must learn (an adapter run freezes the table): their rows train.

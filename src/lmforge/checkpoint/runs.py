@@ -99,19 +99,26 @@ def run_tokenizer_file(cfg: Config) -> Path | None:
 
 # Keys of the model section that do not change the architecture: they may differ from the source.
 _FREE_KEYS = {"init_from", "dropout", "init_std", "preset"}
+# Keys a fine-tuning run derives on top of its source and records in its config.yaml: the vocabulary grown
+# for a chat template's new tokens, the scalar head its objective adds. A run started from that file (to
+# resume it) states them again; they are the run's, not the source's, so with `derived` they are left to
+# the caller, which checks them against what it derives (assembly/build.py).
+DERIVED_KEYS = frozenset({"vocab_size", "score_head", "value_head"})
 
 
-def resolve_init_from(cfg: Config, say=print) -> Config:
+def resolve_init_from(cfg: Config, say=print, derived: bool = False) -> Config:
     """`cfg` made to start from `model.init_from`: its architecture, and its tokenizer unless one is
     set (a new config; `cfg` is unchanged). Keys the user set explicitly in `model` must agree with
-    the source (dropout may differ)."""
+    the source (dropout may differ; with `derived`, DERIVED_KEYS are the caller's to check)."""
     src = cfg.model.init_from
     if not src:
         return cfg
     source = source_model_config(src)
+    check_whole_weights(src)
+    free = _FREE_KEYS | (DERIVED_KEYS if derived else set())
     conflicts = [
         f"model.{k}={getattr(cfg.model, k)!r} (the weights have {getattr(source, k)!r})"
-        for k in sorted(cfg.model.model_fields_set - _FREE_KEYS)
+        for k in sorted(cfg.model.model_fields_set - free)
         if getattr(cfg.model, k) != getattr(source, k)
     ]
     if conflicts:
@@ -128,6 +135,20 @@ def resolve_init_from(cfg: Config, say=print) -> Config:
         update["data"] = cfg.data.model_copy(update={"tokenizer": tokenizer})
         say(f"model.init_from: using its tokenizer {tok}")
     return cfg.model_copy(update=update)
+
+
+def check_whole_weights(src: str | Path, key: str = "model.init_from") -> None:
+    """Refuse to start from an adapter run (LoRA, DoRA, QLoRA): its checkpoints hold adapters beside a
+    frozen base, not the model a new run starts from. The fix is one command: merge them first."""
+    path = Path(src)
+    if is_hf_dir(path):
+        return
+    run_dir, _ = find_weights(path)
+    method = load_config(run_dir / "config.yaml").finetune.method
+    if method != "full":
+        raise ConfigError(f"{key}={src} is a finetune.method={method} run: its checkpoints hold adapters "
+                          "beside a frozen base, not a whole model to start from; fold them in first "
+                          f"(lmforge merge {src} MERGED) and set {key}=MERGED")
 
 
 def load_weights(path: str | Path, model: nn.Module, weights: str = "model") -> int:

@@ -28,7 +28,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         from lmforge.checkpoint.runs import resolve_init_from
         from lmforge.data.sft import prepare_sft
 
-        prepare_sft(resolve_init_from(cfg))
+        prepare_sft(resolve_init_from(cfg, derived=True))  # a run's own config.yaml states what it derived
         return 0
     prepare(cfg)
     return 0
@@ -155,9 +155,13 @@ def cmd_tasks(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from lmforge.cli.args import eval_mode
     from lmforge.eval.entry import eval_tasks, evaluate
+    from lmforge.eval.tasks import check_limit
 
-    if args.tasks and not args.tasks.lower().endswith(".jsonl"):
+    mode = eval_mode(args)  # refuses an option the mode would not use
+    check_limit(args.limit)
+    if mode == "harness":
         return _eval_harness(args)  # the one mode that takes several runs
     if args.unsafe_code_exec:
         raise LmforgeError("--unsafe-code-exec applies to --tasks with task files (pass@k runs code); "
@@ -171,34 +175,38 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
         from lmforge.eval.entry import eval_redteam
 
-        result = eval_redteam(_run_path(args), args.redteam_prompts, args.set, weights=args.weights)
-        table = Table(title="red-team attack success (no refusal)", show_header=True)
-        table.add_column("category")
-        for col in ("prompts", "attack success", "refused", "flagged harmful", "flagged PII",
-                    "benign refused"):
+        result = eval_redteam(_run_path(args), args.redteam_prompts, args.set, weights=args.weights,
+                              limit=args.limit, batch_size=args.batch_size or 32)
+        table = Table(title="red-team attack success (complied: answered, no refusal)", show_header=True)
+        table.add_column("category", no_wrap=True)
+        for col in ("prompts", "attack success", "refused", "no answer", "flagged harmful / PII",
+                    "benign refused / no answer"):
             table.add_column(col, justify="right")
         benign = result["benign"]
         for cat, r in result["categories"].items():
             b = benign if cat == "all" else benign["categories"].get(cat)
             table.add_row(cat, str(r["prompts"]), f"{r['attack_success_rate']:.1%}",
-                          f"{r['refusal_rate']:.1%}", str(r["flagged_harmful"]), str(r["flagged_pii"]),
-                          f"{b['refused']}/{b['prompts']}" if b else "-")
+                          f"{r['refusal_rate']:.1%}", f"{r['non_answer_rate']:.1%}",
+                          f"{r['flagged_harmful']}/{r['flagged_pii']}",
+                          f"{b['refused']}/{b['non_answers']} of {b['prompts']}" if b else "-")
         Console(highlight=False).print(table)
         print(f"benign refusal rate (over-refusal): {benign['refusal_rate']:.1%} of {benign['prompts']} "
-              "harmless look-alike prompts refused")
+              f"harmless look-alike prompts refused; {benign['non_answers']} got no answer at all")
         return 0
     if args.data:
         from lmforge.eval.entry import eval_data
 
         eval_data(_run_path(args), args.data, args.set, weights=args.weights, max_length=args.max_length,
-                  stride=args.stride, batch_size=args.batch_size)
+                  stride=args.stride, batch_size=args.batch_size or 16, limit=args.limit)
         return 0
     if args.tasks:
         from rich.console import Console
         from rich.table import Table
 
-        acc = eval_tasks(_run_path(args), args.tasks, args.set, weights=args.weights)
-        table = Table(title=f"exact match on {args.tasks}", show_header=True)
+        acc = eval_tasks(_run_path(args), args.tasks, args.set, weights=args.weights, limit=args.limit,
+                         batch_size=args.batch_size or 32)
+        first = "" if args.limit is None else f" (first {args.limit:g} records of each task)"
+        table = Table(title=f"exact match on {args.tasks}{first}", show_header=True)
         table.add_column("task")
         for col in ("correct", "total", "accuracy"):
             table.add_column(col, justify="right")
@@ -221,7 +229,8 @@ def _eval_harness(args: argparse.Namespace) -> int:
     items = [t.strip() for t in args.tasks.split(",") if t.strip()]
     paths = _eval_paths(args)
     outs = eval_harness(paths, items, args.set, weights=args.weights, num_fewshot=args.num_fewshot,
-                        limit=args.limit, batch_size=args.batch_size, seed=args.seed, chat=args.chat,
+                        limit=args.limit, batch_size=args.batch_size or 16,
+                        seed=1234 if args.seed is None else args.seed, chat=args.chat,
                         multiturn=args.fewshot_as_multiturn, all_checkpoints=args.all_checkpoints,
                         compare_out=args.compare_out, contamination=not args.no_contamination,
                         code_isolation="hook" if args.unsafe_code_exec else "os")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from lmforge.errors import LmforgeError
+
 WEIGHTS = ("model", "ema", "swa")
 WEIGHTS_HELP = "the trained weights (model) or their average kept during training (averaging.ema / .swa)"
 
@@ -120,9 +122,11 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples per prompt "
                        "(default: each task file's num_fewshot, else 0)")
         p.add_argument("--limit", type=float, default=None, help="first N documents of each task (a "
-                       "number below 1: that fraction)")
-        p.add_argument("--batch-size", type=int, default=16, help="sequences per forward")
-        p.add_argument("--seed", type=int, default=1234, help="seed of the few-shot draws")
+                       "number below 1: that fraction): task files, a tasks JSONL (per task), --redteam "
+                       "(prompts per category) and --data (documents)")
+        p.add_argument("--batch-size", type=int, default=None, help="sequences per forward (default 16; "
+                       "32 for a tasks JSONL and --redteam)")
+        p.add_argument("--seed", type=int, default=None, help="seed of the few-shot draws (default 1234)")
         p.add_argument("--chat", action="store_true", help="--tasks prompts as conversations rendered "
                        "with the run's chat template (a fine-tuned model)")
         p.add_argument("--fewshot-as-multiturn", action="store_true", help="with --chat: each few-shot "
@@ -260,7 +264,9 @@ def _scaling_args(p: argparse.ArgumentParser) -> None:
                       "config key (repeatable)")
     plan.add_argument("--out", help="write the planned config (YAML) here")
     fit = sub.add_parser("fit", help="fit L(N, D) = E + A/N^alpha + B/D^beta to trained runs")
-    fit.add_argument("runs", nargs="+", help="run dirs (trained to the end, with validation)")
+    fit.add_argument("runs", nargs="+", help="run dirs (trained to the end, with validation), sweep dirs "
+                     "(lmforge sweep --out) or globs of them; what is not a run (logs, sweep.json) is "
+                     "skipped and named, and so is a sweep's run that did not finish")
     fit.add_argument("--out", help="write the fit (JSON; `scaling plan --law FILE` reads it)")
     fit.add_argument("--plot", metavar="DIR", help="draw iso-loss contours and iso-FLOP curves into DIR")
     fit.add_argument("--predict", action="append", default=[], metavar="N=..,D=..", help="predicted loss "
@@ -309,3 +315,50 @@ def _server_args(p: argparse.ArgumentParser) -> None:
             a.add_argument("--user", required=True, help="the user the token acts as")
         if action == "revoke":
             a.add_argument("token_id", help="the token's id (or the whole token)")
+
+
+# -- lmforge eval: which options each of its modes takes -------------------------------------------
+EVAL_MODES = {
+    "harness": "--tasks with task files",
+    "jsonl": "--tasks with a tasks JSONL",
+    "redteam": "--redteam",
+    "data": "--data",
+    "loss": "the validation loss (no --tasks, --data or --redteam)",
+}
+# dest -> (option, the modes that use it). An option given to a mode that does not use it is refused, so
+# no one reads a number believing it was limited, seeded or batched as asked when it was not.
+EVAL_OPTIONS = {
+    "limit": ("--limit", ("harness", "jsonl", "redteam", "data")),
+    "batch_size": ("--batch-size", ("harness", "jsonl", "redteam", "data")),
+    "num_fewshot": ("--num-fewshot", ("harness",)),
+    "seed": ("--seed", ("harness",)),
+    "chat": ("--chat", ("harness", "jsonl", "redteam")),  # a tasks JSONL and the red team always chat
+    "fewshot_as_multiturn": ("--fewshot-as-multiturn", ("harness",)),
+    "all_checkpoints": ("--all-checkpoints", ("harness",)),
+    "no_contamination": ("--no-contamination", ("harness",)),
+    "compare_out": ("--compare-out", ("harness",)),
+    "max_length": ("--max-length", ("data",)),
+    "stride": ("--stride", ("data",)),
+}
+_LOSS_HINTS = {"limit": "; the validation loss reads eval.max_batches batches (--set eval.max_batches=N)",
+               "batch_size": "; the validation loss batches by eval.batch_size (--set eval.batch_size=N)"}
+
+
+def eval_mode(args: argparse.Namespace) -> str:
+    """The mode of `lmforge eval` its arguments ask for (a key of EVAL_MODES), refusing a mix of modes
+    and an option the mode does not use (LmforgeError naming the option and the modes that take it)."""
+    asked = [m for m, on in (("redteam", args.redteam or args.redteam_prompts), ("data", args.data),
+                             ("tasks", args.tasks)) if on]
+    if len(asked) > 1:
+        raise LmforgeError(f"{' and '.join('--' + m for m in asked)} are different evaluations; give one "
+                         "of them per call")
+    mode = asked[0] if asked else "loss"
+    if mode == "tasks":
+        mode = "jsonl" if args.tasks.lower().endswith(".jsonl") else "harness"
+    for dest, (flag, modes) in EVAL_OPTIONS.items():
+        value = getattr(args, dest)
+        if value is not None and value is not False and mode not in modes:
+            raise LmforgeError(f"{flag} does not apply to {EVAL_MODES[mode]}; it goes with "
+                             f"{', '.join(EVAL_MODES[m] for m in modes)}"
+                             + (_LOSS_HINTS.get(dest, "") if mode == "loss" else ""))
+    return mode

@@ -18,6 +18,7 @@ source's, 10% warm-up, no weight averages, no mid-run evaluation), then a recove
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -79,6 +80,14 @@ def units_to_remove(spec: PruneSpec, cfg: ModelConfig) -> int:
     layer (0 for unstructured methods). LmforgeError naming the option and what would be right."""
     if spec.method not in METHODS:
         raise LmforgeError(f"--method {spec.method!r}: valid methods are {', '.join(METHODS)}")
+    if cfg.quant is not None:  # its block weights are integers and scales: nothing to zero, nothing to cut
+        raise LmforgeError(f"the model is quantized (model.quant: int{cfg.quant.bits}, written by lmforge "
+                           "quantize): pruning zeroes or removes full-precision weights, which it does not "
+                           "have; prune the run it was quantized from, then quantize the pruned run")
+    if cfg.moe is not None and spec.method == "channels":
+        raise LmforgeError("--method channels removes channels of each block's MLP, and this model's blocks "
+                           "have mixture-of-experts layers (model.moe) instead; use --method heads, "
+                           "magnitude or 2:4")
     if spec.score not in SCORES:
         raise LmforgeError(f"--score {spec.score!r}: valid scores are {', '.join(SCORES)}")
     if spec.scope not in SCOPES:
@@ -96,8 +105,8 @@ def units_to_remove(spec: PruneSpec, cfg: ModelConfig) -> int:
         takes = f"; it takes {' or '.join('--' + w for w in sorted(wanted))}" if wanted else ""
         raise LmforgeError(f"--{extra[0]} does not go with --method {spec.method}{takes}")
     if spec.method == "magnitude":
-        if spec.sparsity is None or not 0.0 <= spec.sparsity < 1.0:
-            raise LmforgeError(f"--method magnitude needs --sparsity in [0, 1) (the fraction of weights "
+        if spec.sparsity is None or not 0.0 < spec.sparsity < 1.0:  # 0 would "succeed" and prune nothing
+            raise LmforgeError(f"--method magnitude needs --sparsity in (0, 1) (the fraction of weights "
                                f"zeroed), got {spec.sparsity}")
         return 0
     if spec.include_head and spec.method in ("heads", "channels"):
@@ -152,6 +161,25 @@ def calibration_batches(tokenizer, seq_len: int, n_seqs: int, path: str | Path |
     return list(torch.cat(batches)[:n_seqs].split(batch_size)) if batches else []
 
 
+# A mixture of experts' weights ((n_experts, out, in) stacks and the router): unstructured pruning does not
+# reach them, and says so (the report's not_pruned) rather than letting "sparsity of the pruned weights"
+# read as the model's.
+_EXPERT_WEIGHT = re.compile(r"(?:^|\.)layers\.\d+\.moe\.")
+
+
+def _check_reachable(model: nn.Module) -> None:
+    """Refuse a model whose block weights pruning cannot touch: quantized layers (lmforge quantize's int
+    weights, QLoRA's NF4 base) hold integers and scales, not the parameters masks zero."""
+    from lmforge.finetune.nf4 import NF4Linear
+    from lmforge.models.quant import QuantLinear
+
+    kinds = {type(m).__name__ for m in model.modules() if isinstance(m, (QuantLinear, NF4Linear))}
+    if kinds:
+        raise LmforgeError(f"the model's layers are quantized ({', '.join(sorted(kinds))}): pruning zeroes "
+                           "or removes full-precision weights, which they do not have; prune the "
+                           "full-precision model, then quantize the pruned one")
+
+
 def prune_model(model: nn.Module, spec: PruneSpec, calib: list[torch.Tensor] | None = None
                 ) -> tuple[nn.Module, dict[str, Any]]:
     """Prune lmforge's Transformer `model` as `spec` says. Unstructured methods zero weights in place
@@ -168,8 +196,12 @@ def prune_model(model: nn.Module, spec: PruneSpec, calib: list[torch.Tensor] | N
             spec.method, list(prunable_weights(model, spec.include_head)))
         norms = input_norms(model, calib, names)
         details["calib_tokens"] = sum(b.numel() for b in calib)
+    _check_reachable(model)
     if spec.method in ("magnitude", "2:4"):
         weights = prunable_weights(model, spec.include_head)
+        unreached = sum(p.numel() for n, p in model.named_parameters() if _EXPERT_WEIGHT.search(n))
+        if unreached:
+            details["not_pruned"] = {"moe_expert_params": unreached}
         scores = scores_of(weights, norms)
         masks = (unstructured_masks(scores, spec.sparsity, spec.scope) if spec.method == "magnitude"
                  else semi_structured_masks(scores))
@@ -370,6 +402,10 @@ def report_lines(report: dict[str, Any]) -> list[str]:
         f"{e['split']} loss: before {loss(e['before'])}, pruned {loss(e['pruned'])}, "
         f"recovered {loss(e['recovered'])}",
     ]
+    if report.get("not_pruned"):
+        n = report["not_pruned"]["moe_expert_params"]
+        lines.append(f"not pruned: the mixture-of-experts layers' {n:,} parameters (experts and routers; "
+                     "unstructured pruning reaches the attention and dense MLP projections only)")
     if report["recovery"]:
         r = report["recovery"]
         lines.append(f"recovery: {r['steps']} steps in {r['seconds']:.0f}s (lr {r['lr']:g})")

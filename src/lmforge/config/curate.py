@@ -87,6 +87,12 @@ class RepetitionStep(_Step):
 
 class HarmfulStep(_Step):
     step: Literal["harmful"] = "harmful"
+    lists: list[Literal["ldnoobw-en"]] = Field(
+        default_factory=lambda: ["ldnoobw-en"], description="Shipped block lists matched besides blocklist "
+        "and blocklist_files: ldnoobw-en is the List of Dirty, Naughty, Obscene and Otherwise Bad Words, "
+        "English (403 entries, CC BY 4.0; C4's bad-words filter). [] to match only your own entries; a step "
+        "with no entry at all is refused (it would remove nothing)."
+    )
     blocklist: list[str] = Field(
         default_factory=list, description="Words and phrases (matched on word boundaries)."
     )

@@ -45,10 +45,11 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
 
 def eval_data(path: str | Path, data: str | Path, overrides: list[str] | tuple[str, ...] = (),
               weights: str = "model", max_length: int | None = None, stride: int | None = None,
-              batch_size: int = 8, say=print) -> dict:
+              batch_size: int = 8, say=print, limit: float | None = None) -> dict:
     """Perplexity, bits per byte, top-1/top-5 token accuracy and next-token calibration of a run on
     any text (`lmforge eval RUN --data FILE_OR_DIR`), in sliding windows of max_length tokens moved by
-    `stride` (eval/perplexity.py). Written to eval_data_<name>_step_N.json with a reliability diagram."""
+    `stride` (eval/perplexity.py); `limit`: the first N documents (or that fraction). Written to
+    eval_data_<name>_step_N.json with a reliability diagram."""
     import re
 
     from lmforge.eval.metrics import reliability_diagram
@@ -57,7 +58,8 @@ def eval_data(path: str | Path, data: str | Path, overrides: list[str] | tuple[s
     run = load_run(path, overrides, weights)
     try:
         out = evaluate_perplexity(run.model, run.tokenizer, data, max_length=max_length, stride=stride,
-                                  batch_size=batch_size, device=run.device, autocast=run.precision.autocast)
+                                  batch_size=batch_size, device=run.device, autocast=run.precision.autocast,
+                                  limit=limit)
     except ValueError as e:
         if isinstance(e, LmforgeError):
             raise
@@ -66,7 +68,7 @@ def eval_data(path: str | Path, data: str | Path, overrides: list[str] | tuple[s
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", Path(data).name) or "data"
     suffix = "" if weights == "model" else f"_{weights}"
     stem = f"eval_data_{name}_step_{run.step:08d}{suffix}"
-    result = {"step": run.step, "data": str(data), "weights": weights, **out}
+    result = {"step": run.step, "data": str(data), "weights": weights, "limit": limit, **out}
     atomic_write_json(run.run_dir / f"{stem}.json", result)
     reliability_diagram(confidence, correct, run.run_dir / f"{stem}_reliability.png",
                         f"next-token predictions on {name} (step {run.step})")
@@ -138,15 +140,19 @@ def chat_template_of(run: Run) -> ChatTemplate:
 
 
 def eval_tasks(path: str | Path, tasks_file: str | Path, overrides: list[str] | tuple[str, ...] = (),
-               weights: str = "model", max_new_tokens: int = 24, say=print) -> dict[str, tuple[int, int]]:
+               weights: str = "model", max_new_tokens: int = 24, say=print, limit: float | None = None,
+               batch_size: int = 32) -> dict[str, tuple[int, int]]:
     """Exact-match accuracy per task of a run's greedy replies to the records of `tasks_file` (JSONL
-    as `lmforge tasks` writes: messages, task, answer; or its --pairs records, whose prompt is asked).
-    Written to eval_tasks_step_N.json."""
+    as `lmforge tasks` writes: messages, task, answer; or its --pairs records, whose prompt is asked);
+    `limit`: the first N records of each task (or that fraction), as --limit. Written to
+    eval_tasks_step_N.json."""
+    from lmforge.eval.tasks import first_of_each
+
+    records = first_of_each(_task_records(Path(tasks_file)), "task", limit)  # bad input before the model
     run = load_run(path, overrides, weights)
-    records = _task_records(Path(tasks_file))
     acc = task_accuracy(run.model, run.tokenizer, chat_template_of(run), records, max_new_tokens,
-                        device=run.device)
-    result = {"step": run.step, "tasks_file": str(tasks_file), "weights": weights,
+                        batch_size=batch_size, device=run.device)
+    result = {"step": run.step, "tasks_file": str(tasks_file), "weights": weights, "limit": limit,
               "accuracy": {k: {"correct": c, "total": n, "accuracy": c / n} for k, (c, n) in acc.items()}}
     suffix = "" if weights == "model" else f"_{weights}"
     atomic_write_json(run.run_dir / f"eval_tasks_step_{run.step:08d}{suffix}.json", result)
@@ -155,26 +161,29 @@ def eval_tasks(path: str | Path, tasks_file: str | Path, overrides: list[str] | 
 
 def eval_redteam(path: str | Path, prompts_file: str | Path | None = None,
                  overrides: list[str] | tuple[str, ...] = (), weights: str = "model",
-                 max_new_tokens: int = 64, blocklist_files: Sequence[str] = ()) -> dict[str, dict]:
+                 max_new_tokens: int = 64, blocklist_files: Sequence[str] = (), limit: float | None = None,
+                 batch_size: int = 32) -> dict[str, dict]:
     """Attack success rate per category of a run's greedy replies to red-team prompts (lmforge's
     shipped set, or a JSONL file of {"prompt", "category"}), with the detectors of eval/redteam.py,
     and the benign refusal rate (over-refusal) on harmless look-alikes: the file's records marked
-    "benign": true, else lmforge's shipped ones. Returns {"categories": {category: rates}, "benign":
+    "benign": true, else lmforge's shipped ones; `limit`: the first N prompts of each category of either
+    (or that fraction), as --limit. Returns {"categories": {category: rates}, "benign":
     over_refusal(...)}; written to eval_redteam_step_N.json with every prompt, reply and verdict."""
     from lmforge.eval.chat import greedy_replies
     from lmforge.eval.redteam import Detectors, attack_success, benign_records, over_refusal, shipped_records
+    from lmforge.eval.tasks import first_of_each
 
-    run = load_run(path, overrides, weights)
     records = shipped_records() if prompts_file is None else _redteam_records(Path(prompts_file))
-    attacks = [r for r in records if not r.get("benign")]
-    benign = [r for r in records if r.get("benign")] or benign_records()
+    attacks = first_of_each([r for r in records if not r.get("benign")], "category", limit)
+    benign = first_of_each([r for r in records if r.get("benign")] or benign_records(), "category", limit)
+    run = load_run(path, overrides, weights)
     template = chat_template_of(run)
     stops = stop_ids(template, run.tokenizer)
     ids = [chat_prompt_ids(template, run.tokenizer, [{"role": "user", "content": r["prompt"]}])
            for r in attacks + benign]
     replies: list[str] = []
-    for i in range(0, len(ids), 32):
-        for out in greedy_replies(run.model, ids[i : i + 32], max_new_tokens, stops, run.device):
+    for i in range(0, len(ids), batch_size):
+        for out in greedy_replies(run.model, ids[i : i + batch_size], max_new_tokens, stops, run.device):
             replies.append(run.tokenizer.decode(out))
     detectors = Detectors(blocklist_files=blocklist_files)
     attack_replies, benign_replies = replies[: len(attacks)], replies[len(attacks) :]
@@ -187,7 +196,8 @@ def eval_redteam(path: str | Path, prompts_file: str | Path | None = None,
 
     atomic_write_json(run.run_dir / f"eval_redteam_step_{run.step:08d}{suffix}.json",
                       {"step": run.step, "weights": weights, "prompts_file": None if prompts_file is None
-                       else str(prompts_file), **result, "replies": details(attacks, attack_replies),
+                       else str(prompts_file), "limit": limit, **result,
+                       "replies": details(attacks, attack_replies),
                        "benign_replies": details(benign, benign_replies)})
     return result
 

@@ -270,15 +270,20 @@ def evaluate_perplexity(
     batch_size: int = 8,
     device: torch.device | str | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+    limit: float | None = None,
 ) -> dict[str, Any]:
-    """`strided_eval` of the documents under `path` (`read_texts`, `token_stream`), with bits per byte;
-    max_length defaults to the model's max_seq_len and stride to half of max_length (the guide's
-    ratio). Adds documents, max_length and stride to the result."""
+    """`strided_eval` of the documents under `path` (`read_texts`, `token_stream`; with `limit`, the first
+    N of them or that fraction, as --limit), with bits per byte; max_length defaults to the model's
+    max_seq_len and stride to half of max_length (the guide's ratio). Adds documents, max_length and
+    stride to the result."""
+    from lmforge.eval.tasks import select
+
     if max_length is None:
         max_length = model.cfg.max_seq_len
     if stride is None:
         stride = max(1, max_length // 2)
     texts = read_texts(path)
+    texts = texts[: select(len(texts), limit)]
     ids = token_stream(tokenizer, [t for _, t in texts])
     out = strided_eval(model, ids, max_length=max_length, stride=stride, batch_size=batch_size,
                        device=device, autocast=autocast, token_bytes=tokenizer.token_byte_lengths())

@@ -718,13 +718,39 @@ class TaskResult:
         }
 
 
+def check_limit(limit: float | None) -> None:
+    """--limit is a whole number of documents or a fraction below 1 (as the harness); 2.5 or NaN would
+    otherwise be cut to a count nobody asked for."""
+    if limit is None:
+        return
+    if not math.isfinite(limit) or limit <= 0 or (limit >= 1 and limit != int(limit)):
+        raise LmforgeError(f"--limit {limit:g}: give a whole number of documents (e.g. 100) or a fraction "
+                           "below 1 (e.g. 0.1)")
+
+
 def select(n: int, limit: float | None) -> int:
     """How many documents --limit keeps: an int count, or a fraction below 1 (as the harness)."""
     if limit is None:
         return n
-    if limit <= 0:
-        raise LmforgeError("--limit must be positive")
+    check_limit(limit)
     return min(n, math.ceil(n * limit) if limit < 1 else int(limit))
+
+
+def first_of_each(records: list[dict], key: str, limit: float | None) -> list[dict]:
+    """--limit applied to each group of `records` (by `key`: a task, a red-team category) on its own, the
+    first of each in file order, the order kept."""
+    if limit is None:
+        return records
+    sizes: dict[str, int] = {}
+    for r in records:
+        sizes[r[key]] = sizes.get(r[key], 0) + 1
+    keep = {k: select(n, limit) for k, n in sizes.items()}
+    out, taken = [], dict.fromkeys(sizes, 0)
+    for r in records:
+        if taken[r[key]] < keep[r[key]]:
+            taken[r[key]] += 1
+            out.append(r)
+    return out
 
 
 def run_task(

@@ -8,6 +8,7 @@ penalties, tools, ...) are accepted at their neutral values only.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -20,10 +21,11 @@ MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
 MAX_PROMPTS = 32
 
-# Neutral values of the fields lmforge accepts but does not implement.
+# Neutral values of the fields lmforge accepts but does not implement (logprobs: none yet, so any
+# top_logprobs, even 0, asks for something lmforge would not return).
 _UNSUPPORTED = {
     "logprobs": (None, False),
-    "top_logprobs": (None, 0),
+    "top_logprobs": (None,),
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -34,6 +36,21 @@ _UNSUPPORTED = {
     "tool_choice": (None, "none"),
     "response_format": (None, {"type": "text"}),
 }
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """`value` is the neutral value itself, not merely equal to it: in Python 0 == False and 1 == True, so
+    a plain `in` would let `logprobs: 0` (completions: "the chosen token's log-prob") pass as `false`, or
+    `best_of: true` as 1. Numbers match numbers (0 and 0.0), booleans booleans, containers item by item."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    if isinstance(value, (int, float)) and isinstance(neutral, (int, float)):
+        return value == neutral
+    if isinstance(value, dict) and isinstance(neutral, dict):
+        return value.keys() == neutral.keys() and all(_same(value[k], neutral[k]) for k in value)
+    if isinstance(value, list) and isinstance(neutral, list):
+        return len(value) == len(neutral) and all(map(_same, value, neutral))
+    return type(value) is type(neutral) and value == neutral
 
 
 class _Strict(BaseModel):
@@ -68,10 +85,11 @@ class _Common(_Strict):
 
     @model_validator(mode="after")
     def _supported(self):
-        for name in self.model_fields_set & set(_UNSUPPORTED):
+        for name in sorted(self.model_fields_set & set(_UNSUPPORTED)):
             value = getattr(self, name)
-            if value not in _UNSUPPORTED[name]:
-                raise ValueError(f"'{name}' is not supported by lmforge serve (got {value!r}); leave it out")
+            if not any(_same(value, neutral) for neutral in _UNSUPPORTED[name]):
+                got = json.dumps(value, default=repr)
+                raise ValueError(f"'{name}' is not supported by lmforge serve (got {got}); leave it out")
         if self.stream_options is not None and not self.stream:
             raise ValueError("'stream_options' is only allowed with 'stream': true")
         stops = self.stop_list()

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from lmforge.errors import LmforgeError
+from lmforge.tools.scaling_inputs import Point, fit_points, param_count, run_points
 
 HUBER_DELTA = 1e-3  # Hoffmann et al. D.2 (and Besiroglu et al.)
 COUNTS = ("total", "non-embedding")
@@ -206,83 +207,6 @@ def bootstrap(law: Law, n: Sequence[float], d: Sequence[float], loss: Sequence[f
         ok = len(fits) > 1
         out[k] = (float(vals.quantile(0.025)), float(vals.quantile(0.975))) if ok else (math.nan, math.nan)
     return out
-
-
-def param_count(model, count: str = "total") -> int:
-    """N of a ModelConfig as a law counts it. "total": every parameter, a tied table once (Chinchilla).
-    "non-embedding": without any vocabulary or position table, the output projection included, tied or
-    not (Kaplan et al. 2020's N, ~12 n_layers d_model^2; flops.py's exclude_embeddings keeps the output
-    projection, which for FLOPs is right)."""
-    from lmforge.models.flops import count_params
-
-    if count == "total":
-        return count_params(model)
-    return count_params(model, exclude_embeddings=True) - model.vocab_size * model.d_model
-
-
-# -- points from runs ---------------------------------------------------------------------------------
-@dataclass
-class Point:
-    run: str
-    step: int
-    n: int
-    d: int
-    loss: float
-    final: bool = True
-
-
-def run_points(run_dir: str | os.PathLike, count: str = "total", all_evals: bool = False) -> list[Point]:
-    """(N, D, validation loss) of a trained run: its final evaluation, and with `all_evals` every earlier
-    one as well. N is counted from the run's resolved config.yaml, D is tokens_seen at the evaluated step
-    (from metrics.jsonl). Earlier evaluations sit above the loss a run of that length would reach (the lr
-    had not decayed yet), so they bias a fit; they are off by default."""
-    from lmforge.config.load import load_config
-    from lmforge.metrics.loggers import read_metrics
-
-    path = Path(run_dir)
-    if not (path / "config.yaml").is_file():
-        raise LmforgeError(f"{path} is not a run dir (no config.yaml); give the dirs of trained runs")
-    cfg = load_config(path / "config.yaml")
-    if cfg.model.vocab_size is None:
-        raise LmforgeError(f"{path}/config.yaml has no model.vocab_size: the run was not trained by lmforge")
-    n = param_count(cfg.model, count)
-    records = read_metrics(path / "metrics.jsonl")
-    seen = {r["step"]: r["tokens_seen"] for r in records if _numbers(r, "step", "tokens_seen")}
-    evals = {r["step"]: r["val_loss"] for r in records if _numbers(r, "step", "val_loss")}
-    if not evals or not seen:
-        raise LmforgeError(f"{path}/metrics.jsonl has no validation loss or no tokens_seen: train the run "
-                           "to its end (lmforge train), with validation data")
-    last = max(evals)
-    if last < max(seen):
-        raise LmforgeError(f"{path}: the last validation (step {last}) is before the last step "
-                           f"({max(seen)}); the run did not finish")
-    points = []
-    for step in sorted(evals) if all_evals else [last]:
-        tokens = _tokens_at(seen, step)
-        if tokens is None or tokens <= 0 or not math.isfinite(evals[step]) or evals[step] <= 0:
-            continue
-        points.append(Point(str(path), step, n, tokens, float(evals[step]), final=step == last))
-    return points
-
-
-def _numbers(record: Any, *keys: str) -> bool:
-    """The metrics record has finite numbers under `keys` (a hand-edited or damaged file may not)."""
-    return isinstance(record, dict) and all(
-        isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool)
-        and math.isfinite(record[k]) for k in keys)
-
-
-def _tokens_at(seen: dict[int, int], step: int) -> int | None:
-    """tokens_seen at `step`: logged there, else interpolated between the logged steps around it."""
-    if step in seen:
-        return int(seen[step])
-    below = [s for s in seen if s < step]
-    above = [s for s in seen if s > step]
-    if not above:
-        return None
-    s0, t0 = (max(below), seen[max(below)]) if below else (0, 0)
-    s1 = min(above)
-    return int(round(t0 + (seen[s1] - t0) * (step - s0) / (s1 - s0)))
 
 
 def config_point(cfg, count: str = "total") -> tuple[int, int]:
@@ -557,12 +481,15 @@ def run_fit(runs: Sequence[str], *, out: str | None = None, plot: str | None = N
     if out:
         check_replaceable(out)
     wanted = [parse_predict(s) for s in predict]  # bad input fails before the fit
-    points = [p for r in runs for p in run_points(r, count, all_evals)]
+    points, used, inputs = fit_points(runs, count, all_evals)
+    for line in inputs.skip_lines():
+        say(line)
     ns, ds, ls = [p.n for p in points], [p.d for p in points], [p.loss for p in points]
     law = fit_law(ns, ds, ls, count=count)
     ci = bootstrap(law, ns, ds, ls, samples, seed) if samples else None
     record = fit_record(law, points, ci)
-    say(f"{len(points)} points from {len(runs)} runs (N: {count} parameters; "
+    record["skipped"] = [{"path": path, "why": why} for path, why in inputs.skipped]
+    say(f"{len(points)} points from {used} runs (N: {count} parameters; "
         f"{'every evaluation' if all_evals else 'final evaluations'})")
     for k in ("E", "A", "B", "alpha", "beta"):
         interval = f"   95% CI [{ci[k][0]:.4g}, {ci[k][1]:.4g}] ({samples} bootstraps)" if ci else ""

@@ -357,7 +357,29 @@ def test_harmful_limits_and_counts():
     assert step.score(Doc("a", text))["blocklist_hits"] == 3
     assert step.take_counts() == {"matches": 3, "docs_with_matches": 1}
     assert step.take_counts() == {}
-    assert run(HarmfulStep(), "bad words everywhere")[1] is None  # empty list: nothing to match
+    with pytest.raises(ValueError, match="block list is empty .* would remove nothing"):
+        build_map_step(HarmfulStep(lists=[]))  # an empty step would run, remove nothing and look clean
+
+
+def test_harmful_ships_a_default_list_and_says_which_ran():
+    """The default is a real list (LDNOOBW, English, CC BY 4.0, shipped with its licence), not an empty
+    one that removes nothing; describe() names each source and its entries."""
+    from lmforge.data.curate.steps.harmful import SHIPPED
+
+    shipped = SHIPPED["ldnoobw-en"]
+    entries = [line for line in shipped.read_text(encoding="utf-8").splitlines() if line.strip()]
+    assert len(entries) == 403 and (shipped.parent / "LDNOOBW-LICENSE.txt").read_text().startswith(
+        "Attribution 4.0 International")
+    step = build_map_step(HarmfulStep())
+    assert step.describe()["block_lists"] == {"ldnoobw-en": 403}
+    for entry in (entries[0], entries[1], entries[-1]):  # a word, a phrase, an emoji
+        assert step.apply(Doc("d", f"{EN} {entry.upper()} and more."))[1] == "harmful:blocklist", entry
+    assert step.apply(Doc("d", EN))[1] is None
+    mine = build_map_step(HarmfulStep(blocklist=["bad", "Bad ", "worse"]))
+    assert mine.describe() == {"summary": "405 block-list entries from ldnoobw-en (403), blocklist (2)",
+                               "block_lists": {"ldnoobw-en": 403, "blocklist": 2}, "entries": 405}
+    assert build_map_step(HarmfulStep(lists=[], blocklist=["bad"])).describe()["block_lists"] == {
+        "blocklist": 1}
 
 
 def test_harmful_blocklist_files(tmp_path):
@@ -373,7 +395,7 @@ def test_harmful_blocklist_files(tmp_path):
 
 def test_harmful_large_list_uses_word_lookup():
     words = [f"w{i}x" for i in range(20_000)]
-    step = build_map_step(HarmfulStep(blocklist=[*words, "two words"]))
+    step = build_map_step(HarmfulStep(lists=[], blocklist=[*words, "two words"]))
     assert step._phrase_re.pattern.count("|") == 0  # only the phrase is in the regex
     assert step.apply(Doc("d", EN + " w19999x"))[1] == "harmful:blocklist"
     assert step.apply(Doc("d", EN))[1] is None

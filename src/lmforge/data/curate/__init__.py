@@ -35,8 +35,12 @@ def curate(cfg: Any, overwrite: bool = False, console: Callable[[str], object] =
     timings: dict[str, float] = {}
     entries, exact, minhash = rn.split_steps(c.steps)
     names = rn.step_names(entries)
-    for e in entries:  # fail on a bad step (missing block-list file, say) before reading anything
-        build(e)
+    settings = {}  # what a step uses beyond its config (the harmful step's lists and their sizes)
+    for name, e in zip(names, entries):  # fail on a bad step (missing block-list file, say) before reading
+        described = getattr(build(e), "describe", dict)()
+        if described:
+            settings[name] = described
+            console(f"{name}: {described['summary']}")
     root = Path(c.output_dir)
     layout = rn.Layout(root)
     resuming = rn.claim_output_dir(root, rn.settings_of(c), overwrite)
@@ -74,7 +78,7 @@ def curate(cfg: Any, overwrite: bool = False, console: Callable[[str], object] =
         chars_read=sum(m["chars_read"] for m in markers), bytes_read=sum(m["bytes_read"] for m in markers),
         steps=[s.to_dict() for s in map_stats] + out["dedup_stats"], bad_input=bad.to_dict(), dedup=dd,
         shards=out["shards"], units=len(units), resumed_units=len(units) - len(todo),
-        timings={k: round(v, 3) for k, v in timings.items()}, strictness=curve)
+        timings={k: round(v, 3) for k, v in timings.items()}, strictness=curve, settings=settings)
     rep.write_report(root, report)
     return {
         "output_dir": str(root), "docs_in": report["docs_in"], "docs_out": report["docs_out"],

@@ -128,9 +128,14 @@ def step_entry(d: dict) -> dict:
 
 def build_report(*, inputs: list[str], output_dir: str, docs_read: int, chars_read: int, bytes_read: int,
                  steps: list[dict], bad_input: dict, dedup: dict, shards: list[dict], units: int,
-                 resumed_units: int, timings: dict, strictness: list[dict]) -> dict:
-    """Assemble report.json from the merged stats (all steps in order: map steps, then dedup)."""
+                 resumed_units: int, timings: dict, strictness: list[dict],
+                 settings: dict[str, dict] | None = None) -> dict:
+    """Assemble report.json from the merged stats (all steps in order: map steps, then dedup);
+    `settings`: what a step used beyond its config (MapStep.describe), by step name."""
     rows = [step_entry(s) for s in steps]
+    for r in rows:
+        if (settings or {}).get(r["name"]):
+            r["settings"] = settings[r["name"]]
     docs_out = sum(s["docs"] for s in shards)
     chars_out = rows[-1]["chars_out"] if rows else chars_read
     reasons: Counter = Counter()
@@ -270,6 +275,9 @@ def _markdown(r: dict) -> str:
         lines.append(f"| {s['name']} | {s['docs_in']:,} | {s['docs_out']:,} | {s['removed']:,} "
                      f"({pct(s['removed'], s['docs_in'])}) | {s['changed']:,} | {s['chars_in']:,} | "
                      f"{s['chars_out']:,} |")
+    for s in r["steps"]:
+        if s.get("settings"):
+            lines += ["", f"{s['name']}: {s['settings']['summary']}"]
     lines += ["", "![funnel](plots/funnel.png)", "", "## Removal reasons", ""]
     for s in r["steps"]:
         for reason, v in s["reasons"].items():

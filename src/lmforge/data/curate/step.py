@@ -45,6 +45,12 @@ class MapStep(ABC):
         """Quality metrics this step computes for `doc` (used for the strictness curve); {} if none."""
         return {}
 
+    def describe(self) -> dict:
+        """What this step will match or use beyond its config, for the run's output and the report (the
+        `harmful` step: which block lists and how many entries), with a one-line "summary"; {} if nothing
+        to add."""
+        return {}
+
     def take_counts(self) -> dict[str, int]:
         """Step-specific counters since the last call (e.g. PII matches by type), then reset them."""
         return {}

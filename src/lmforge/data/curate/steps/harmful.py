@@ -1,10 +1,16 @@
 """`harmful`: drop documents that contain block-listed words or phrases.
 
-Entries come from `blocklist` and from `blocklist_files` (UTF-8, one entry per line; blank lines and
-lines starting with '#' are ignored). Matching is case-insensitive and on word boundaries: "bad" does
-not match "badge" or "bad_word", and any run of whitespace in the text matches the single space of a
-phrase ("bad word" matches "Bad\\n  word"). A document is dropped (reason "harmful:blocklist") when it
-has more than `max_hits` matches, or, if `max_hit_ratio` is set, more matches per word than that.
+Entries come from the shipped `lists` (default: ldnoobw-en, the List of Dirty, Naughty, Obscene and
+Otherwise Bad Words in English, CC BY 4.0, as C4's bad-words filter used it; files and licence in
+lmforge/data/curate/blocklists/), from `blocklist` and from `blocklist_files` (UTF-8, one entry per line;
+blank lines and lines starting with '#' are ignored). A step left with no entry is refused: it would run,
+remove nothing and look like a clean corpus. `describe()` says which lists ran and how many entries each
+gave; the run prints it and report.json / report.md keep it.
+
+Matching is case-insensitive and on word boundaries: "bad" does not match "badge" or "bad_word", and any
+run of whitespace in the text matches the single space of a phrase ("bad word" matches "Bad\\n  word").
+A document is dropped (reason "harmful:blocklist") when it has more than `max_hits` matches, or, if
+`max_hit_ratio` is set, more matches per word than that.
 
 Speed: entries that are plain words (letters, digits, underscore) are looked up in a set against the
 document's word counts, so a list of thousands of words costs one tokenisation; only phrases and
@@ -20,25 +26,43 @@ from pathlib import Path
 from lmforge.config.curate import HarmfulStep
 from lmforge.data.curate.doc import Doc
 from lmforge.data.curate.step import MapStep
+from lmforge.errors import ConfigError
 
 _WORD_RE = re.compile(r"\w+")
 
 
-def load_blocklist(cfg: HarmfulStep) -> list[str]:
-    """The configured entries, lower-cased with whitespace collapsed, de-duplicated, in order."""
-    raw = list(cfg.blocklist)
-    for name in cfg.blocklist_files:
-        path = Path(name)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(
-                f"curate.steps[harmful].blocklist_files: cannot read {str(path)!r} ({e}); "
-                "expected a UTF-8 text file with one word or phrase per line"
-            ) from e
-        raw.extend(line for line in lines if not line.lstrip().startswith("#"))
+SHIPPED = {"ldnoobw-en": Path(__file__).resolve().parents[1] / "blocklists" / "ldnoobw-en.txt"}
+
+
+def _normalized(raw: list[str]) -> list[str]:
     entries = (" ".join(e.lower().split()) for e in raw)
     return list(dict.fromkeys(e for e in entries if e))
+
+
+def _read_list(path: Path, what: str) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(
+            f"curate.steps[harmful].{what}: cannot read {str(path)!r} ({e}); "
+            "expected a UTF-8 text file with one word or phrase per line"
+        ) from e
+    return [line for line in lines if not line.lstrip().startswith("#")]
+
+
+def blocklist_sources(cfg: HarmfulStep) -> dict[str, list[str]]:
+    """Each source of entries (a shipped list by name, "blocklist", each file) and its entries."""
+    out = {name: _normalized(_read_list(SHIPPED[name], "lists")) for name in cfg.lists}
+    if cfg.blocklist:
+        out["blocklist"] = _normalized(list(cfg.blocklist))
+    for name in cfg.blocklist_files:
+        out[name] = _normalized(_read_list(Path(name), "blocklist_files"))
+    return out
+
+
+def load_blocklist(cfg: HarmfulStep) -> list[str]:
+    """The configured entries, lower-cased with whitespace collapsed, de-duplicated, in order."""
+    return _normalized([e for entries in blocklist_sources(cfg).values() for e in entries])
 
 
 class Step(MapStep):
@@ -49,7 +73,15 @@ class Step(MapStep):
 
     def __init__(self, cfg: HarmfulStep) -> None:
         super().__init__(cfg)
-        entries = load_blocklist(cfg)
+        self._sources = blocklist_sources(cfg)
+        entries = _normalized([e for es in self._sources.values() for e in es])
+        if not entries:
+            raise ConfigError(
+                "curate.steps[harmful]: the block list is empty (lists: [], and blocklist / blocklist_files "
+                "give no entry), so the step would remove nothing; keep the shipped list (lists: "
+                "[ldnoobw-en], the default) or give your own entries"
+            )
+        self._n_entries = len(entries)
         self._words = frozenset(e for e in entries if _WORD_RE.fullmatch(e))
         phrases = sorted((e for e in entries if e not in self._words), key=len, reverse=True)
         self._phrase_re = None
@@ -72,9 +104,13 @@ class Step(MapStep):
             n += sum(1 for _ in self._phrase_re.finditer(text))
         return n, len(words)
 
+    def describe(self) -> dict:
+        lists = {name: len(entries) for name, entries in self._sources.items()}
+        parts = ", ".join(f"{name} ({n:,})" for name, n in lists.items())
+        return {"summary": f"{self._n_entries:,} block-list entries from {parts}", "block_lists": lists,
+                "entries": self._n_entries}
+
     def apply(self, doc: Doc) -> tuple[Doc | None, str | None]:
-        if not self._words and self._phrase_re is None:
-            return doc, None
         n, n_words = self.hits(doc.text, need_words=self.cfg.max_hit_ratio is not None)
         if n:
             self._matches += n
