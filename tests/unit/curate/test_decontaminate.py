@@ -99,3 +99,18 @@ def test_empty_eval_set_keeps_everything(tmp_path):
     step = _step([empty])
     doc = Doc("a", "anything at all " * 10)
     assert step.apply(doc) == (doc, None) and step.num_ngrams == 0
+
+
+@pytest.mark.parametrize(
+    "name, data, why",
+    [
+        ("binary.jsonl", b"\xff\xfe\x00\x01\n", "codec can't decode"),
+        ("deep.json", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        ("deep.jsonl", b'{"a": ' * 50_000 + b"1" + b"}" * 50_000 + b"\n", "nested too deeply"),
+    ],
+)
+def test_an_eval_file_that_cannot_be_read_is_a_clear_error(tmp_path, name, data, why):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=rf"eval_files: cannot read .*{name} \(.*{why}"):
+        _step([path])

@@ -41,10 +41,22 @@ def _strings(value: Any) -> Iterator[str]:
 
 
 def eval_texts(path: str | Path) -> Iterator[str]:
-    """The texts of one eval file (see the module docstring for the formats)."""
+    """The texts of one eval file (see the module docstring for the formats); an unreadable, non-UTF-8
+    or too deeply nested file is a clear error naming it."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"curate.steps[decontaminate].eval_files: {path} is not a file")
+    try:
+        yield from _eval_texts(path)
+    except (OSError, UnicodeDecodeError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise ValueError(
+            f"curate.steps[decontaminate].eval_files: cannot read {path} ({why}); expected UTF-8 text, "
+            "JSON or JSONL"
+        ) from None
+
+
+def _eval_texts(path: Path) -> Iterator[str]:
     if path.suffix == ".jsonl":
         with path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
