@@ -212,6 +212,7 @@ def estimate(cfg: Config, world_size: int = 1, device_type: str = "cpu", rank: i
 MAX_LAYERS = 4096
 MAX_WORLD_SIZE = 1 << 20
 MAX_PIPELINE_OPS = 1 << 16
+MAX_DEVICE_GIB = 1 << 20  # --device-memory: a pebibyte per rank
 
 
 def check_bounds(cfg: Config, world_size: int) -> None:
@@ -283,7 +284,9 @@ def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTenso
         host["parameters (sharded, fp32)"] = sharded_params
         rows["parameters (sharded, fp32)"] = 0
     else:
-        rows["parameters" + (" (sharded, fp32)" if layout.fsdp else " (fp32)")] = sharded_params
+        nf4 = any(t.stored for t in held if not t.trainable)
+        kind = " (NF4 block linears, fp32 rest)" if nf4 else " (fp32)"
+        rows["parameters" + (" (sharded, fp32)" if layout.fsdp else kind)] = sharded_params
     # -- gradients -------------------------------------------------------------------------------
     grad_bytes = sum(shard_of(t) for t in trainable) * 4
     grads_key = "gradients" + (" (sharded, fp32)" if layout.fsdp else " (fp32)")
@@ -406,8 +409,9 @@ def device_memory(device: str | None, device_memory_gib: float | None) -> tuple[
     """(device type, bytes available, how they were found): --device-memory wins; a CUDA device's
     total memory; on the CPU the available RAM (psutil)."""
     if device_memory_gib is not None:
-        if not device_memory_gib > 0:
-            raise ConfigError(f"--device-memory must be a positive number of GiB, got {device_memory_gib}")
+        if not 0 < device_memory_gib <= MAX_DEVICE_GIB:  # (NaN fails too)
+            raise ConfigError(f"--device-memory must be a positive number of GiB up to {MAX_DEVICE_GIB:,}, "
+                              f"got {device_memory_gib}")
         kind = (device or "cpu").split(":")[0]
         return kind, int(device_memory_gib * GiB), f"--device-memory {device_memory_gib:g} GiB"
     device = device or "cpu"
