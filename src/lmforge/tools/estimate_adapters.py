@@ -86,12 +86,10 @@ def _site(N: int, width: int, outs: list[int], adapted: list[bool], r: int, c: i
 
 
 def frozen_block_saved(cfg: Config, B: int, T: int, precision: str, device_type: str, adapters: Adapters,
-                       block: int, grad_in: bool, packed_mask: bool) -> tuple[int, int, bool]:
+                       block: int, grad_in: bool, mask_bytes: int) -> tuple[int, int, bool]:
     """(bytes block `block` saves for backward on micro-batch (B, T), bytes of the autocast weight
     copies it keeps, whether its output needs a gradient) for a frozen base with `adapters`; grad_in:
-    whether its input needs one."""
-    from lmforge.tools.estimate_parts import _mask_bytes
-
+    whether its input needs one; mask_bytes: the attention mask a layer saves (estimate_parts)."""
     m = cfg.model
     low = precision in ("bf16", "fp16")
     c = 2 if low else 4
@@ -111,7 +109,7 @@ def frozen_block_saved(cfg: Config, B: int, T: int, precision: str, device_type:
     rq, rk, rv = (grad_in or a for a in qkv)
     attn = rq or rk or rv
     if attn:
-        total += N * ((2 * h + 2 * hk) * D * c + h * 4) + _mask_bytes(cfg, B, T, c, packed_mask)
+        total += N * ((2 * h + 2 * hk) * D * c + h * 4) + mask_bytes
         if low and m.pos_embedding == "rope":
             total += (rq + rk) * 2 * T * D * c  # cos and sin cast for each rotated tensor
     wo = "attn.wo" in on

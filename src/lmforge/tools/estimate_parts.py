@@ -456,7 +456,7 @@ def activation_profile(cfg: Config, B: int, T: int, precision: str, device_type:
         fulls, grad, block_copies = [], adapters.token_rows, 0
         for i in layers:
             saved_i, copies_i, grad = frozen_block_saved(cfg, B, T, precision, device_type, adapters, i, grad,
-                                                         dense)
+                                                         _mask_bytes(cfg, B, T, c, dense))
             fulls.append(saved_i)
             block_copies += copies_i
     else:
