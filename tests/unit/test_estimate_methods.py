@@ -249,10 +249,13 @@ def test_cli_refuses_rl_with_one_line(capsys):
 @pytest.mark.parametrize("sets,needle", [
     (["model.n_layers=5000"], "model.n_layers=5,000"),
     (["parallel.pp=2", "parallel.dp_shard=1", "parallel.pp_microbatches=100000"], "parallel.pp_microbatches"),
+    ([f"model.vocab_size={10**30}"], "model.vocab_size=1,000,000"),
+    ([f"train.micro_batch_size={10**400}"], "train.micro_batch_size="),
+    ([f"model.moe.n_experts={1 << 31}", f"model.moe.d_ff_expert={1 << 31}"], "tensors torch cannot hold"),
 ])
 def test_counts_beyond_the_bounds_are_refused(sets, needle, capsys):
     world = "2" if "parallel.pp=2" in sets else "1"
-    argv = ["estimate", "--set", "model.vocab_size=300", "--world-size", world]
+    argv = ["estimate", "--set", "model.vocab_size=300", "--world-size", world, "--device-memory", "80"]
     for s in sets:
         argv += ["--set", s]
     assert main(argv) == 2

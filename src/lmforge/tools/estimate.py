@@ -215,8 +215,29 @@ MAX_PIPELINE_OPS = 1 << 16
 MAX_DEVICE_GIB = 1 << 20  # --device-memory: a pebibyte per rank
 
 
+# Sizes become tensor shapes (a one-block build on the meta device) and byte counts: each is bounded far
+# above any real model (the largest vocabularies hold about 2^18 tokens, hidden sizes 2^15) and below what
+# torch's int64 shapes and a float's range can hold.
+MAX_DIM = 1 << 31
+MAX_COUNT = 1 << 40
+_DIMS = ("model.vocab_size", "model.d_model", "model.n_heads", "model.n_kv_heads", "model.head_dim",
+         "model.d_ff", "model.max_seq_len", "model.sliding_window", "model.moe.n_experts", "model.moe.top_k",
+         "model.moe.d_ff_expert", "model.moe.n_shared_experts", "model.moe.shared_d_ff", "train.seq_len",
+         "train.loss_chunk_tokens", "finetune.r", "parallel.pp_stages_per_rank")
+_COUNTS = ("train.micro_batch_size", "train.grad_accum_steps", "parallel.pp_microbatches")
+
+
 def check_bounds(cfg: Config, world_size: int) -> None:
-    """ConfigError naming the key and its limit for a count beyond what the estimate walks."""
+    """ConfigError naming the key and its limit for a size or count beyond what the estimate takes: a
+    tensor dimension (MAX_DIM), a batch count (MAX_COUNT), or a count it walks one by one."""
+    for keys, limit in ((_DIMS, MAX_DIM), (_COUNTS, MAX_COUNT)):
+        for key in keys:
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part, None) if value is not None else None
+            if isinstance(value, int) and value > limit:
+                raise ConfigError(f"{key}={value:,} is beyond what lmforge estimate takes (at most "
+                                  f"{limit:,})")
     pc = cfg.parallel
     if cfg.model.n_layers > MAX_LAYERS:
         raise ConfigError(f"model.n_layers={cfg.model.n_layers:,}: lmforge estimate walks the blocks one by "
@@ -228,11 +249,12 @@ def check_bounds(cfg: Config, world_size: int) -> None:
     if pc.pp > 1:
         m = pc.pp_microbatches or cfg.train.grad_accum_steps
         key = "parallel.pp_microbatches" if pc.pp_microbatches else "train.grad_accum_steps"
-        if m * pc.pp_stages_per_rank > MAX_PIPELINE_OPS:
+        # every pipeline rank's schedule is walked (the busiest is not known before)
+        if pc.pp * m * pc.pp_stages_per_rank > MAX_PIPELINE_OPS:
             raise ConfigError(f"{key}={m:,} micro-batches x parallel.pp_stages_per_rank="
-                              f"{pc.pp_stages_per_rank:,}: lmforge estimate walks a pipeline schedule's "
-                              f"operations one by one and takes at most {MAX_PIPELINE_OPS:,} (micro-batches "
-                              "times stages per rank)")
+                              f"{pc.pp_stages_per_rank:,} x parallel.pp={pc.pp:,} ranks: lmforge estimate "
+                              f"walks each pipeline rank's operations one by one and takes at most "
+                              f"{MAX_PIPELINE_OPS:,} (micro-batches x stages per rank x pipeline ranks)")
 
 
 def _candidate_ranks(layout: Layout, mt: ModelTensors) -> list[int]:

@@ -147,7 +147,14 @@ def _one_block_shapes(model_json: str) -> tuple[tuple, tuple]:
     from lmforge.models.transformer import build_model
 
     one = ModelConfig.model_validate_json(model_json).model_copy(update={"n_layers": 1})
-    model = build_model(one, device="meta")
+    try:
+        model = build_model(one, device="meta")
+    except (RuntimeError, ValueError, OverflowError) as e:  # a shape past torch's int64 sizes
+        from lmforge.errors import ConfigError
+
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"the model section describes tensors torch cannot hold ({why}); lower "
+                          "model.d_model, model.d_ff, model.vocab_size or model.moe.n_experts") from None
     root, block = [], []
     for name, p in model.named_parameters():
         if name.startswith("layers.0."):
