@@ -16,7 +16,11 @@ The estimate is built from what a step really allocates, not from rules of thumb
   by one: `pipeline_ops`, `_pipeline_step`).
 
 Mixture-of-experts layers are modelled (estimate_parts.moe_saved); the encoder (model.arch=encoder)
-is refused with a message rather than estimated as a decoder.
+is refused with a message rather than estimated as a decoder. The training method (objective and
+finetune sections: SFT, LoRA / QLoRA, DPO and its reference model, reward models) changes what trains,
+what is stored and what a micro-batch holds (estimate_methods, estimate_adapters); what is not modelled
+is refused by name. Sizes and counts are bounded before any work (`check_bounds`): the estimate is
+arithmetic on shapes, never a model build.
 
 The peak is the largest of the moments a step passes through (forward end, each backward point,
 the optimizer step). `verdict` compares it with the device and `suggest` re-runs the estimate for

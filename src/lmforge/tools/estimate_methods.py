@@ -234,7 +234,7 @@ def trainable_elements(held, layers: list[int], method: Method) -> tuple[int, li
 
 
 def method_moments(cfg: Config, method: Method, held, B: int, base: int, rows: dict[str, int],
-                    moments: dict[str, int], notes: list[str]) -> None:
+                   moments: dict[str, int], notes: list[str]) -> None:
     """The moments a method adds to a step: the reference model's forward (before the step's first
     forward: no gradients yet), its pass before training when computed ahead, QLoRA's load."""
     params = sum(v for k, v in rows.items() if k.startswith("parameters"))
@@ -249,8 +249,8 @@ def method_moments(cfg: Config, method: Method, held, B: int, base: int, rows: d
         moments["model load (fp32 weights before NF4)"] = load_peak(held)
     if method.objective == "sft":
         notes.append("every position is counted as a target (prompt tokens without loss only lower the peak)")
-    if method.adapters is not None and not method.adapters.token_rows and method.objective in ("sft", "dpo",
-                                                                                               "reward"):
+    chat = method.objective in ("sft", "dpo", "reward")
+    if method.adapters is not None and not method.adapters.token_rows and chat:
         notes.append("a chat template that adds tokens makes their rows train beside the adapters, which "
                      "takes a vocabulary x d_model table more; set finetune.train_tokens to count it")
 
