@@ -1,7 +1,9 @@
 """`lmforge estimate` against the measured peak of real training steps on the CPU: within 10% of the
 measured peak RSS growth (busiest rank) on every configuration of `estimate_measure.grid()` (shapes x
 activation checkpointing x optimizers x single process, DDP, ZeRO-1/2/3, TP, PP (GPipe, 1F1B,
-interleaved) on gloo, mixture of experts in one process and with expert parallelism)."""
+interleaved) on gloo, mixture of experts in one process and with expert parallelism, and the
+fine-tuning methods: SFT full / LoRA / QLoRA, DPO full with its reference copy and LoRA, a reward
+model)."""
 
 from __future__ import annotations
 

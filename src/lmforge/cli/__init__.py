@@ -519,7 +519,8 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "config": (cmd_config, "print the resolved config (defaults + file + --set)"),
     "plot-schedule": (cmd_plot_schedule, "draw the learning rate a run will use, step by step, to a PNG"),
     "estimate": (cmd_estimate, "memory a training run needs per rank (model states, activations, "
-                 "temporaries, by layout), a verdict against the device and settings that fit"),
+                 "temporaries, by layout and method: pretraining, SFT, LoRA / QLoRA, DPO, reward models), a "
+                 "verdict against the device and settings that fit"),
     "lr-find": (cmd_lr_find, "learning-rate range test on a fresh model: loss against an exponential lr "
                 "sweep, with suggested peak lrs"),
     "scaling": (cmd_scaling, "scaling laws: `plan` a compute-optimal model, tokens and config from a "

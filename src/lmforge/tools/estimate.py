@@ -16,7 +16,11 @@ The estimate is built from what a step really allocates, not from rules of thumb
   by one: `pipeline_ops`, `_pipeline_step`).
 
 Mixture-of-experts layers are modelled (estimate_parts.moe_saved); the encoder (model.arch=encoder)
-is refused with a message rather than estimated as a decoder.
+is refused with a message rather than estimated as a decoder. The training method (objective and
+finetune sections: SFT, LoRA / QLoRA, DPO and its reference model, reward models) changes what trains,
+what is stored and what a micro-batch holds (estimate_methods, estimate_adapters); what is not modelled
+is refused by name. Sizes and counts are bounded before any work (`check_bounds`): the estimate is
+arithmetic on shapes, never a model build.
 
 The peak is the largest of the moments a step passes through (forward end, each backward point,
 the optimizer step). `verdict` compares it with the device and `suggest` re-runs the estimate for
@@ -25,22 +29,33 @@ candidate settings until one fits.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 
 from lmforge.config.schema import Config
 from lmforge.errors import ConfigError
+from lmforge.tools.estimate_methods import (
+    Method,
+    dense_packed_mask,
+    method_moments,
+    method_of,
+    method_tensors,
+    trainable_elements,
+    weight_copies,
+)
 from lmforge.tools.estimate_parts import (
+    DTYPE_BYTES,
     ModelTensors,
     activation_profile,
     model_tensors,
     optimizer_state_bytes,
     optimizer_step_scratch,
 )
+from lmforge.tools.estimate_pipeline import pipeline_ops, pipeline_step
 
 MiB = 1024**2
 GiB = 1024**3
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -122,6 +137,7 @@ class Estimate:
     params: int  # parameter elements of the whole model
     rank: str = "rank 0"
     notes: list[str] = field(default_factory=list)
+    method: str = "causal_lm"  # the training method estimated (estimate_methods.Method.label)
 
     @property
     def peak(self) -> int:
@@ -139,6 +155,7 @@ class Estimate:
         tc = self.cfg.train
         return {
             "layout": self.layout.name, "world_size": self.layout.world_size, "rank": self.rank,
+            "method": self.method,
             "device": self.device_type, "params": self.params,
             "micro_batch_size": tc.micro_batch_size, "grad_accum_steps": tc.grad_accum_steps,
             "seq_len": self.cfg.seq_len, "precision": self.precision,
@@ -162,11 +179,14 @@ def _shard(numel_dim0: int, rest: int, n: int) -> int:
 
 def _zero1_owned(sizes: list[int], n: int) -> list[int]:
     """Elements each rank owns under torch's ZeroRedundancyOptimizer: per param group, parameters
-    sorted largest first, each given to the rank holding the fewest elements so far."""
+    sorted largest first, each given to the rank holding the fewest elements so far (the lowest rank
+    among equals)."""
     totals = [0] * n
+    heap = [(0, r) for r in range(n)]  # (elements, rank): already a heap
     for numel in sorted(sizes, reverse=True):
-        r = min(range(n), key=lambda i: totals[i])
-        totals[r] += numel
+        total, r = heapq.heappop(heap)
+        totals[r] = total + numel
+        heapq.heappush(heap, (totals[r], r))
     return totals
 
 
@@ -177,28 +197,84 @@ def estimate(cfg: Config, world_size: int = 1, device_type: str = "cpu", rank: i
         # tensors than the decoder's; an estimate from the decoder's would be wrong, so there is none.
         raise ConfigError("lmforge estimate models decoder training only; model.arch=encoder (masked LM) is "
                           "not modelled yet: measure a short run instead (lmforge train with a few steps)")
+    check_bounds(cfg, world_size)
     layout = resolve_layout(cfg, world_size)
-    tensors = model_tensors(cfg.model)
-    ranks = [rank] if rank is not None else _candidate_ranks(layout)
+    method = method_of(cfg, layout)
+    tensors = method_tensors(model_tensors(cfg.model), cfg, method)
+    ranks = [rank] if rank is not None else _candidate_ranks(layout, tensors)
     best = None
     for r in ranks:
-        est = _estimate_rank(cfg, layout, device_type, tensors, r)
+        est = _estimate_rank(cfg, layout, device_type, tensors, r, method)
         if best is None or est.peak > best.peak:
             best = est
     return best
 
 
-def _candidate_ranks(layout: Layout) -> list[int]:
-    # Pipeline stages and ZeRO-1 owners differ between ranks; elsewhere all ranks are alike.
+# The counts an estimate walks one by one are bounded before it starts; everything else is arithmetic
+# on shapes, whatever their size. The bounds lie far above any real run (the deepest published models
+# have about 200 blocks) and keep an estimate and its suggestions within seconds.
+MAX_LAYERS = 4096
+MAX_WORLD_SIZE = 1 << 20
+MAX_PIPELINE_OPS = 1 << 16
+MAX_DEVICE_GIB = 1 << 20  # --device-memory: a pebibyte per rank
+
+
+# Sizes become tensor shapes (a one-block build on the meta device) and byte counts: each is bounded far
+# above any real model (the largest vocabularies hold about 2^18 tokens, hidden sizes 2^15) and below what
+# torch's int64 shapes and a float's range can hold.
+MAX_DIM = 1 << 31
+MAX_COUNT = 1 << 40
+_DIMS = ("model.vocab_size", "model.d_model", "model.n_heads", "model.n_kv_heads", "model.head_dim",
+         "model.d_ff", "model.max_seq_len", "model.sliding_window", "model.moe.n_experts", "model.moe.top_k",
+         "model.moe.d_ff_expert", "model.moe.n_shared_experts", "model.moe.shared_d_ff", "train.seq_len",
+         "train.loss_chunk_tokens", "finetune.r", "parallel.pp_stages_per_rank")
+_COUNTS = ("train.micro_batch_size", "train.grad_accum_steps", "parallel.pp_microbatches")
+
+
+def check_bounds(cfg: Config, world_size: int) -> None:
+    """ConfigError naming the key and its limit for a size or count beyond what the estimate takes: a
+    tensor dimension (MAX_DIM), a batch count (MAX_COUNT), or a count it walks one by one."""
+    for keys, limit in ((_DIMS, MAX_DIM), (_COUNTS, MAX_COUNT)):
+        for key in keys:
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part, None) if value is not None else None
+            if isinstance(value, int) and value > limit:
+                raise ConfigError(f"{key}={value:,} is beyond what lmforge estimate takes (at most "
+                                  f"{limit:,})")
+    pc = cfg.parallel
+    if cfg.model.n_layers > MAX_LAYERS:
+        raise ConfigError(f"model.n_layers={cfg.model.n_layers:,}: lmforge estimate walks the blocks one by "
+                          f"one and takes at most {MAX_LAYERS:,} (the deepest published models have about "
+                          "200)")
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"--world-size {world_size:,}: lmforge estimate takes at most {MAX_WORLD_SIZE:,} "
+                          "processes")
+    if pc.pp > 1:
+        m = pc.pp_microbatches or cfg.train.grad_accum_steps
+        key = "parallel.pp_microbatches" if pc.pp_microbatches else "train.grad_accum_steps"
+        # every pipeline rank's schedule is walked (the busiest is not known before)
+        if pc.pp * m * pc.pp_stages_per_rank > MAX_PIPELINE_OPS:
+            raise ConfigError(f"{key}={m:,} micro-batches x parallel.pp_stages_per_rank="
+                              f"{pc.pp_stages_per_rank:,} x parallel.pp={pc.pp:,} ranks: lmforge estimate "
+                              f"walks each pipeline rank's operations one by one and takes at most "
+                              f"{MAX_PIPELINE_OPS:,} (micro-batches x stages per rank x pipeline ranks)")
+
+
+def _candidate_ranks(layout: Layout, mt: ModelTensors) -> list[int]:
+    # Pipeline stages differ between ranks; under ZeRO-1 only the optimizer state each rank owns does,
+    # so the busiest is the one owning the most; elsewhere all ranks are alike.
     if layout.pp > 1:
         per_stage = layout.world_size // layout.pp
         return [s * per_stage for s in range(layout.pp)]
     if layout.zero1:
-        return list(range(layout.dp))
+        owned = _zero1_owned([t.local for t in mt.tensors if t.trainable], layout.dp)
+        return [max(range(layout.dp), key=owned.__getitem__)]
     return [0]
 
 
-def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTensors, rank: int) -> Estimate:
+def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTensors, rank: int,
+                   method: Method) -> Estimate:
     tc, pc = cfg.train, cfg.parallel
     precision = tc.precision if tc.precision != "auto" else ("bf16" if device_type == "cuda" else "fp32")
     low = precision in ("bf16", "fp16")
@@ -228,13 +304,15 @@ def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTenso
         n = 1 if (t.expert and layout.ep > 1) else fsdp_n
         return _shard(t.local_dim0, t.local // max(t.local_dim0, 1), n)
 
-    sharded_params = sum(shard_of(t) for t in held) * 4
+    sharded_params = sum(shard_of(t) * 4 if t.stored is None else t.stored for t in held)
     unit_bytes = _fsdp_unit_bytes(cfg, layout, held, precision)
     if layout.fsdp and layout.cpu_offload:
         host["parameters (sharded, fp32)"] = sharded_params
         rows["parameters (sharded, fp32)"] = 0
     else:
-        rows["parameters" + (" (sharded, fp32)" if layout.fsdp else " (fp32)")] = sharded_params
+        nf4 = any(t.stored for t in held if not t.trainable)
+        kind = " (NF4 block linears, fp32 rest)" if nf4 else " (fp32)"
+        rows["parameters" + (" (sharded, fp32)" if layout.fsdp else kind)] = sharded_params
     # -- gradients -------------------------------------------------------------------------------
     grad_bytes = sum(shard_of(t) for t in trainable) * 4
     grads_key = "gradients" + (" (sharded, fp32)" if layout.fsdp else " (fp32)")
@@ -253,7 +331,7 @@ def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTenso
     if layout.fsdp:
         opt_tensors = [t if (t.expert and layout.ep > 1) else t.sharded(fsdp_n) for t in trainable]
     if layout.zero1:
-        owned = _zero1_owned([t.local for t in trainable], dp)[rank % dp]
+        owned = _zero1_owned([t.local for t in trainable], dp)[rank % dp]  # (rank: the busiest, one pass)
         share = owned / max(sum(t.local for t in trainable), 1)
         state = optimizer_state_bytes(opt_tensors, cfg.optim, device_type)
         opt_bytes = int(state * share)
@@ -274,17 +352,29 @@ def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTenso
     # -- activations ------------------------------------------------------------------------------
     rows["temporaries (largest)"] = 0  # filled from the moments below
     base = sum(v for k, v in rows.items() if k.startswith(("parameters", "optimizer", "DDP")))
+    reference = 0
+    if method.reference == "copy" and not method.precompute:
+        # a frozen fp32 copy of the starting model, beside the trained one for the whole run
+        reference = rows["reference model (frozen copy, fp32)"] = sum(t.numel for t in mt.tensors) * 4
+    base += reference
     opt_scratch = optimizer_step_scratch(opt_tensors, cfg.optim, device_type)
     if layout.pp > 1:
         live_base = base + copies + (unit_bytes["backward_live"] if layout.fsdp else 0)
-        moments = _pipeline_step(cfg, layout, device_type, precision, pp_rank, grad_dev, live_base, rows,
+        moments = pipeline_step(cfg, layout, device_type, precision, pp_rank, grad_dev, live_base, rows,
                                  notes)
         moments["optimizer step"] = base + grad_dev + opt_scratch
         rows["temporaries (largest)"] = max(rows["temporaries (largest)"], opt_scratch)
         n_params = sum(t.numel for t in mt.tensors)
-        return Estimate(cfg, layout, device_type, rows, host, moments, n_params, f"rank {rank}", notes)
-    prof = activation_profile(cfg, tc.micro_batch_size, cfg.seq_len, precision, device_type, stage_layers,
-                              first, last, layout.tp, pc.sequence_parallel, ep=layout.ep)
+        return Estimate(cfg, layout, device_type, rows, host, moments, n_params, f"rank {rank}", notes,
+                        method.label)
+    B = tc.micro_batch_size * method.rows
+    prof = activation_profile(cfg, B, cfg.seq_len, precision, device_type, stage_layers, first, last,
+                              layout.tp, pc.sequence_parallel, ep=layout.ep, packed=method.packed,
+                              dense_mask=method.packed and dense_packed_mask(cfg, device_type),
+                              adapters=method.adapters, head=method.head,
+                              trainable=trainable_elements(held, stage_layers, method))
+    if copies:
+        copies = rows["bf16/fp16 weight copies (autocast)"] = weight_copies(held, prof)
     rows["activations (saved for backward)"] = prof.saved
     # -- the moments of a step -------------------------------------------------------------------
     accum_grads = grad_dev if tc.grad_accum_steps > 1 else 0
@@ -301,9 +391,10 @@ def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTenso
     moments["optimizer step"] = base + grad_dev + opt_scratch
     rows["temporaries (largest)"] = max(prof.forward_extra, *(p[3] for p in prof.backward_points),
                                         opt_scratch)
+    method_moments(cfg, method, held, B, base, rows, moments, notes)
     n_params = sum(t.numel for t in mt.tensors)
-    est = Estimate(cfg, layout, device_type, rows, host, moments, n_params, f"rank {rank}", notes)
-    return est
+    return Estimate(cfg, layout, device_type, rows, host, moments, n_params, f"rank {rank}", notes,
+                    method.label)
 
 
 def _fsdp_param_dtype(cfg: Config, precision: str) -> str:
@@ -318,7 +409,7 @@ def _fsdp_unit_bytes(cfg: Config, layout: Layout, held, precision: str) -> dict[
     unit stays gathered from forward to backward either way."""
     if not layout.fsdp:
         return {"forward_live": 0, "backward_live": 0}
-    size = _DTYPE_BYTES[_fsdp_param_dtype(cfg, precision)]
+    size = DTYPE_BYTES[_fsdp_param_dtype(cfg, precision)]
     blocks: dict[int, int] = {}
     root = 0
     for t in held:
@@ -337,120 +428,6 @@ def _fsdp_unit_bytes(cfg: Config, layout: Layout, held, precision: str) -> dict[
     return {"forward_live": (root + 2 * largest) * size, "backward_live": (root + 2 * largest) * size}
 
 
-def pipeline_ops(schedule: str, pp: int, v: int, m: int, pp_rank: int) -> list[tuple[str, int, int]]:
-    """The (F or B, micro-batch, local stage) operations `pp_rank` runs in one step, in the order of
-    torch.distributed.pipelining's schedules: GPipe all forwards then all backwards; 1F1B pp - rank
-    warm-up forwards, then a backward and a forward in turn; interleaved 1F1B its warm-up of
-    (v - 1) * mb_per_round + 2 (pp - 1 - rank) forwards, then forward + backward pairs, each local
-    stage in rounds of mb_per_round micro-batches (ScheduleInterleaved1F1B's operation list)."""
-    if schedule == "gpipe":
-        return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
-    if schedule == "1f1b":
-        warm = min(m, pp - pp_rank)
-        ops = [("F", i, 0) for i in range(warm)]
-        f = warm
-        for b in range(m):
-            ops.append(("B", b, 0))
-            if f < m:
-                ops.append(("F", f, 0))
-                f += 1
-        return ops
-    per_round = m // max(1, m // pp)
-    total = m * v
-    warm = min((v - 1) * per_round + 2 * (pp - 1 - pp_rank), total)
-    next_f, next_b = [0] * v, [0] * v
-    ops = []
-    for op in range(total + warm):
-        if op < total:
-            s = (op // per_round) % v
-            ops.append(("F", next_f[s], s))
-            next_f[s] += 1
-        if op >= warm:
-            s = v - 1 - ((op - warm) // per_round) % v
-            ops.append(("B", next_b[s], s))
-            next_b[s] += 1
-    return ops
-
-
-def _pipeline_step(cfg: Config, layout: Layout, device_type: str, precision: str, pp_rank: int,
-                   grad_dev: int, base: int, rows: dict[str, int], notes: list[str]) -> dict[str, int]:
-    """The moments of one pipelined step on `pp_rank`, walked through its schedule's operations.
-
-    What a stage holds (torch.distributed.pipelining's PipelineStage, measured): for every micro-batch
-    between its forward and its backward, the tensors autograd saved plus, on the last stage, the
-    stage output (the logits) in `fwd_cache` until that micro-batch's backward has run; a receive
-    buffer per micro-batch for the activations (non-first stages) and one for the output gradients
-    (non-last stages), allocated at the first step and kept; once a stage's first backward has run,
-    all its gradients (they accumulate over the micro-batches). GPipe and 1F1B also keep the latest
-    forward's output referenced from the schedule loop until the next forward returns."""
-    tc, pc, m_cfg = cfg.train, cfg.parallel, cfg.model
-    c = _DTYPE_BYTES["bf16" if precision in ("bf16", "fp16") else "fp32"]
-    v = pc.pp_stages_per_rank
-    n_stages = layout.pp * v
-    per = m_cfg.n_layers // n_stages
-    m = pc.pp_microbatches or tc.grad_accum_steps
-    rows_per_mb = max(1, tc.micro_batch_size * tc.grad_accum_steps // m)
-    N = rows_per_mb * cfg.seq_len
-    ids = [pp_rank + k * layout.pp for k in range(v)]
-    profs, held, fwd_tr, logits, lasts = [], [], [], [], []
-    boundary = 0
-    for sid in ids:
-        first, last = sid == 0, sid == n_stages - 1
-        prof = activation_profile(cfg, rows_per_mb, cfg.seq_len, precision, device_type,
-                                  list(range(sid * per, (sid + 1) * per)), first, last, layout.tp,
-                                  pc.sequence_parallel)
-        out = N * m_cfg.vocab_size * c if last else 0
-        profs.append(prof)
-        held.append(prof.saved + out)
-        fwd_tr.append(max(prof.forward_extra - out, 0))
-        logits.append(out)
-        lasts.append(last)
-        boundary += ((not first) + (not last)) * m * N * m_cfg.d_model * 4
-    grad_total = max(sum(p.grad_total for p in profs), 1)
-    stage_grads = [p.grad_total * grad_dev // grad_total for p in profs]
-    base += boundary
-    if boundary:
-        rows["pipeline send/recv buffers"] = boundary
-    inflight: dict[tuple[int, int], int] = {}
-    done = [False] * v
-    prev_f: list[int | None] = [None] * v
-    loop_holds = pc.pp_schedule in ("gpipe", "1f1b")
-    moments: dict[str, int] = {}
-    most = 0
-    temp = 0
-    for kind, mb, s in pipeline_ops(pc.pp_schedule, layout.pp, v, m, pp_rank):
-        grads = sum(g for g, d in zip(stage_grads, done) if d)
-        if kind == "F":
-            stale = prev_f[s] is not None and (prev_f[s], s) not in inflight
-            inflight[(mb, s)] = held[s]
-            live = sum(inflight.values())
-            most = max(most, live)
-            moments[f"forward mb {mb} stage {ids[s]}"] = (base + grads + live + fwd_tr[s]
-                                                          + (logits[s] if loop_holds and stale else 0))
-            temp = max(temp, fwd_tr[s])
-            prev_f[s] = mb
-            continue
-        inflight.pop((mb, s))
-        others = sum(inflight.values())
-        worst = 0
-        for _, live, so_far, extra in profs[s].backward_points:
-            mine = stage_grads[s] if done[s] else so_far * stage_grads[s] // max(profs[s].grad_total, 1)
-            g = grads + mine
-            worst = max(worst, base + g + others + live + logits[s] + extra)
-            temp = max(temp, extra)
-        moments[f"backward mb {mb} stage {ids[s]}"] = worst
-        done[s] = True
-    if m_cfg.tie_embeddings and 0 in ids and n_stages - 1 not in ids:
-        # the last stage's gradient of the tied table arrives whole before it is added to the owner's
-        table = m_cfg.vocab_size * m_cfg.d_model * 4
-        moments["tied embedding gradient received"] = base + grad_dev + table
-    rows["activations (saved for backward)"] = most
-    rows["temporaries (largest)"] = temp
-    notes.append(f"pipeline {pc.pp_schedule}: {m} micro-batches of {rows_per_mb} rows; at most "
-                 f"{max(1, round(most / max(held)))} in flight on this rank")
-    return moments
-
-
 # -- verdict and suggestion ------------------------------------------------------------------------
 
 
@@ -458,8 +435,9 @@ def device_memory(device: str | None, device_memory_gib: float | None) -> tuple[
     """(device type, bytes available, how they were found): --device-memory wins; a CUDA device's
     total memory; on the CPU the available RAM (psutil)."""
     if device_memory_gib is not None:
-        if not device_memory_gib > 0:
-            raise ConfigError(f"--device-memory must be a positive number of GiB, got {device_memory_gib}")
+        if not 0 < device_memory_gib <= MAX_DEVICE_GIB:  # (NaN fails too)
+            raise ConfigError(f"--device-memory must be a positive number of GiB up to {MAX_DEVICE_GIB:,}, "
+                              f"got {device_memory_gib}")
         kind = (device or "cpu").split(":")[0]
         return kind, int(device_memory_gib * GiB), f"--device-memory {device_memory_gib:g} GiB"
     device = device or "cpu"
@@ -547,5 +525,5 @@ def apply_changes(cfg: Config, change: dict[str, object]) -> Config:
     return Config.model_validate(data)
 
 
-__all__ = ["Estimate", "Layout", "Suggestion", "apply_changes", "device_memory", "estimate", "resolve_layout",
-           "suggest", "MiB", "GiB"]
+__all__ = ["Estimate", "Layout", "Suggestion", "apply_changes", "check_bounds", "device_memory", "estimate",
+           "pipeline_ops", "resolve_layout", "suggest", "MiB", "GiB"]

@@ -79,17 +79,22 @@ BASE_MODEL = {"d_model": 256, "n_layers": 4, "n_heads": 4, "vocab_size": 8192, "
 
 
 def _config(model: dict | None = None, train: dict | None = None, parallel: dict | None = None,
-            optim: dict | None = None) -> dict:
+            optim: dict | None = None, **sections: dict) -> dict:
     return {"model": {**BASE_MODEL, **(model or {})},
             "train": {"precision": "fp32", "micro_batch_size": 8, "grad_clip": 1.0, **(train or {})},
-            "parallel": parallel or {}, "optim": optim or {"name": "adamw"}}
+            "parallel": parallel or {}, "optim": optim or {"name": "adamw"}, **sections}
+
+
+def _method(objective: str, finetune: dict | None = None, train: dict | None = None) -> dict:
+    return _config(train=train, objective={"name": objective}, finetune=finetune or {"method": "full"})
 
 
 def grid() -> list[tuple[str, dict, int]]:
     """(name, config mapping, world size) of the configurations the estimate is held to: shapes x
     activation checkpointing x optimizers x layouts (single process, DDP, ZeRO-1/2/3, TP, PP with the
-    GPipe, 1F1B and interleaved schedules) and mixture of experts (one process, DDP + expert
-    parallelism)."""
+    GPipe, 1F1B and interleaved schedules), mixture of experts (one process, DDP + expert
+    parallelism) and the fine-tuning methods (SFT full / LoRA / QLoRA, DPO full with its reference
+    copy and LoRA, a reward model)."""
     return [
         ("1p d256 L4 B8 T256", _config(), 1),
         ("1p d256 L4 B8 T256 AC full", _config(train={"activation_checkpointing": "full"}), 1),
@@ -127,6 +132,12 @@ def grid() -> list[tuple[str, dict, int]]:
         ("PP 2 interleaved v2 4 x B2", _config(train={"micro_batch_size": 2, "grad_accum_steps": 4},
                                                parallel={"pp": 2, "dp_shard": 1, "pp_stages_per_rank": 2,
                                                          "pp_schedule": "interleaved_1f1b"}), 2),
+        ("1p SFT full, packed B8", _method("sft"), 1),
+        ("1p SFT LoRA r16 B8", _method("sft", {"method": "lora", "r": 16}), 1),
+        ("1p SFT QLoRA r16 B8", _method("sft", {"method": "qlora", "r": 16}), 1),
+        ("1p DPO full + reference copy, 4 pairs", _method("dpo", train={"micro_batch_size": 4}), 1),
+        ("1p DPO LoRA r16, 4 pairs", _method("dpo", {"method": "lora", "r": 16}, {"micro_batch_size": 4}), 1),
+        ("1p reward model full, 4 pairs", _method("reward", train={"micro_batch_size": 4}), 1),
     ]
 
 
@@ -172,10 +183,8 @@ def _worker(spec_path: str, out_dir: str) -> None:
     import torch
 
     from lmforge.config.schema import Config
-    from lmforge.data.batch import TokenBatch
     from lmforge.engine.objectives import build_objective
     from lmforge.engine.precision import Precision
-    from lmforge.models.transformer import build_model
     from lmforge.optim.builder import build_optimizer
     from lmforge.parallel.api import parallelize
     from lmforge.parallel.dims import ParallelDims
@@ -190,18 +199,16 @@ def _worker(spec_path: str, out_dir: str) -> None:
     dims = ParallelDims.resolve(cfg.parallel, world_size, cfg.model, cfg.train.grad_accum_steps)
     if world_size > 1:
         dims.build_mesh("cpu")
-    tc, V = cfg.train, cfg.model.vocab_size
+    tc = cfg.train
     g = torch.Generator().manual_seed(1234 + dims.dp_rank if world_size > 1 else 1234)
-    batches = [[TokenBatch(torch.randint(0, V, (tc.micro_batch_size, cfg.seq_len), generator=g),
-                           torch.randint(0, V, (tc.micro_batch_size, cfg.seq_len), generator=g))
-                for _ in range(tc.grad_accum_steps)] for _ in range(spec["steps"])]
+    batches = [[_batch(cfg, g) for _ in range(tc.grad_accum_steps)] for _ in range(spec["steps"])]
     objective = build_objective(cfg)
     _warm_up(world_size)
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     base = _status("VmRSS")
     torch.manual_seed(0)
-    pm = parallelize(build_model(cfg.model), cfg, dims, "fp32", objective)
+    pm = parallelize(_method_model(cfg, objective), cfg, dims, "fp32", objective)
     optimizer = pm.wrap_optimizer(build_optimizer(pm.model, cfg.optim))
     precision = Precision("fp32", cpu)
     for step_batches in batches:
@@ -213,6 +220,55 @@ def _worker(spec_path: str, out_dir: str) -> None:
 
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _batch(cfg, g):
+    """One micro-batch of random tokens as the objective takes it; every position a target (the
+    estimate's worst case): SFT rows of two packed conversations, preference rows ending with their
+    completion (micro_batch_size pairs: chosen rows, then rejected)."""
+    import torch
+
+    from lmforge.data.batch import IGNORE_INDEX, ChatBatch, PreferenceBatch, TokenBatch
+
+    name, B, T, V = cfg.objective.name, cfg.train.micro_batch_size, cfg.seq_len, cfg.model.vocab_size
+    rows = 2 * B if name in ("dpo", "reward") else B
+    ids, targets = (torch.randint(0, V, (rows, T), generator=g) for _ in range(2))
+    if name == "sft":
+        seg = torch.zeros(rows, T, dtype=torch.long)
+        seg[:, T // 2:] = 1
+        pos = torch.cat([torch.arange(T // 2), torch.arange(T - T // 2)]).expand(rows, T).contiguous()
+        return ChatBatch(ids, targets, pos, seg, real_tokens=rows * T)
+    if name in ("dpo", "reward"):
+        targets[:, -1] = IGNORE_INDEX
+        return PreferenceBatch(ids, targets, real_tokens=rows * T)
+    return TokenBatch(ids, targets)
+
+
+def _method_model(cfg, objective):
+    """The model as the assembly sets it up for the method (assembly/build.py): a reward model's score
+    head, the finetune section (adapters, NF4 base), the reference model of a preference loss."""
+    from lmforge.assembly.build import _adapters_off, _logps_of, _summed
+    from lmforge.engine.objectives import Preference
+    from lmforge.finetune.lora import lora_layers
+    from lmforge.finetune.setup import apply_finetune
+    from lmforge.models.transformer import add_head, build_model
+
+    model = build_model(cfg.model)
+    score = cfg.objective.name == "reward"
+    if score:
+        add_head(model, "score")
+    if cfg.finetune.method != "full" or cfg.objective.name in ("sft", "dpo", "reward"):
+        apply_finetune(model, cfg.finetune, seed=cfg.run.seed)
+        if score:
+            model.score.requires_grad_(True)
+    if isinstance(objective, Preference) and objective.needs_reference:
+        if lora_layers(model):
+            objective.reference = _summed(_adapters_off(model))
+        else:  # a frozen copy of the starting weights
+            frozen = build_model(cfg.model)
+            frozen.load_state_dict(model.state_dict())
+            objective.reference = _summed(_logps_of(frozen.requires_grad_(False)))
+    return model
 
 
 if __name__ == "__main__":

@@ -30,11 +30,17 @@ F = d_ff on this rank, c = bytes of the compute dtype:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from lmforge.config.schema import Config, ModelConfig
 
+if TYPE_CHECKING:
+    from lmforge.tools.estimate_adapters import Adapters
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _COLWISE = ("attn.wq", "attn.wk", "attn.wv", "mlp.w_gate", "mlp.w_up")
 _ROWWISE = ("attn.wo", "mlp.w_down")
 
@@ -53,6 +59,7 @@ class TensorInfo:
     local_dim0: int = 0  # rows on this rank (FSDP shards dim 0 further)
     trainable: bool = True
     in_optimizer: bool = True
+    stored: int | None = None  # bytes held where they are not 4 per element (an NF4 weight)
 
     @property
     def numel(self) -> int:
@@ -89,7 +96,8 @@ class ModelTensors:
                     continue
                 if not is_first and not last:
                     continue
-            t = _tp_split(t, tp, tied)
+            if tp > 1:
+                t = _tp_split(t, tp, tied)
             if t.expert and ep > 1:  # this rank's slice of the experts (expert_parallel.apply_ep)
                 t = replace(t, local=t.local // ep, local_dim0=t.local_dim0 // ep)
             out.append(t)
@@ -115,24 +123,53 @@ def _tp_split(t: TensorInfo, tp: int, tied: bool) -> TensorInfo:
 
 
 def model_tensors(cfg: ModelConfig) -> ModelTensors:
-    """Every parameter of the model `cfg` builds, from a meta-device build (no memory used)."""
-    from lmforge.models.transformer import build_model
-
+    """Every parameter of the model `cfg` builds. Blocks are alike, so one block is built (on the meta
+    device: no memory, and the names and shapes are the model code's own) and repeated n_layers times:
+    the cost does not grow with the model's depth beyond a list of its tensors."""
     if cfg.vocab_size is None:
         from lmforge.errors import ConfigError
 
         raise ConfigError("model.vocab_size is not set: the estimate needs it (set model.vocab_size, e.g. "
                           "--set model.vocab_size=8192; a run derives it from its tokenizer)")
-    model = build_model(cfg, device="meta")
-    out = []
-    for name, p in model.named_parameters():
-        block = int(name.split(".")[1]) if name.startswith("layers.") else None
-        linear = p.ndim == 2 and not name.startswith(("tok_embeddings", "pos_embeddings"))
-        expert = ".moe.experts." in f".{name}"
-        matmul = linear or expert or (name == "tok_embeddings.weight" and cfg.tie_embeddings)
-        out.append(_tp_split(TensorInfo(name, tuple(p.shape), block, matmul, linear and block is not None,
-                                        expert=expert), 1, cfg.tie_embeddings))
+    root, block = _one_block_shapes(cfg.model_dump_json())
+    out = [_tensor_info(name, shape, None, cfg.tie_embeddings) for name, shape in root]
+    one = [_tensor_info(name, shape, 0, cfg.tie_embeddings) for name, shape in block]
+    for i in range(cfg.n_layers):
+        out += [TensorInfo(f"layers.{i}.{t.name}", t.shape, i, t.matmul, t.hidden, t.expert, t.local,
+                           t.local_dim0) for t in one]
     return ModelTensors(out, cfg)
+
+
+@functools.lru_cache(maxsize=8)
+def _one_block_shapes(model_json: str) -> tuple[tuple, tuple]:
+    """((name, shape) of the embeddings, final norm and heads, (name, shape) of one block's parameters
+    named within the block), from a one-block build on the meta device."""
+    from lmforge.models.transformer import build_model
+
+    one = ModelConfig.model_validate_json(model_json).model_copy(update={"n_layers": 1})
+    try:
+        model = build_model(one, device="meta")
+    except (RuntimeError, ValueError, OverflowError) as e:  # a shape past torch's int64 sizes
+        from lmforge.errors import ConfigError
+
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"the model section describes tensors torch cannot hold ({why}); lower "
+                          "model.d_model, model.d_ff, model.vocab_size or model.moe.n_experts") from None
+    root, block = [], []
+    for name, p in model.named_parameters():
+        if name.startswith("layers.0."):
+            block.append((name[len("layers.0."):], tuple(p.shape)))
+        else:
+            root.append((name, tuple(p.shape)))
+    return tuple(root), tuple(block)
+
+
+def _tensor_info(name: str, shape: tuple[int, ...], block: int | None, tied: bool) -> TensorInfo:
+    linear = len(shape) == 2 and not name.startswith(("tok_embeddings", "pos_embeddings"))
+    expert = ".moe.experts." in f".{name}"
+    matmul = linear or expert or (name == "tok_embeddings.weight" and tied)
+    return _tp_split(TensorInfo(name, shape, block, matmul, linear and block is not None, expert=expert), 1,
+                     tied)
 
 
 # -- optimizers ------------------------------------------------------------------------------------
@@ -216,6 +253,9 @@ class ActivationProfile:
     block_full: int  # saved bytes of one block computed without checkpointing
     stem: int  # embeddings' saved bytes
     head: int  # final norm + head + loss saved bytes
+    # autocast weight copies the blocks keep, where not every block weight's is kept (a frozen base keeps
+    # a copy only for an input's gradient); None: every matmul weight's
+    block_copies: int | None = None
 
 
 def _mask_bytes(cfg: Config, B: int, T: int, c: int, packed: bool) -> int:
@@ -325,10 +365,19 @@ def selective_kept(cfg: Config, B: int, T: int, precision: str, tp: int = 1, ep:
         # three grouped GEMMs over all rows
         if grouped:
             mm += [M * Fe * c, M * Fe * c, M * d * c]
+            repeat = 0
         else:
-            mm += [M // local * 2 * Fe * c, M // local * d * c] * local
+            # (gate-and-up, down) per local expert: counted below without a list as long as the experts
+            pair, at, repeat = (M // local * 2 * Fe * c, M // local * d * c), len(mm), local
         if Fs:
             mm += [N * Fs * c, N * Fs * c, N * d * c] + ([N * c] if m.moe.shared_gate else [])
+        every = 2 if cfg.train.ac_save == "alternate_matmuls" else 1
+        if not repeat:
+            return kept + sum(mm[::every])
+        # the list is mm[:at] + pair * repeat + mm[at:]; with every 2nd kept, the pairs keep the element
+        # at at's parity and the rest of the list shifts by an even count
+        pairs = repeat * (sum(pair) if every == 1 else pair[at % 2])
+        return kept + sum(mm[:at][::every]) + pairs + sum(mm[at:][at % every::every])
     else:
         mm += [N * F * c] * (2 if m.mlp == "swiglu" else 1)
         w_down = (m.d_model, m.resolved_d_ff)
@@ -342,36 +391,64 @@ def selective_kept(cfg: Config, B: int, T: int, precision: str, tp: int = 1, ep:
     return kept + sum(mm[::every])
 
 
-def _head_saved(cfg: Config, B: int, T: int, precision: str, tp: int, sp: bool) -> tuple[int, int, int]:
-    """(saved bytes, forward transient, backward transient) of final norm + head + loss."""
+def _head_saved(cfg: Config, B: int, T: int, precision: str, tp: int, sp: bool, head: str = "logits",
+                frozen: bool = False, token_rows: bool = False) -> tuple[int, int, int]:
+    """(saved bytes, forward transient, backward transient) of final norm + head + loss. head: logits
+    (cross-entropy), logps (each row's summed log-probabilities: preference training; B counts both
+    rows of each pair), score (a scalar head at each row's last token: a reward model). frozen: the
+    base is frozen (adapters); token_rows: finetune.train_tokens makes the token table's rows train."""
     m, tc = cfg.model, cfg.train
     low = precision in ("bf16", "fp16")
     c = 2 if low else 4
     d, V = m.d_model, m.vocab_size
     N = B * T
     n_norm = N // tp if (tp > 1 and sp) else N
-    norm = (2 * d + 1) * 4 if m.norm == "rmsnorm" else (d + 2) * 4
+    # a frozen norm weight: its input's gradient needs x and rstd, not x * rstd
+    norm = ((d + 1) * 4 if frozen else (2 * d + 1) * 4) if m.norm == "rmsnorm" else (d + 2) * 4
     saved = n_norm * norm
+    if head == "score":
+        # the norm's output at each row's last token (two index vectors), the score head's input and the
+        # Bradley-Terry loss's log-sigmoid (input and buffer per pair)
+        saved += 2 * B * 8 + B * d * c + 2 * (B // 2) * 4
+        return saved, N * d * 4, 2 * N * d * 4  # the final hidden states; their gradient
+    weight_grad = not frozen or token_rows  # the projection's weight takes a gradient
+    table = V * d * 4 if weight_grad else 0
     if tc.loss_chunk_tokens:
         C = min(tc.loss_chunk_tokens, N)
-        saved += N * d * 4 + V * d * 4  # the gradients computed in forward (hidden, weight)
+        saved += N * d * 4 + table  # the gradients computed in forward (hidden, weight)
         # a chunk's logits and softmax are made while the previous chunk's softmax is still bound
         fwd = 3 * C * V * 4 + (C * V * c + V * d * c + C * d * c if low else 0)
-        bwd = N * d * 4 + V * d * 4  # backward scales copies of both
+        bwd = N * d * 4 + table  # backward scales copies of both
         return saved, fwd, bwd
-    # head input, log_softmax output, targets and nll_loss's total weight
-    saved += N * (d * c if low else d * 4) + N * V * 4 + N * 8 + 4
+    if weight_grad:
+        saved += N * (d * c if low else d * 4)  # the head's input (its weight's gradient needs it)
+    if frozen and token_rows and not low:
+        saved += table  # the frozen table with the trained rows written in: a tensor of its own
+    # log_softmax output and targets; then nll_loss's total weight, or the gathered positions' mask and
+    # the pair loss's log-sigmoid (input and buffer per pair)
+    saved += N * V * 4 + N * 8 + (4 if head == "logits" else N + 2 * (B // 2) * 4)
     fwd = N * V * c + (N * V * 4 if low else 0)  # the logits (and their fp32 copy)
     if tp > 1 and not m.tie_embeddings:
         fwd += N * math.ceil(V / tp) * c  # this rank's logit columns before the gather
     bwd = 2 * N * V * 4  # log_softmax backward: incoming gradient and its result beside the saved output
+    if frozen and token_rows:
+        bwd += table  # the whole table's gradient before its trained rows are taken out
     return saved, fwd, bwd
 
 
 def activation_profile(cfg: Config, B: int, T: int, precision: str, device_type: str, layers: list[int],
                        first: bool, last: bool, tp: int = 1, sp: bool = False,
-                       packed: bool = False, ep: int = 1) -> ActivationProfile:
-    """Saved bytes and backward moments of one micro-batch (B, T) through this rank's `layers`."""
+                       packed: bool = False, ep: int = 1, *, dense_mask: bool | None = None,
+                       adapters: Adapters | None = None, head: str = "logits",
+                       trainable: tuple[int, list[int]] | None = None) -> ActivationProfile:
+    """Saved bytes and backward moments of one micro-batch (B, T) through this rank's `layers`.
+
+    packed: rows of several sequences (restarting positions); dense_mask: their attention takes a
+    (B, T, T) mask (None: as packed; the flex kernel takes none). adapters: a frozen base with these
+    adapters (estimate_adapters). head: see _head_saved. trainable: (elements of the embeddings, final
+    norm and heads, elements of each of `layers`) that take gradients (None: all of them)."""
+    from lmforge.tools.estimate_adapters import frozen_block_saved
+
     m, tc = cfg.model, cfg.train
     low = precision in ("bf16", "fp16")
     c = 2 if low else 4
@@ -379,7 +456,18 @@ def activation_profile(cfg: Config, B: int, T: int, precision: str, device_type:
     d, D = m.d_model, m.resolved_head_dim
     h, hk, F = m.n_heads // tp, m.resolved_kv_heads // tp, m.resolved_d_ff // tp
     grouped = device_type == "cuda" and precision == "bf16"
-    full = block_saved(cfg, B, T, precision, tp, sp, packed, ep, grouped)
+    dense = packed if dense_mask is None else dense_mask
+    frozen = adapters is not None
+    block_copies = None
+    if frozen:
+        fulls, grad, block_copies = [], adapters.token_rows, 0
+        for i in layers:
+            saved_i, copies_i, grad = frozen_block_saved(cfg, B, T, precision, device_type, adapters, i, grad,
+                                                         _mask_bytes(cfg, B, T, c, dense))
+            fulls.append(saved_i)
+            block_copies += copies_i
+    else:
+        fulls = [block_saved(cfg, B, T, precision, tp, sp, dense, ep, grouped)] * len(layers)
     n_res = N // tp if (tp > 1 and sp) else N
     ac = tc.activation_checkpointing
     # a checkpointed block keeps its input (the fp32 residual stream); a selective one also the outputs
@@ -388,16 +476,18 @@ def activation_profile(cfg: Config, B: int, T: int, precision: str, device_type:
     if ac == "selective":
         kept += selective_kept(cfg, B, T, precision, tp, ep, grouped)
     per_block = []
-    for i in layers:
+    for i, full in zip(layers, fulls):
         checkpointed = ac in ("full", "selective") or (ac == "every_k" and i % tc.ac_every == 0)
         per_block.append(kept if checkpointed else full)
-    stem = N * 8 if first else 0  # token ids (embedding backward)
+    table_grad = first and (not frozen or adapters.token_rows)  # the embedding takes a gradient
+    stem = N * 8 if table_grad else 0  # token ids (embedding backward)
     if first and m.dropout > 0:
         stem += N * d * 4  # embedding dropout mask
     if first and packed and m.pos_embedding == "rope":
         stem += 2 * N * D * 4  # cos and sin gathered at the rows' own positions, shared by all blocks
-    head, fwd_extra, head_bwd = _head_saved(cfg, B, T, precision, tp, sp) if last else (0, 0, 0)
-    saved = stem + sum(per_block) + head
+    head_saved, fwd_extra, head_bwd = (_head_saved(cfg, B, T, precision, tp, sp, head, frozen,
+                                                   frozen and adapters.token_rows) if last else (0, 0, 0))
+    saved = stem + sum(per_block) + head_saved
     # A block's backward: the MLP's product backward holds its incoming gradient and both results
     # (3 N F) where only its saved output was (N F); attention's gradients for q, k, v and output.
     mlp_extra = (2 if m.mlp == "swiglu" else 1) * N * F * c
@@ -411,22 +501,27 @@ def activation_profile(cfg: Config, B: int, T: int, precision: str, device_type:
     attn_extra = (2 * h + 2 * hk) * D * N * c
     block_extra = max(mlp_extra, attn_extra) + 2 * n_res * d * 4  # + residual stream gradients
     points = []
-    block_params = _block_params(cfg, tp, ep)
-    root_params = _root_params(cfg, tp, first, last)
-    grads_total = root_params + block_params * len(layers)
+    if trainable is None:
+        root_params = _root_params(cfg, tp, first, last)
+        block_params = [_block_params(cfg, tp, ep)] * len(layers)
+    else:
+        root_params, block_params = trainable
+    grads_total = root_params + sum(block_params)
     if last:
         points.append(("loss and head", saved, 0, head_bwd))
     grads = root_params if last else 0
     below = stem + sum(per_block)
     for k in range(len(layers) - 1, -1, -1):
         below -= per_block[k]
-        live = below + full  # a checkpointed block is recomputed whole first
+        live = below + fulls[k]  # a checkpointed block is recomputed whole first
         points.append((f"block {layers[k]}", live, grads, block_extra))
-        grads += block_params
-    if first:
+        grads += block_params[k]
+    if table_grad:
         table = m.vocab_size * d * 4 // (1 if m.tie_embeddings else tp)
-        points.append(("embeddings", stem, grads_total, table if m.tie_embeddings else 0))
-    return ActivationProfile(saved, fwd_extra, points, grads_total, per_block, full, stem, head)
+        # a tied table's (or a table with trained rows') whole gradient, before it is added in
+        points.append(("embeddings", stem, grads_total, table if (m.tie_embeddings or frozen) else 0))
+    return ActivationProfile(saved, fwd_extra, points, grads_total, per_block, max(fulls, default=0), stem,
+                             head_saved, block_copies)
 
 
 def _block_params(cfg: Config, tp: int, ep: int = 1) -> int:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
+from pathlib import Path
 
 from lmforge.config.schema import Config
 from lmforge.errors import ConfigError
@@ -11,6 +14,23 @@ from lmforge.tools.estimate import GiB, MiB, device_memory, estimate, suggest
 
 def _size(n: int) -> str:
     return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+MAX_TOKENIZER_BYTES = 1 << 29  # the largest tokenizer.json files published are tens of MiB
+
+
+def _read_small_file(path: Path) -> str:
+    """The text of `path`, refused unless it is a regular file of at most MAX_TOKENIZER_BYTES: opening
+    a FIFO does not block (O_NONBLOCK) and a device or a huge file is never read."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError("it is not a regular file")
+        if st.st_size > MAX_TOKENIZER_BYTES:
+            raise ValueError(f"it holds {st.st_size:,} bytes, more than a tokenizer.json's "
+                             f"{MAX_TOKENIZER_BYTES:,}")
+        return f.read(MAX_TOKENIZER_BYTES + 1).decode("utf-8")
 
 
 def with_vocab_size(cfg: Config) -> tuple[Config, str | None]:
@@ -28,7 +48,8 @@ def with_vocab_size(cfg: Config) -> tuple[Config, str | None]:
     path = prepared if prepared.is_file() else cfg.data.tokenizer.path
     if path is not None:
         try:
-            n, where = Tokenizer.from_file(str(path)).get_vocab_size(), f"the tokenizer {path}"
+            text = _read_small_file(Path(path))
+            n, where = Tokenizer.from_str(text).get_vocab_size(), f"the tokenizer {path}"
         except Exception as e:  # a broken file is the user's to fix; say which
             raise ConfigError(f"cannot read the tokenizer {path} to size the vocabulary ({e}); set "
                               "model.vocab_size") from None
@@ -44,7 +65,14 @@ def run_estimate(cfg: Config, world_size: int, device: str | None, device_memory
     """Print the estimate of `cfg` on `world_size` ranks, the verdict against the device's memory and,
     when it does not fit, settings that do (each found by re-running the estimate). Exit status 0
     when it fits, 1 when it does not."""
+    from lmforge.checkpoint.runs import resolve_init_from
+
     kind, budget, source = device_memory(device, device_memory_gib)
+    # fine-tuning takes its architecture (and tokenizer) from model.init_from, as a run resolves it
+    init_notes: list[str] = []
+    cfg = resolve_init_from(cfg, say=init_notes.append)
+    if cfg.model.init_from:
+        init_notes.insert(0, f"model.init_from: the architecture of {cfg.model.init_from}")
     cfg, vocab_note = with_vocab_size(cfg)
     est = estimate(cfg, world_size, kind)
     fits = est.peak <= budget and (kind != "cpu" or est.peak + est.host_total <= budget)
@@ -52,6 +80,7 @@ def run_estimate(cfg: Config, world_size: int, device: str | None, device_memory
     if as_json:
         out = est.to_json()
         out.update({"budget_bytes": budget, "budget_source": source, "fits": fits, "vocab_note": vocab_note,
+                    "init_notes": init_notes,
                     "suggestions": [{"set": s.change, "peak_bytes": s.peak, "why": s.why} for s in tips]})
         print(json.dumps(out, indent=2))
         return 0 if fits else 1
@@ -60,7 +89,8 @@ def run_estimate(cfg: Config, world_size: int, device: str | None, device_memory
 
     console = Console(highlight=False)
     tc = cfg.train
-    title = (f"lmforge estimate: {est.layout.name}, {est.rank} of {world_size}; {est.params:,} parameters; "
+    title = (f"lmforge estimate: {est.method}; {est.layout.name}, {est.rank} of {world_size}; "
+             f"{est.params:,} parameters; "
              f"micro-batch {tc.micro_batch_size} x {cfg.seq_len} tokens, accumulation {tc.grad_accum_steps}, "
              f"{est.precision}, activation checkpointing {tc.activation_checkpointing}")
     table = Table(title=title, show_header=True)
@@ -72,7 +102,7 @@ def run_estimate(cfg: Config, world_size: int, device: str | None, device_memory
         table.add_row(f"{name} [host RAM, offloaded]", _size(n))
     table.add_row(f"peak ({est.peak_moment})", _size(est.peak), style="bold")
     console.print(table)
-    for note in ([vocab_note] if vocab_note else []) + list(est.notes):
+    for note in init_notes + ([vocab_note] if vocab_note else []) + list(est.notes):
         console.print(f"note: {note}", markup=False)
     verdict = "fits" if fits else "does NOT fit"
     console.print(f"verdict: peak {_size(est.peak)} per rank {verdict} in {_size(budget)} ({source})",
