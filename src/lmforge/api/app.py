@@ -186,7 +186,11 @@ def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tupl
             raise RequestError(429, f"too many jobs created; retry in {math.ceil(wait)} s", None,
                                str(math.ceil(wait)))
         job = await asyncio.to_thread(build_job, req, user, workspace, confiner, store.get, limits)
-        store.add_job(job)
+        try:
+            store.add_job(job)
+        except BaseException:  # nothing of a job that was not stored remains
+            shutil.rmtree(jdir(job), ignore_errors=True)
+            raise
         runner.wake()
         return view(job)
 

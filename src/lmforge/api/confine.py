@@ -112,14 +112,19 @@ class Confiner:
         why = self._unreadable(p, own_job, this_job)
         if why:
             raise ConfinementError(f"config key {key!r}: {value!r} resolves to {p}, {why}", key)
-        if spec.role == OUTPUT and not self._own(p, own_job, this_job):
-            if not (spec.reused and p.is_dir() and any(p.iterdir())):
-                raise ConfinementError(
-                    f"config key {key!r}: {value!r} resolves to {p}, outside your jobs' dirs: a job writes "
-                    f"only inside its own dir (jobs/{this_job}, the default) or one of your earlier jobs'"
-                    + (" (or reads an existing prepared data dir)" if spec.reused else ""), key)
-        if p.is_dir():
-            self._scan_links(key, value, p, own_job, this_job)
+        try:
+            if spec.role == OUTPUT and not self._own(p, own_job, this_job):
+                if not (spec.reused and p.is_dir() and any(p.iterdir())):
+                    also = " (or reads an existing prepared data dir)" if spec.reused else ""
+                    raise ConfinementError(
+                        f"config key {key!r}: {value!r} resolves to {p}, outside your jobs' dirs: a job "
+                        f"writes only inside its own dir (jobs/{this_job}, the default) or one of your "
+                        f"earlier jobs'{also}", key)
+            if p.is_dir():
+                self._scan_links(key, value, p, own_job, this_job)
+        except OSError as e:  # a name too long, a loop of links: nothing a job could use either
+            raise ConfinementError(f"config key {key!r}: {value[:200]!r} cannot be used: {e.strerror}", key) \
+                from None
         return str(p)
 
     def _own(self, p: Path, own_job: Callable[[str], bool], this_job: str) -> bool:

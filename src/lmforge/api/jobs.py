@@ -24,11 +24,19 @@ from lmforge.api.confine import ConfinementError, Confiner, check_job_id
 from lmforge.api.limits import GIB, PROCESS_BASE_BYTES, Ask, Limits, OverAsk, memory_floor
 from lmforge.api.progress import Progress, eta_seconds
 from lmforge.api.store import RESUMABLE, Job
-from lmforge.config.load import _key_lines, config_from_dict, parse_override, parse_yaml_text, save_config
+from lmforge.config.load import (
+    _key_lines,
+    check_nesting,
+    config_from_dict,
+    parse_override,
+    parse_yaml_text,
+    save_config,
+)
 from lmforge.errors import ConfigError, LmforgeError
 
 KINDS = ("train", "eval", "generate", "export")
 MAX_SETS = 200
+MAX_STEPS = 10**15
 _NAME_RE = re.compile(r"^[\w .:+-]{1,128}$")
 
 
@@ -63,6 +71,7 @@ def _load_yaml(text: str) -> Any:
     values yaml cannot build, nesting too deep."""
     # An alias can expand a small document into a huge one (billion laughs); configs never need them.
     try:
+        check_nesting(text, "config")  # first: deep nesting makes yaml's scanner slow
         for ev in yaml.parse(text):
             if isinstance(ev, yaml.AliasEvent):
                 raise RequestError(422, f"config:{ev.start_mark.line + 1}: YAML anchors and aliases (*name) "
@@ -112,11 +121,15 @@ def parse_request(raw: bytes, content_type: str, query: dict[str, Any]) -> Reque
             # JSON is YAML: the key lines of the request body's "config" object, as a file's would be.
             try:
                 text = raw.decode("utf-8")
+                check_nesting(text, "request")  # before yaml reads it (slow on deep nesting)
                 lines = {k[1:]: n for k, n in _key_lines("request", text).items() if k[:1] == ("config",)}
             except UnicodeDecodeError:
                 lines = {}
+            except ConfigError as e:
+                raise RequestError(422, str(e), "config", "invalid_config") from None
+    _check_text([body, cfg])  # cfg: YAML text in a JSON string holds its own escapes
     kind = body.get("kind", "train")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise RequestError(400, f"kind {kind!r} is not one of {', '.join(KINDS)}", "kind")
     sets = body.get("set") or []
     if isinstance(sets, str):
@@ -153,6 +166,18 @@ def parse_request(raw: bytes, content_type: str, query: dict[str, Any]) -> Reque
     elif source is not None:
         raise RequestError(400, "source is for eval / generate / export jobs", "source")
     return Request(kind, cfg, lines, sets, name, source, prompt, nproc)
+
+
+def _check_text(body: Any) -> None:
+    """400 for a string no file or database can hold: a lone UTF-16 surrogate (JSON's "\\ud800"), which
+    YAML and JSON both let through but UTF-8 cannot encode."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"the request holds text that is not valid Unicode ({e.reason}: "
+                           f"{e.object[e.start:e.end]!a}); send UTF-8 text", code="invalid_text") from None
+    except (TypeError, ValueError, RecursionError):  # not JSON-shaped (YAML's dates, sets): checked later
+        pass
 
 
 def _param_of(message: str) -> str | None:
@@ -231,6 +256,9 @@ def build_job(req: Request, user: str, workspace: Path, confiner: Confiner, get_
             raise RequestError(422, str(e), e.key, "path_not_allowed") from None
         except ConfigError as e:
             raise RequestError(422, str(e), _param_of(str(e)), "invalid_config") from None
+        if cfg.train.max_steps > MAX_STEPS:  # stored in the job's row (a 64-bit integer)
+            raise RequestError(422, f"train.max_steps={cfg.train.max_steps}: this server runs at most "
+                               f"{MAX_STEPS:,} steps a job", "train.max_steps", "invalid_config")
         nproc = process_count(cfg, req.nproc)
         ask = train_ask(cfg, nproc, limits)
         _check(limits, ask)

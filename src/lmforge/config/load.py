@@ -48,9 +48,30 @@ class _Loader(yaml.SafeLoader):
                                                     node.start_mark) from None
 
 
+MAX_FLOW_DEPTH = 64
+
+
+def check_nesting(text: str, where: str) -> None:
+    """ConfigError if `text` opens more than MAX_FLOW_DEPTH [ or { without closing them: yaml's scanner
+    takes time that grows with the square of that depth (1,000 levels: seconds; 5,000: half a minute),
+    and a config needs a handful. Brackets inside quotes count too (a scanner that skipped quotes could be
+    fooled by a stray one); no config holds 64 open brackets in a string."""
+    depth = 0
+    for i, ch in enumerate(text):
+        if ch in "[{":
+            depth += 1
+            if depth > MAX_FLOW_DEPTH:
+                line = text.count("\n", 0, i) + 1
+                raise ConfigError(f"{where}:{line}: invalid YAML: [ ] / {{ }} nested more than "
+                                  f"{MAX_FLOW_DEPTH} levels deep (a config needs a few)")
+        elif ch in "]}":
+            depth = max(0, depth - 1)
+
+
 def parse_yaml_text(text: str, where: str) -> Any:
     """The YAML document `text` (safe tags only), or ConfigError naming `where`, the line and the problem:
     bad syntax, a tag such as !!python/object, a value yaml cannot build, nesting too deep to read."""
+    check_nesting(text, where)
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
