@@ -46,7 +46,7 @@ CASES: list[Case] = [
         "distill whose teacher is its own run dir, overwritten",
         lambda ws: ["distill", *common(ws), *S(f"distill.teacher={ws / 'run'}", "run.overwrite=true",
                                                "train.max_steps=1")],
-        match="a run may not write where it reads its distill.teacher",
+        match="an input of this run, is run.dir",
     ),
     Case(
         "sft whose starting adapters are its own run dir, overwritten",

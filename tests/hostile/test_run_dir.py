@@ -72,8 +72,8 @@ def test_overwrite_never_deletes_an_input(tiny_cfg, tmp_path):
     Trainer(tiny_cfg("train.max_steps=2")).fit()
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
     before = tree_hash(tmp_path / "run")
-    with pytest.raises(LmforgeError, match=r"model.init_from=.*step_00000002 lies inside .*checkpoints, "
-                                           r"which this run writes"):
+    with pytest.raises(LmforgeError, match=r"model.init_from=.*step_00000002, an input of this run, lies "
+                                           r"inside .*checkpoints, which this run writes"):
         Trainer(tiny_cfg("train.max_steps=2", "run.overwrite=true", f"model.init_from={ckpt}",
                          f"data.dir={tmp_path / 'data2'}"))  # the checkpoint's tokenizer: other data
     assert tree_hash(tmp_path / "run") == before
@@ -118,7 +118,8 @@ def test_no_input_may_be_the_run_dir_or_lie_in_what_it_writes(tmp_path, key):
         cfg = load_config(TINY, [f"run.dir={run}", *_naming(key, value)])
         assert (key, value) in input_paths(cfg)
         for resume, overwrite in ((True, False), (False, True)):
-            with pytest.raises(LmforgeError, match=rf"{key}={value} (is run.dir|lies inside)"):
+            with pytest.raises(LmforgeError, match=rf"{key}={value}, an input of this run, (is run.dir|lies "
+                                                   "inside)"):
                 open_run_dir(run, resume=resume, overwrite=overwrite, inputs=input_paths(cfg))
     assert tree_hash(tmp_path) == before and not (run / ".lock").exists()
 

@@ -109,13 +109,14 @@ def _overlap(run_dir: Path, inputs: Sequence[tuple[str, Path]], replace: bool) -
     for key, inp in inputs:
         src = inp.resolve()
         if src == run_real:
-            raise LmforgeError(f"{key}={inp} is run.dir {run_dir} itself: a run may not write where it reads "
-                               f"its {key}; choose another run.dir")
+            raise LmforgeError(f"{key}={inp}, an input of this run, is run.dir {run_dir} itself: a run may "
+                               "not write where it reads; choose another run.dir")
         for name in RUN_ARTIFACTS:
             target = run_real / name
             if src == target or target in src.parents:
-                raise LmforgeError(f"{key}={inp} lies inside {run_dir / name}, which this run writes (and "
-                                   "rotates or replaces); copy it elsewhere or choose another run.dir")
+                raise LmforgeError(f"{key}={inp}, an input of this run, lies inside {run_dir / name}, which "
+                                   "this run writes (and rotates or replaces); copy it elsewhere or choose "
+                                   "another run.dir")
             if replace and src in target.parents:
                 raise LmforgeError(f"run.overwrite would delete {run_dir / name}, which is part of {inp} "
                                    f"({key}), an input of this run; copy it elsewhere or choose another "
