@@ -25,6 +25,7 @@ from lmforge.api.app import create_app  # noqa: E402
 from lmforge.api.auth import create_token  # noqa: E402
 from lmforge.api.limits import Limits  # noqa: E402
 from lmforge.api.store import Store  # noqa: E402
+from lmforge.config import load_config  # noqa: E402
 from lmforge.config.paths import OUTPUT, PATH_KEYS, path_values  # noqa: E402
 
 
@@ -88,8 +89,21 @@ def naming(key: str, value: str) -> dict:
     return cfg
 
 
+def harmless(ws: Path, job: str, p: Path, role: str) -> bool:
+    """Where a value of bob's job may point: inside his own job's dir (an output must), or, for an input,
+    somewhere in the workspace that is not its whole, jobs/, a job of another or the server's files."""
+    ws, own = ws.resolve(), (ws / "jobs" / job).resolve()
+    if p == own or own in p.parents:
+        return True
+    if role == OUTPUT or ws not in p.parents:
+        return False
+    top = p.relative_to(ws).parts[0]
+    return top != "jobs" and not top.startswith("server.")
+
+
 HOSTILE = [".", "", "./", "..", "{ws}", "{ws}/", "jobs", "jobs/", "jobs/{a}", "jobs/{a}/run/secret.jsonl",
-           "to_alice", "to_alice/run", "shared", "server.db", "server.db-wal", "server.lock", "~", "/"]
+           "to_alice", "to_alice/run", "shared", "server.db", "server.db-wal", "server.lock", "~", "/",
+           "builtin:/../..", "builtin:/../jobs/{a}", "hf:jobs/{a}", "file:jobs/{a}"]
 
 
 @pytest.mark.parametrize("key", sorted(k for k in PATH_KEYS if k != "run.dir"))
@@ -106,16 +120,14 @@ def test_the_second_user_reaches_nothing_of_the_first_nor_of_the_server(server, 
                 assert key in err["message"], (key, value, r.text)
             continue
         assert r.status_code == 201, (key, value, r.text)
-        # Accepted: then only as an output confined to bob's own new job (a relative output goes there).
+        # Accepted: then confined, as the config the job will run holds it (resolved, absolute).
         job = r.json()["id"]
-        own = (ws / "jobs" / job).resolve()
-        assert PATH_KEYS[key].role == OUTPUT, (key, value, "an input reached", r.text)
-        from lmforge.config import load_config
-
         cfg = load_config(ws / "jobs" / job / "config.yaml")
         got = [p for k, p in path_values(cfg) if k == key]
-        assert got and all(own in Path(p).resolve().parents or Path(p).resolve() == own for p in got), \
-            (key, value, got)
+        assert got, (key, value)
+        for p in got:
+            assert p.is_absolute() and harmless(ws, job, Path(os.path.realpath(p)), PATH_KEYS[key].role), \
+                (key, value, p)
     assert (ws / "jobs" / a / "run" / "secret.jsonl").read_text() == '{"text": "alice only"}\n'
 
 

@@ -32,15 +32,15 @@ class PathKey:
     """How one key's values name files."""
 
     role: str  # INPUT or OUTPUT
-    names: tuple[str, ...] = ()  # whole values that name something built in, not a file
-    name_prefixes: tuple[str, ...] = ()  # value prefixes that name something built in (builtin:)
+    names: tuple[str, ...] = ()  # whole values that name something built in, not a file (exact: a
+    # "builtin:x" that is not one of them is read as a path by the readers, so it is one here too)
     path_prefixes: tuple[str, ...] = ()  # prefixes written before a path (hf:<dir>, file:<dir>)
     services: bool = False  # may also be the URL of a service (an MLflow tracking server)
     reused: bool = False  # an output an existing copy of which the run only reads (prepared data)
 
     def split(self, value: str) -> tuple[str, str] | None:
         """(prefix, path) of a value naming a file or dir, None for a built-in name or a service URL."""
-        if value in self.names or value.startswith(self.name_prefixes):
+        if value in self.names:
             return None
         if self.services and is_service_url(value):
             return None
@@ -56,7 +56,7 @@ def is_service_url(value: str) -> bool:
     return bool(sep) and scheme.lower() != "file"
 
 
-_DATA = PathKey(INPUT, name_prefixes=("builtin:",))
+_DATA = PathKey(INPUT, names=("builtin:python",))
 _FILES = PathKey(INPUT)
 
 PATH_KEYS: dict[str, PathKey] = {
@@ -64,7 +64,7 @@ PATH_KEYS: dict[str, PathKey] = {
     "data.val_sources": _DATA,
     "data.tokenizer.path": _FILES,
     "model.init_from": _FILES,  # also the reference model of dpo / rl
-    "train.eval_tasks": _DATA,
+    "train.eval_tasks": PathKey(INPUT, names=("builtin:code",)),
     "sft.data": _FILES,
     "sft.val_data": _FILES,
     "sft.template": PathKey(INPUT, names=("auto", "chatml")),
@@ -76,7 +76,7 @@ PATH_KEYS: dict[str, PathKey] = {
     "distill.teacher": _FILES,
     "distill.topk_cache": _FILES,
     "finetune.init_adapter": _FILES,
-    "curate.inputs": PathKey(INPUT, name_prefixes=("builtin:",), path_prefixes=("hf:",)),
+    "curate.inputs": PathKey(INPUT, names=("builtin:python",), path_prefixes=("hf:",)),
     "curate.steps.blocklist_files": _FILES,
     "curate.steps.eval_files": _FILES,
     "run.dir": PathKey(OUTPUT),
