@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from treehash import tree_hash
 
+from lmforge.config.paths import INPUT, PATH_KEYS
 from lmforge.errors import LmforgeError
 from lmforge.metrics.loggers import read_metrics
 from lmforge.train.trainer import Trainer
@@ -71,11 +72,76 @@ def test_overwrite_never_deletes_an_input(tiny_cfg, tmp_path):
     Trainer(tiny_cfg("train.max_steps=2")).fit()
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000002"
     before = tree_hash(tmp_path / "run")
-    with pytest.raises(LmforgeError, match=r"run.overwrite would delete .*checkpoints, which is part of "
-                                           r".*step_00000002, an input of this run"):
+    with pytest.raises(LmforgeError, match=r"model.init_from=.*step_00000002, an input of this run, lies "
+                                           r"inside .*checkpoints, which this run writes"):
         Trainer(tiny_cfg("train.max_steps=2", "run.overwrite=true", f"model.init_from={ckpt}",
                          f"data.dir={tmp_path / 'data2'}"))  # the checkpoint's tokenizer: other data
     assert tree_hash(tmp_path / "run") == before
+    # An input that holds the run dir's artifacts (a source dir above it) is refused by run.overwrite only.
+    with pytest.raises(LmforgeError, match=r"run.overwrite would delete .*config.yaml, which is part of "
+                                           rf"{tmp_path} \(data.sources\), an input of this run"):
+        Trainer(tiny_cfg("train.max_steps=2", "run.overwrite=true", f"data.sources=[{tmp_path}]",
+                         f"data.dir={tmp_path / 'data3'}"))
+    assert tree_hash(tmp_path / "run") == before
+
+
+def _naming(key: str, value: Path) -> list[str]:
+    """--set overrides that make `key` name `value` (in a list for a list key, in a step for a step's)."""
+    from lmforge.config import load_config
+
+    if key.startswith("curate.steps."):
+        step = {"blocklist_files": "harmful", "eval_files": "decontaminate"}[key.rsplit(".", 1)[1]]
+        return [f"curate.steps=[{{step: {step}, {key.rsplit('.', 1)[1]}: [{value}]}}]"]
+    node = load_config(TINY, []).model_dump()
+    for k in key.split("."):
+        node = node[k]
+    extra = ["rl.rewards={reward_model: 1.0}"] if key == "rl.reward_model" else []
+    return [f"{key}=[{value}]" if isinstance(node, list) else f"{key}={value}", *extra]
+
+
+INPUT_KEYS = sorted(k for k, spec in PATH_KEYS.items() if spec.role == INPUT)
+
+
+@pytest.mark.parametrize("key", INPUT_KEYS)
+def test_no_input_may_be_the_run_dir_or_lie_in_what_it_writes(tmp_path, key):
+    """Every input key of the classification (config/paths.py), not a list of them: the run dir itself, or a
+    checkpoint in it, named as something the run reads is refused with --resume and with run.overwrite."""
+    from lmforge.checkpoint.run_dir import open_run_dir
+    from lmforge.config import load_config
+    from lmforge.config.paths import input_paths
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (run / "config.yaml").write_text("run: {}\n")
+    before = tree_hash(tmp_path)
+    for value in (run, run / "checkpoints" / "step_00000002"):
+        cfg = load_config(TINY, [f"run.dir={run}", *_naming(key, value)])
+        assert (key, value) in input_paths(cfg)
+        for resume, overwrite in ((True, False), (False, True)):
+            with pytest.raises(LmforgeError, match=rf"{key}={value}, an input of this run, (is run.dir|lies "
+                                                   "inside)"):
+                open_run_dir(run, resume=resume, overwrite=overwrite, inputs=input_paths(cfg))
+    assert tree_hash(tmp_path) == before and not (run / ".lock").exists()
+
+
+@pytest.mark.parametrize("existing", [True, False])
+def test_a_refused_run_leaves_nothing_behind(tmp_path, existing, capsys):
+    """sft into a user's folder (or a new one) that fails after the run dir was locked: no .lock, no new
+    dir, nothing else of the run remains."""
+    from lmforge.cli import main
+
+    folder = tmp_path / "mine" / ("notes" if existing else "new/deep")
+    if existing:
+        folder.mkdir(parents=True)
+        (folder / "todo.txt").write_text("mine\n")
+    (tmp_path / "chat.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    before = tree_hash(tmp_path)
+    rc = main(["sft", "-c", str(TINY), "--set", f"run.dir={folder}", "--set",
+               f"sft.data=[{tmp_path / 'chat.jsonl'}]", "--set",
+               f"data.tokenizer.path={tmp_path / 'missing' / 'tokenizer.json'}", "--set",
+               "logging.progress=none"])
+    assert rc == 2 and "lmforge sft: error: tokenizer file" in capsys.readouterr().err
+    assert tree_hash(tmp_path) == before  # every path, hidden ones included: no .lock, no new dir
 
 
 def test_overwrite_refused_for_mismatched_data_keeps_the_old_run(tiny_cfg, tmp_path):

@@ -37,6 +37,7 @@ from lmforge.api.auth import RateLimiter, authenticate
 from lmforge.api.confine import ConfinementError, Confiner, check_artifact_name, check_job_id, resolve_inside
 from lmforge.api.jobs import RequestError, build_job, job_json, parse_request
 from lmforge.api.launch import STDERR, STDOUT
+from lmforge.api.limits import Limits
 from lmforge.api.progress import Progress, Tail, tail_lines
 from lmforge.api.runner import Runner
 from lmforge.api.store import RESUMABLE, STATUSES, TERMINAL, Job, Store
@@ -87,12 +88,15 @@ class _BodyLimit:
 
 def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tuple[str, ...] = (),
                max_body_bytes: int = MAX_BODY_BYTES, jobs_per_minute: float = 30.0, job_burst: int = 10,
-               runner: Runner | None = None, start_runner: bool = True) -> FastAPI:
-    """The job server's app over `workspace` (server.db, jobs/); its runner starts and stops with it."""
+               limits: Limits | None = None, runner: Runner | None = None,
+               start_runner: bool = True) -> FastAPI:
+    """The job server's app over `workspace` (server.db, jobs/); its runner starts and stops with it.
+    `limits`: what one job may ask and what runs at once (default: from this machine)."""
     workspace = Path(workspace).resolve()
+    limits = limits or (runner.limits if runner is not None else Limits.for_machine(max_running=max_running))
     (workspace / "jobs").mkdir(parents=True, exist_ok=True)
     store = Store(workspace)
-    runner = runner or Runner(store, workspace, max_running)
+    runner = runner or Runner(store, workspace, max_running, limits=limits)
     confiner = Confiner(workspace, allow_roots)
     progress = Progress()
     limiter = RateLimiter(jobs_per_minute, job_burst)
@@ -181,8 +185,12 @@ def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tupl
         if wait:
             raise RequestError(429, f"too many jobs created; retry in {math.ceil(wait)} s", None,
                                str(math.ceil(wait)))
-        job = await asyncio.to_thread(build_job, req, user, workspace, confiner, store.get)
-        store.add_job(job)
+        job = await asyncio.to_thread(build_job, req, user, workspace, confiner, store.get, limits)
+        try:
+            store.add_job(job)
+        except BaseException:  # nothing of a job that was not stored remains
+            shutil.rmtree(jdir(job), ignore_errors=True)
+            raise
         runner.wake()
         return view(job)
 

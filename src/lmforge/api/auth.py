@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import re
 import secrets
 import threading
@@ -75,6 +76,10 @@ class RateLimiter:
     """A token bucket per user: `burst` jobs at once, refilled at `per_minute` per minute."""
 
     def __init__(self, per_minute: float, burst: int) -> None:
+        if not (isinstance(per_minute, (int, float)) and math.isfinite(per_minute) and per_minute >= 0):
+            raise ValueError(f"jobs_per_minute={per_minute!r}: give a finite number >= 0 (0: unlimited)")
+        if isinstance(burst, bool) or not isinstance(burst, int) or burst < 1:
+            raise ValueError(f"job_burst={burst!r}: give a whole number >= 1")
         self.rate, self.burst = per_minute / 60.0, float(burst)
         self._buckets: dict[str, _Bucket] = {}
         self._lock = threading.Lock()

@@ -1,11 +1,17 @@
 """Path rules of the job server: where a submitted config may read and write.
 
-A job's config comes from a client, so every path in it is untrusted. `confine_config` forces run.dir
-to <workspace>/jobs/<id>/run and resolves every other path key (after symlinks, relative to the
-workspace) to a place inside the workspace or an operator's --allow-root; the config the job then runs
-holds those resolved absolute paths, so what was checked is what is used. Inside the workspace,
-another user's job dir and the server's own database are out of bounds. Names (job ids, artifact
-names) are matched against tight patterns before they touch the file system.
+A job's config comes from a client, so every path in it is untrusted. `Confiner.confine` forces run.dir to
+<workspace>/jobs/<id>/run and resolves every other path key (config/paths.py classifies them: inputs the
+run reads, outputs it writes) after symlinks. The config the job then runs holds those resolved absolute
+paths, so what was checked is what is used.
+
+What a user's job may read: the workspace (the data the operator put there) and the operator's
+--allow-root dirs, but never the server's own files (server.db, server.lock), another user's job dir, the
+jobs/ dir or the workspace itself as a whole (a walk of either would reach both), nor a dir that holds a
+link to any of those. What it may write (outputs): its own jobs' dirs only; an output the run only reads
+when it exists (prepared data in data.dir) may also name existing data it may read. A relative input is
+looked for in the workspace, a relative output goes into the job's own dir. Names (job ids,
+artifact names) are matched against tight patterns before they touch the file system.
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-from lmforge.api.store import DB_NAME
+from lmforge.api.store import DB_NAME, LOCK_NAME
+from lmforge.config.paths import OUTPUT, PATH_KEYS, PathKey, is_service_url, map_paths
 from lmforge.config.schema import Config
 from lmforge.errors import LmforgeError
 
@@ -25,23 +31,10 @@ JOB_ID_RE = re.compile(r"^job-[0-9a-f]{16}$")
 # An artifact is a plain file name or dir/name inside a job's run dir: no '..', no leading dot or slash.
 ARTIFACT_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}(/[A-Za-z0-9_][A-Za-z0-9_.+-]{0,127}){0,3}$")
 
-# Every config key that names a file or dir (tests/hostile/test_jobs_security.py checks that each str
-# key of the schema is in one of these two tables, so a new path key cannot slip past unconfined).
-PATH_KEYS: tuple[str, ...] = (
-    "data.sources", "data.val_sources", "data.dir", "data.tokenizer.path", "model.init_from",
-    "train.eval_tasks", "sft.data", "sft.val_data", "sft.template", "preference.data", "preference.val_data",
-    "rl.data", "rl.val_data", "rl.reward_model", "distill.teacher", "distill.topk_cache",
-    "finetune.init_adapter", "curate.inputs", "curate.output_dir", "logging.wandb.dir",
-    "logging.mlflow.tracking_uri",  # a file: URI or a path; network URIs are refused (see check_path)
-)
-NOT_PATH_KEYS: tuple[str, ...] = (
-    "run.name", "run.dir", "data.text_key", "model.preset", "model.quant.targets", "finetune.targets",
-    "generate.prompt", "curate.text_key", "curate.id_key", "logging.mlflow.experiment",
-    "logging.mlflow.run_name", "logging.wandb.project", "logging.wandb.entity", "logging.wandb.run_name",
-)
-# Values of path keys that are names, not paths.
-_BUILTINS = {"sft.template": ("auto", "chatml")}
-_BUILTIN_PREFIX = "builtin:"
+SERVER_FILES = (DB_NAME, LOCK_NAME)  # DB_NAME also covers its -wal and -shm files
+# A dir a job names is searched for links out of bounds (the data readers follow links); past this
+# many entries the job is refused rather than the server busy for long.
+MAX_SCAN_ENTRIES = 100_000
 
 
 class ConfinementError(LmforgeError):
@@ -91,57 +84,119 @@ class Confiner:
         self.roots = [self.workspace] + [Path(os.path.realpath(r)) for r in allow_roots]
 
     def check_path(self, key: str, value: str, own_job: Callable[[str], bool], this_job: str) -> str:
-        """`value` resolved (relative to the workspace, after symlinks) if allowed, else ConfinementError."""
-        if not isinstance(value, str) or not value:
+        """`value` with its path resolved (relative to the workspace, after symlinks) if the key's role
+        allows it there, else ConfinementError. Built-in names pass as they are."""
+        spec = PATH_KEYS[key]
+        if not isinstance(value, str):
             return value
-        if key == "data.sources" or key == "data.val_sources" or key == "train.eval_tasks":
-            if value.startswith(_BUILTIN_PREFIX):
-                return value
-        if value in _BUILTINS.get(key, ()):
+        if spec.services and is_service_url(value):
+            raise ConfinementError(f"config key {key!r}: {value!r}: a job server's runs log to a file store "
+                                   "only (file:<dir> or a dir inside one of your jobs)", key)
+        split = spec.split(value)
+        if split is None:
             return value
-        if key == "logging.mlflow.tracking_uri":
-            if "://" in value and not value.startswith("file://"):
-                raise ConfinementError(f"config key {key!r}: {value!r}: a job server's runs log to a file "
-                                       "store only (file:/path or a path inside the workspace)", key)
-            path = value.removeprefix("file://").removeprefix("file:")
-            return "file:" + self._check_fs_path(key, path, own_job, this_job)
-        return self._check_fs_path(key, value, own_job, this_job)
+        prefix, path = split
+        return prefix + self._check_fs_path(key, spec, path, own_job, this_job)
 
-    def _check_fs_path(self, key: str, value: str, own_job: Callable[[str], bool], this_job: str) -> str:
+    def _check_fs_path(self, key: str, spec: PathKey, value: str, own_job: Callable[[str], bool],
+                       this_job: str) -> str:
+        if not value.strip():
+            raise ConfinementError(f"config key {key!r}: an empty path names the job's working dir; give a "
+                                   "file or dir (or leave the key out)", key)
         if "\x00" in value:
             raise ConfinementError(f"config key {key!r}: a path cannot hold a NUL byte", key)
-        p = Path(os.path.realpath(self.workspace / os.path.expanduser(value)))
-        if not any(within(p, r) for r in self.roots):
-            allowed = ", ".join(str(r) for r in self.roots)
-            raise ConfinementError(f"config key {key!r}: {value!r} resolves to {p}, outside the server's "
-                                   f"workspace and allowed roots ({allowed}); put the data there (or ask the "
-                                   "operator for an --allow-root)", key)
-        if within(p, self.workspace):
-            rel = p.relative_to(self.workspace).parts
-            if rel and rel[0].startswith(DB_NAME):
-                raise ConfinementError(f"config key {key!r}: {value!r} is the server's database", key)
-            if rel and rel[0] == JOBS_DIR:
-                other = rel[1] if len(rel) > 1 else ""
-                if other != this_job and not (JOB_ID_RE.match(other) and own_job(other)):
-                    raise ConfinementError(f"config key {key!r}: {value!r} is inside another job's "
-                                           "directory that is not yours", key)
+        # An input is looked for where the data is (the workspace); an output the run makes goes where the
+        # job works (its own dir, the launcher's working dir), as a relative path does under the CLI.
+        base = job_dir(self.workspace, this_job) if spec.role == OUTPUT else self.workspace
+        p = Path(os.path.realpath(base / os.path.expanduser(value)))
+        why = self._unreadable(p, own_job, this_job)
+        if why:
+            raise ConfinementError(f"config key {key!r}: {value!r} resolves to {p}, {why}", key)
+        try:
+            if spec.role == OUTPUT and not self._own(p, own_job, this_job):
+                if not (spec.reused and p.is_dir() and any(p.iterdir())):
+                    also = " (or reads an existing prepared data dir)" if spec.reused else ""
+                    raise ConfinementError(
+                        f"config key {key!r}: {value!r} resolves to {p}, outside your jobs' dirs: a job "
+                        f"writes only inside its own dir (jobs/{this_job}, the default) or one of your "
+                        f"earlier jobs'{also}", key)
+            if p.is_dir():
+                self._scan_links(key, value, p, own_job, this_job)
+        except OSError as e:  # a name too long, a loop of links: nothing a job could use either
+            raise ConfinementError(f"config key {key!r}: {value[:200]!r} cannot be used: {e.strerror}", key) \
+                from None
         return str(p)
 
+    def _own(self, p: Path, own_job: Callable[[str], bool], this_job: str) -> bool:
+        """True if `p` lies inside this job's dir or an earlier job of the same user."""
+        jobs = self.workspace / JOBS_DIR
+        if jobs not in p.parents:
+            return False
+        other = p.relative_to(jobs).parts[0]
+        return other == this_job or bool(JOB_ID_RE.match(other) and own_job(other))
+
+    def _unreadable(self, p: Path, own_job: Callable[[str], bool], this_job: str) -> str | None:
+        """Why a job of this user may not read `p` (resolved), or None if it may."""
+        if not any(within(p, r) for r in self.roots):
+            allowed = ", ".join(str(r) for r in self.roots)
+            return (f"outside the server's workspace and allowed roots ({allowed}); put the data there (or "
+                    "ask the operator for an --allow-root)")
+        if within(self.workspace, p):
+            return ("the server's workspace as a whole (or a dir above it), which holds every user's jobs "
+                    "and the server's database; name the files or dirs of your data inside it")
+        if within(p, self.workspace):
+            rel = p.relative_to(self.workspace).parts
+            if rel[0].startswith(SERVER_FILES):
+                return "one of the server's own files"
+            if rel[0] == JOBS_DIR:
+                if len(rel) == 1:
+                    return "the dir of every user's jobs; name one of your own jobs (jobs/<id>)"
+                if not self._own(p, own_job, this_job):
+                    return "inside another job's directory that is not yours"
+        return None
+
+    def _scan_links(self, key: str, value: str, top: Path, own_job: Callable[[str], bool],
+                    this_job: str) -> None:
+        """Refuse a dir that holds a link to a place the user may not read: the data readers follow links,
+        so a link inside a readable dir would read what the dir's own path may not."""
+        seen, todo, count = set(), [top], 0
+        while todo:
+            d = todo.pop()
+            try:
+                st = os.stat(d)
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                entries = list(os.scandir(d))
+            except OSError:
+                continue  # unreadable here is unreadable for the job too: its readers report it
+            count += len(entries)
+            if count > MAX_SCAN_ENTRIES:
+                raise ConfinementError(f"config key {key!r}: {value!r} holds more than {MAX_SCAN_ENTRIES:,} "
+                                       "files and dirs to check for links; name its subdirs or files instead",
+                                       key)
+            for e in entries:
+                try:
+                    link, is_dir = e.is_symlink(), e.is_dir()
+                except OSError:
+                    continue
+                if link:
+                    real = Path(os.path.realpath(e.path))
+                    why = self._unreadable(real, own_job, this_job)
+                    if why:
+                        rel = Path(e.path).relative_to(top)
+                        raise ConfinementError(f"config key {key!r}: {value!r} holds a link {rel} to {real}, "
+                                               f"{why}", key)
+                    if is_dir:
+                        todo.append(real)
+                elif is_dir:
+                    todo.append(Path(e.path))
+
     def confine(self, cfg: Config, job_id: str, own_job: Callable[[str], bool]) -> Config:
-        """`cfg` with run.dir under the job's dir and every path key checked and resolved."""
+        """`cfg` with run.dir under the job's dir and every other path key checked and resolved."""
         data = cfg.model_dump(mode="python")
         data["run"]["dir"] = str(job_dir(self.workspace, job_id) / "run")
         data["run"]["overwrite"] = False
-        for key in PATH_KEYS:
-            node: Any = data
-            *parents, leaf = key.split(".")
-            for k in parents:
-                node = node.get(k) if isinstance(node, dict) else None
-            if not isinstance(node, dict) or node.get(leaf) is None:
-                continue
-            v = node[leaf]
-            if isinstance(v, list):
-                node[leaf] = [self.check_path(key, x, own_job, job_id) for x in v]
-            else:
-                node[leaf] = self.check_path(key, v, own_job, job_id)
+        data = map_paths(data, lambda key, spec, value: value if key == "run.dir" else
+                         self.check_path(key, value, own_job, job_id))
         return Config.model_validate(data)

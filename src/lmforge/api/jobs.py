@@ -21,14 +21,22 @@ from typing import Any
 import yaml
 
 from lmforge.api.confine import ConfinementError, Confiner, check_job_id
+from lmforge.api.limits import GIB, PROCESS_BASE_BYTES, Ask, Limits, OverAsk, memory_floor
 from lmforge.api.progress import Progress, eta_seconds
 from lmforge.api.store import RESUMABLE, Job
-from lmforge.config.load import _key_lines, config_from_dict, parse_override, save_config
+from lmforge.config.load import (
+    _key_lines,
+    check_nesting,
+    config_from_dict,
+    parse_override,
+    parse_yaml_text,
+    save_config,
+)
 from lmforge.errors import ConfigError, LmforgeError
 
 KINDS = ("train", "eval", "generate", "export")
 MAX_SETS = 200
-MAX_NPROC = 64
+MAX_STEPS = 10**15
 _NAME_RE = re.compile(r"^[\w .:+-]{1,128}$")
 
 
@@ -58,18 +66,24 @@ class Request:
     nproc: int | None
 
 
-def _no_aliases(text: str) -> None:
+def _load_yaml(text: str) -> Any:
+    """A config sent as YAML text, or 422 naming the line: bad syntax, aliases, tags (!!python/...),
+    values yaml cannot build, nesting too deep."""
     # An alias can expand a small document into a huge one (billion laughs); configs never need them.
     try:
+        check_nesting(text, "config")  # first: deep nesting makes yaml's scanner slow
         for ev in yaml.parse(text):
             if isinstance(ev, yaml.AliasEvent):
-                raise RequestError(422, "config: YAML anchors and aliases (*name) are not accepted here",
-                                   "config", "invalid_config")
+                raise RequestError(422, f"config:{ev.start_mark.line + 1}: YAML anchors and aliases (*name) "
+                                   "are not accepted here", "config", "invalid_config")
+        return parse_yaml_text(text, "config")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"config:{mark.line + 1}" if mark else "config"
         raise RequestError(422, f"{where}: invalid YAML: {getattr(e, 'problem', None) or e}", "config",
                            "invalid_config") from None
+    except ConfigError as e:
+        raise RequestError(422, str(e), "config", "invalid_config") from None
 
 
 def parse_request(raw: bytes, content_type: str, query: dict[str, Any]) -> Request:
@@ -81,8 +95,7 @@ def parse_request(raw: bytes, content_type: str, query: dict[str, Any]) -> Reque
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
             raise RequestError(400, "the YAML body is not UTF-8", "config") from None
-        _no_aliases(text)
-        cfg = yaml.safe_load(text)
+        cfg = _load_yaml(text)
         body = {k: v for k, v in query.items() if k in ("kind", "name", "source", "prompt", "nproc")}
         body["set"] = query.get("set", [])
         body["config"] = {} if cfg is None else cfg
@@ -100,19 +113,23 @@ def parse_request(raw: bytes, content_type: str, query: dict[str, Any]) -> Reque
                                "name, nproc, prompt, set, source", unknown[0])
         cfg, lines = body.get("config"), {}
         if isinstance(cfg, str):
-            _no_aliases(cfg)
-            lines = _key_lines("config", cfg)
-            cfg = yaml.safe_load(cfg)
+            text = cfg
+            cfg = _load_yaml(text)
+            lines = _key_lines("config", text)
             cfg = {} if cfg is None else cfg
         else:
             # JSON is YAML: the key lines of the request body's "config" object, as a file's would be.
             try:
                 text = raw.decode("utf-8")
+                check_nesting(text, "request")  # before yaml reads it (slow on deep nesting)
                 lines = {k[1:]: n for k, n in _key_lines("request", text).items() if k[:1] == ("config",)}
             except UnicodeDecodeError:
                 lines = {}
+            except ConfigError as e:
+                raise RequestError(422, str(e), "config", "invalid_config") from None
+    _check_text([body, cfg])  # cfg: YAML text in a JSON string holds its own escapes
     kind = body.get("kind", "train")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         raise RequestError(400, f"kind {kind!r} is not one of {', '.join(KINDS)}", "kind")
     sets = body.get("set") or []
     if isinstance(sets, str):
@@ -133,13 +150,12 @@ def parse_request(raw: bytes, content_type: str, query: dict[str, Any]) -> Reque
     if name is not None and (not isinstance(name, str) or not _NAME_RE.match(name)):
         raise RequestError(400, "name: 1-128 letters, digits, spaces and ._:+-", "name")
     nproc = body.get("nproc")
-    if nproc is not None:
-        try:
-            nproc = int(nproc)
-        except (TypeError, ValueError):
-            nproc = 0
-        if not 1 <= nproc <= MAX_NPROC or kind != "train":
-            raise RequestError(400, f"nproc: processes of a train job, 1..{MAX_NPROC}", "nproc")
+    if nproc is not None:  # its bound is the server's (Limits, checked with the job): 422 past it
+        if isinstance(nproc, str) and nproc.strip().isdigit():
+            nproc = int(nproc)  # from a query string
+        if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1 or kind != "train":
+            raise RequestError(400, "nproc: the number of processes of a train job, a whole number >= 1",
+                               "nproc")
     prompt = body.get("prompt")
     if prompt is not None and (not isinstance(prompt, str) or kind != "generate"):
         raise RequestError(400, "prompt: a string, for a generate job", "prompt")
@@ -150,6 +166,18 @@ def parse_request(raw: bytes, content_type: str, query: dict[str, Any]) -> Reque
     elif source is not None:
         raise RequestError(400, "source is for eval / generate / export jobs", "source")
     return Request(kind, cfg, lines, sets, name, source, prompt, nproc)
+
+
+def _check_text(body: Any) -> None:
+    """400 for a string no file or database can hold: a lone UTF-16 surrogate (JSON's "\\ud800"), which
+    YAML and JSON both let through but UTF-8 cannot encode."""
+    try:
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(400, f"the request holds text that is not valid Unicode ({e.reason}: "
+                           f"{e.object[e.start:e.end]!a}); send UTF-8 text", code="invalid_text") from None
+    except (TypeError, ValueError, RecursionError):  # not JSON-shaped (YAML's dates, sets): checked later
+        pass
 
 
 def _param_of(message: str) -> str | None:
@@ -174,8 +202,48 @@ def process_count(cfg, asked: int | None) -> int:
     return asked
 
 
-def build_job(req: Request, user: str, workspace: Path, confiner: Confiner, get_job) -> Job:
+def _source_model(cfg) -> Any:
+    """The model section a run starting from model.init_from builds: the source run's (its config.yaml,
+    beside a checkpoint dir's run too) or a Hugging Face config.json's; None if not found (best effort:
+    the run itself checks init_from). Read without torch: the API process does not import it."""
+    from lmforge.config.schema import ModelConfig
+
+    src = cfg.model.init_from
+    if not src:
+        return None
+    p = Path(src)
+    for d in (p, p.parent.parent):
+        f = d / "config.yaml"
+        if f.is_file() and f.stat().st_size < 1 << 20:
+            try:
+                model = (yaml.safe_load(f.read_text(encoding="utf-8")) or {}).get("model") or {}
+                return ModelConfig.model_validate({k: v for k, v in model.items() if k != "init_from"})
+            except Exception:  # noqa: BLE001 - not a readable lmforge config: no better guess than none
+                return None
+    f = p / "config.json"
+    if f.is_file() and f.stat().st_size < 1 << 20:
+        try:
+            hf = json.loads(f.read_text(encoding="utf-8"))
+            heads = int(hf["num_attention_heads"])
+            return ModelConfig(d_model=int(hf["hidden_size"]), n_layers=int(hf["num_hidden_layers"]),
+                               n_heads=heads, n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                               d_ff=int(hf["intermediate_size"]), vocab_size=int(hf["vocab_size"]),
+                               tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        except Exception:  # noqa: BLE001 - another family's keys: no better guess than none
+            return None
+    return None
+
+
+def train_ask(cfg, procs: int, limits: Limits) -> Ask:
+    """What a train job of `cfg` on `procs` processes asks (see limits.py)."""
+    threads = cfg.train.threads or limits.threads_for(procs)
+    return Ask(procs, threads, memory_floor(cfg, procs, _source_model(cfg)))
+
+
+def build_job(req: Request, user: str, workspace: Path, confiner: Confiner, get_job,
+              limits: Limits | None = None) -> Job:
     """Validate `req` and make its job dir; the returned job is ready to be stored as queued."""
+    limits = limits or Limits.for_machine()
     job_id = new_job_id()
     d = workspace / "jobs" / job_id
     own = lambda other: (j := get_job(other)) is not None and j.user == user  # noqa: E731
@@ -188,10 +256,15 @@ def build_job(req: Request, user: str, workspace: Path, confiner: Confiner, get_
             raise RequestError(422, str(e), e.key, "path_not_allowed") from None
         except ConfigError as e:
             raise RequestError(422, str(e), _param_of(str(e)), "invalid_config") from None
+        if cfg.train.max_steps > MAX_STEPS:  # stored in the job's row (a 64-bit integer)
+            raise RequestError(422, f"train.max_steps={cfg.train.max_steps}: this server runs at most "
+                               f"{MAX_STEPS:,} steps a job", "train.max_steps", "invalid_config")
         nproc = process_count(cfg, req.nproc)
+        ask = train_ask(cfg, nproc, limits)
+        _check(limits, ask)
         d.mkdir(parents=True)
         save_config(cfg, d / "config.yaml")
-        spec = {"args": ["train", "-c", str(d / "config.yaml")]}
+        spec = {"args": ["train", "-c", str(d / "config.yaml")], "ask": ask.to_json()}
         return Job(id=job_id, user=user, kind="train", name=req.name or cfg.run.name, status="queued",
                    created_at=now, queued_at=now, max_steps=cfg.train.max_steps, nproc=nproc, spec=spec)
     src = _source(req.source, user, get_job, workspace)
@@ -206,6 +279,8 @@ def build_job(req: Request, user: str, workspace: Path, confiner: Confiner, get_
                                "keys (the run's own config fixes the rest)", "set", "invalid_config")
         sets += ["--set", item]
     run = str(workspace / "jobs" / src.id / "run")
+    ask = Ask(1, limits.threads_for(1), PROCESS_BASE_BYTES)  # one process, loading the run's weights
+    _check(limits, ask)
     d.mkdir(parents=True)
     archive = None
     if req.kind == "eval":
@@ -217,7 +292,14 @@ def build_job(req: Request, user: str, workspace: Path, confiner: Confiner, get_
         archive = {"src": "export", "dst": "export.zip"}
     return Job(id=job_id, user=user, kind=req.kind, name=req.name or f"{req.kind} of {src.name}",
                status="queued", created_at=now, queued_at=now, source=src.id,
-               spec={"args": args, "archive": archive})
+               spec={"args": args, "archive": archive, "ask": ask.to_json()})
+
+
+def _check(limits: Limits, ask: Ask) -> None:
+    try:
+        limits.check(ask)
+    except OverAsk as e:
+        raise RequestError(422, str(e), e.param, "over_limit") from None
 
 
 def _source(source: str, user: str, get_job, workspace: Path) -> Job:
@@ -256,9 +338,15 @@ def job_json(job: Job, workspace: Path, progress: Progress) -> dict[str, Any]:
         "progress": (step / job.max_steps) if step is not None and job.max_steps else None,
         "metrics": metrics, "val_metrics": val_metrics,
         "tokens_per_s": metrics.get("tokens_per_s"), "eta_seconds": None if eta is None else round(eta, 1),
-        "attempts": job.attempts, "nproc": job.nproc,
+        "attempts": job.attempts, "nproc": job.nproc, "resources": _resources(job),
         "resumable": job.kind == "train" and job.status in RESUMABLE,
     }
+
+
+def _resources(job: Job) -> dict[str, Any]:
+    """What the job asked of the server: processes, threads per process, memory (GiB, the floor it needs)."""
+    ask = Ask.of(job.spec, job.nproc)
+    return {"procs": ask.procs, "threads": ask.threads, "memory_gb": round(ask.memory / GIB, 3)}
 
 
 def _int(t: float | None) -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lmforge.errors import LmforgeError
+from lmforge.utils.pidlock import PidLock
 
 
 def _workspace(path: str | None) -> Path:
@@ -24,40 +26,79 @@ def _workspace(path: str | None) -> Path:
     return p
 
 
+def _whole(option: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise LmforgeError(f"{option} {value!r}: give a whole number from {low} to {high}")
+    return value
+
+
+def _finite(option: str, value: object, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise LmforgeError(f"{option} {value!r}: give a finite number from {low:g} to {high:g}")
+    return float(value)
+
+
+def lock_workspace(ws: Path) -> PidLock:
+    """The workspace's server lock, held for the server's life: a second server over the same server.db
+    would run every queued job twice. Refused naming the holder (the lock dies with it, kill -9 too)."""
+    from lmforge.api.store import LOCK_NAME
+
+    ws.mkdir(parents=True, exist_ok=True)
+    return PidLock.acquire(ws / LOCK_NAME, lambda holder: LmforgeError(
+        f"--workspace {ws} is already served by another job server ({holder}); stop that one first, or "
+        "give this one another workspace"))
+
+
 def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_running: int = 1,
                allow_roots: Sequence[str] = (), jobs_per_minute: float = 30.0, job_burst: int = 10,
                max_body_bytes: int = 1 << 20, backend: str = "local", ray_address: str | None = None,
-               ray_gpus: float = 0.0) -> None:
+               ray_gpus: float = 0.0, limits: dict | None = None) -> None:
     """Serve the job API until interrupted. Running jobs outlive the server (the next start re-attaches
     them). `backend="ray"` hands the jobs to the Ray cluster at `ray_address` (see ray_backend.py), each
-    process reserving one CPU and `ray_gpus` GPUs."""
+    process reserving one CPU and `ray_gpus` GPUs. `limits`: Limits.for_machine's keyword arguments (what
+    one job may ask, what runs at once; None values come from this machine). Every number is checked
+    first, then the workspace is locked: nothing starts on a bad option or a workspace already served."""
     import uvicorn
 
     from lmforge.api.app import create_app
+    from lmforge.api.limits import Limits
     from lmforge.api.runner import Runner
     from lmforge.api.store import Store
 
+    _whole("--port", port, 1, 65535)
+    _whole("--max-running", max_running, 1, 10_000)
+    _finite("--jobs-per-minute", jobs_per_minute, 0, 1e6)
+    _whole("--job-burst", job_burst, 1, 1_000_000)
+    _whole("max_body_bytes", max_body_bytes, 1024, 1 << 30)
+    _finite("--ray-gpus-per-process", ray_gpus, 0, 1024)
+    lim = Limits.for_machine(**(limits or {}), max_running=max_running)
+    if backend not in ("local", "ray"):
+        raise LmforgeError(f"--backend {backend}: choose local or ray")
     for r in allow_roots:
         if not Path(r).is_dir():
             raise LmforgeError(f"--allow-root {r} is not a directory")
-    ws, runner, where = _workspace(workspace), None, "here"
-    if backend == "ray":
-        from lmforge.api.ray_backend import RayBackend
+    ws, runner, where = _workspace(workspace).resolve(), None, "here"
+    lock = lock_workspace(ws)
+    try:
+        if backend == "ray":
+            from lmforge.api.ray_backend import RayBackend
 
-        if ray_gpus < 0:
-            raise LmforgeError(f"--ray-gpus-per-process {ray_gpus}: give 0 or more")
-        ray = RayBackend(ray_address, num_gpus=ray_gpus)
-        ws = ws.resolve()
-        # Its own connection to server.db (the app opens another; SQLite serialises the two writers).
-        runner = Runner(Store(ws), ws, max_running, backend=ray)
-        where = f"on the Ray cluster at {ray.address}"
-    elif backend != "local":
-        raise LmforgeError(f"--backend {backend}: choose local or ray")
-    app = create_app(ws, max_running=max_running, allow_roots=tuple(allow_roots), runner=runner,
-                     jobs_per_minute=jobs_per_minute, job_burst=job_burst, max_body_bytes=max_body_bytes)
-    print(f"lmforge server: http://{host}:{port} (API docs at /docs), workspace {Path(workspace).resolve()}, "
-          f"{max_running} job(s) at a time, {where}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+            ray = RayBackend(ray_address, num_gpus=ray_gpus)
+            # Its own connection to server.db (the app opens another; SQLite serialises the two writers).
+            runner = Runner(Store(ws), ws, max_running, backend=ray, limits=lim)
+            where = f"on the Ray cluster at {ray.address}"
+        app = create_app(ws, max_running=max_running, allow_roots=tuple(allow_roots), runner=runner,
+                         limits=lim, jobs_per_minute=jobs_per_minute, job_burst=job_burst,
+                         max_body_bytes=max_body_bytes)
+        print(f"lmforge server: http://{host}:{port} (API docs at /docs), workspace {ws}, {max_running} "
+              f"job(s) at a time, {where}; a job may ask {lim.max_procs_per_job} process(es), "
+              f"{lim.max_threads_per_job} thread(s), {lim.max_memory_per_job / (1 << 30):.1f} GiB; all jobs "
+              f"together {lim.max_procs} process(es), {lim.max_memory / (1 << 30):.1f} GiB",
+              file=sys.stderr, flush=True)
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    finally:
+        lock.release()
 
 
 def token_command(action: str, workspace: str, user: str | None = None, token_id: str | None = None) -> None:

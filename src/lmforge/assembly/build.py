@@ -32,6 +32,7 @@ from lmforge.checkpoint.runs import (
     resolve_init_from,
     run_tokenizer_file,
 )
+from lmforge.config.paths import input_paths
 from lmforge.config.schema import Config
 from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.data.memory import token_stream
@@ -94,10 +95,11 @@ class Run:
     lock: RunLock | None = None  # train, rank 0: the run dir's lock, held until `release()`
     template: Any = None  # fine-tuned runs: the ChatTemplate their conversations were rendered with
 
-    def release(self) -> None:
-        """Give up the run dir's lock (the trainer does at the end of fit)."""
+    def release(self, refused: bool = False) -> None:
+        """Give up the run dir's lock (the trainer does at the end of fit); `refused`: the run never
+        trained, so what opening the run dir made goes too (RunLock.discard)."""
         if self.lock is not None:
-            self.lock.release()
+            self.lock.discard() if refused else self.lock.release()
 
     @property
     def run_dir(self) -> Path:
@@ -254,7 +256,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
 
         def open_dir() -> bool:
             resumed, lock = open_run_dir(run_dir, resume=resume, overwrite=cfg.run.overwrite, say=say,
-                                         inputs=_input_paths(cfg))
+                                         inputs=input_paths(cfg))
             locks.append(lock)
             return resumed
 
@@ -280,8 +282,8 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
             stated_vocab=stated.get("vocab_size"),
         )
     except BaseException:
-        if lock is not None:  # a run that could not be assembled leaves its run dir free
-            lock.release()
+        if lock is not None:  # a run that could not be assembled leaves its run dir as it found it
+            lock.discard()
         raise
 
 
@@ -675,15 +677,6 @@ def _eval_reference(model: nn.Module, cfg: Config, device: torch.device, data):
     with torch.random.fork_rng(devices=[]):
         reference = _starting_model(cfg, device, data, source_vocab).requires_grad_(False).eval()
     return _logps_of(reference)
-
-
-def _input_paths(cfg: Config) -> tuple[Path, ...]:
-    """Files and dirs the run reads: overwriting the run dir must never delete one of them."""
-    sources = [*cfg.data.sources, *cfg.sft.data, *cfg.sft.val_data, *cfg.preference.data,
-               *cfg.preference.val_data, *cfg.rl.data, *cfg.rl.val_data]
-    paths = [Path(s) for s in sources if s != "builtin:python"]
-    paths += [Path(p) for p in (cfg.model.init_from, cfg.data.tokenizer.path, cfg.rl.reward_model) if p]
-    return tuple(paths)
 
 
 def _training_data(cfg, train_data, eval_data, tokenizer, say):

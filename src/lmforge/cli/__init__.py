@@ -471,9 +471,13 @@ def cmd_server(args: argparse.Namespace) -> int:
         token_command(args.token_action, args.workspace, user=getattr(args, "user", None),
                       token_id=getattr(args, "token_id", None))
         return 0
+    limits = {k: getattr(args, k) for k in ("max_procs_per_job", "max_threads_per_job", "max_procs",
+                                            "max_procs_per_user")}
+    limits.update(max_memory_gb=args.max_memory_gb, max_memory_gb_total=args.max_memory_gb_total)
     serve_jobs(args.workspace, host=args.host, port=args.port, max_running=args.max_running,
                allow_roots=args.allow_root, jobs_per_minute=args.jobs_per_minute, job_burst=args.job_burst,
-               backend=args.backend, ray_address=args.ray_address, ray_gpus=args.ray_gpus_per_process)
+               backend=args.backend, ray_address=args.ray_address, ray_gpus=args.ray_gpus_per_process,
+               limits=limits)
     return 0
 
 

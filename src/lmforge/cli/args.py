@@ -295,6 +295,20 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--jobs-per-minute", type=float, default=30.0, help="job creations per user per minute "
                    "(token bucket; 0: unlimited)")
     p.add_argument("--job-burst", type=int, default=10, help="job creations per user allowed at once")
+    p.add_argument("--max-procs-per-job", type=int, default=None, metavar="N", help="processes one job may "
+                   "ask (nproc or its parallel layout; more: refused with 422; default: this machine's CPUs)")
+    p.add_argument("--max-threads-per-job", type=int, default=None, metavar="N", help="processes x "
+                   "train.threads of one job (unset train.threads: the job gets its share of N; default: "
+                   "this machine's CPUs)")
+    p.add_argument("--max-memory-gb", type=float, default=None, metavar="GB", help="memory one job may ask "
+                   "(refused with 422 past it) and hold (stopped past it; default: --max-memory-gb-total)")
+    p.add_argument("--max-procs", type=int, default=None, metavar="N", help="processes of all running "
+                   "jobs together; a job waits until it fits (default: twice this machine's CPUs)")
+    p.add_argument("--max-procs-per-user", type=int, default=None, metavar="N", help="processes of one "
+                   "user's running jobs together; other users' jobs pass a waiting one (default: "
+                   "--max-procs)")
+    p.add_argument("--max-memory-gb-total", type=float, default=None, metavar="GB", help="memory of all "
+                   "running jobs together (default: 90%% of this machine's memory or its cgroup limit)")
     p.add_argument("--backend", default="local", choices=("local", "ray"), help="where jobs run: processes "
                    "on this machine, or Ray jobs on a cluster (pip install 'lmforge[ray]'); with ray the "
                    "workspace must be a filesystem every Ray node mounts at the same path, with lmforge "

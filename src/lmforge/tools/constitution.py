@@ -205,7 +205,8 @@ def run_constitution(path: str | Path, prompts_files: list[str], out: str | Path
             (tmp / name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
                                     encoding="utf-8")
 
-    write_output_dir(out, overwrite, [Path(path), *map(Path, prompts_files)], write)
+    inputs = [Path(path), *map(Path, prompts_files), *([Path(constitution)] if constitution else [])]
+    write_output_dir(out, overwrite, inputs, write)  # --overwrite may not replace a file it read
     counts = {"prompts": len(prompts), "sft": len(sft_rows), "revision_pairs": len(revision_pairs),
               "feedback_pairs": len(feedback_pairs), "skipped_records": stats.skipped,
               "over_context": too_long[0]}

@@ -176,7 +176,7 @@ class Trainer:
         try:
             self._setup(callbacks)
         except BaseException:
-            self.run.release()  # a refused resume leaves the run dir free and its lock file as it was
+            self.run.release(refused=True)  # a refused run leaves the run dir as it found it
             raise
 
     def _setup(self, callbacks: Sequence[Callback]) -> None:
