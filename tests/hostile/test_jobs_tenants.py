@@ -249,3 +249,32 @@ def test_odd_requests_are_refused_without_a_trace(bounded, body, status):
                 headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
     assert list((ws / "jobs").iterdir()) == []  # no job dir of a refused job
+
+
+def test_a_link_made_while_a_job_queues_is_refused_when_it_starts(server):
+    """The paths are checked again when the job is to start: a dir that was fine when the job was accepted
+    and has since become a link into another user's job fails the job, and nothing is launched."""
+    from lmforge.api.runner import Runner
+
+    ws, client, a = server
+    (ws / "mine").mkdir()
+    (ws / "mine" / "text.txt").write_text("my own text\n")
+    cfg = tiny()
+    cfg["data"]["sources"] = ["mine"]
+    r = client("bob").post("/v1/jobs", json={"config": cfg})
+    assert r.status_code == 201, r.text
+    b = r.json()["id"]
+    (ws / "mine" / "text.txt").unlink()
+    (ws / "mine").rmdir()
+    os.symlink(ws / "jobs" / a / "run", ws / "mine")
+    store = Store(ws)
+    try:
+        store.update(a, status="failed")  # only bob's job is queued
+        runner = Runner(store, ws, 1, limits=Limits.for_machine())
+        create_app(ws, start_runner=False, runner=runner)  # the app hands the runner its path rules
+        runner._start_queued()
+        job = store.get(b)
+        assert job.status == "failed" and job.pid is None
+        assert job.error.startswith("refused when it was to start: ") and "data.sources" in job.error
+    finally:
+        store.close()

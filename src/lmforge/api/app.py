@@ -98,6 +98,7 @@ def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tupl
     store = Store(workspace)
     runner = runner or Runner(store, workspace, max_running, limits=limits)
     confiner = Confiner(workspace, allow_roots)
+    runner.confiner = confiner  # train jobs are checked again when they start
     progress = Progress()
     limiter = RateLimiter(jobs_per_minute, job_burst)
 

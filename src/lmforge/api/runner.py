@@ -107,6 +107,9 @@ class Runner:
         self.store, self.workspace, self.max_running = store, workspace, max_running
         self.backend = backend
         self.limits = limits or Limits.for_machine(max_running=max_running)
+        # the app's path rules, checked again when a train job starts: a dir it names may have become
+        # (or gained) a link into another user's area while it queued
+        self.confiner = None
         self._procs: dict[str, subprocess.Popen] = {}
         # Jobs whose launcher is gone (its exit code, None if unknown and why), and how many of their
         # processes were found still running: a job is settled once none is left.
@@ -254,8 +257,28 @@ class Runner:
         print(f"lmforge server: stopped job {job.id}: {reason}", file=sys.stderr, flush=True)
 
     # -- one job --------------------------------------------------------------------------------------
+    def _refused_now(self, job: Job) -> str | None:
+        """Why the job's saved config breaks the path rules now (None: it does not, or it is no train job)."""
+        if self.confiner is None or job.kind != "train":
+            return None
+        from lmforge.api.confine import ConfinementError
+        from lmforge.config import load_config
+        from lmforge.errors import ConfigError
+
+        own = lambda other: (j := self.store.get(other)) is not None and j.user == job.user  # noqa: E731
+        try:
+            self.confiner.confine(load_config(self.job_dir(job.id) / "config.yaml"), job.id, own)
+        except (ConfinementError, ConfigError, OSError) as e:
+            return f"refused when it was to start: {e}"
+        return None
+
     def _launch(self, job: Job, ask: Ask) -> bool:
         d = self.job_dir(job.id)
+        refused = self._refused_now(job)
+        if refused is not None:
+            self.store.update(job.id, expect="queued", status="failed", finished_at=time.time(),
+                              error=refused)
+            return False
         try:
             (d / EXIT).unlink(missing_ok=True)
             (d / STOPPED).unlink(missing_ok=True)
