@@ -14,6 +14,7 @@ from pydantic import BaseModel, ValidationError
 
 from lmforge.config.schema import Config
 from lmforge.errors import ConfigError, LmforgeDeprecationWarning
+from lmforge.utils.safe_yaml import compose_yaml, load_yaml, read_yaml_text
 
 
 def _key_lines(path: str, text: str) -> dict[tuple[str, ...], int]:
@@ -27,9 +28,10 @@ def _key_lines(path: str, text: str) -> dict[tuple[str, ...], int]:
                 lines[key] = k.start_mark.line + 1
                 walk(v, key)
 
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError:
+    try:  # the text was read by load_yaml already: its size and expansion are within bounds
+        ld, root = compose_yaml(text, path, error=ConfigError)
+        ld.dispose()
+    except (yaml.YAMLError, ConfigError):
         return lines
     if root is not None:
         walk(root, ())
@@ -38,13 +40,13 @@ def _key_lines(path: str, text: str) -> dict[tuple[str, ...], int]:
 
 def _parse_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_yaml_text(path, ConfigError)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read config file {path}: {e}") from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text, str(path), error=ConfigError)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -150,7 +152,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"--set {item!r}: empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw, f"--set {key}", error=ConfigError) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -197,7 +199,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if path is not None:
         p = Path(path)
         data = _parse_yaml(p)
-        lines = _key_lines(str(p), p.read_text(encoding="utf-8"))
+        lines = _key_lines(str(p), read_yaml_text(p, ConfigError))
         source = str(p)
     return config_from_dict(data, overrides, source, lines)
 
