@@ -37,7 +37,8 @@ _UNSUPPORTED = {
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # JSON bodies may spell NaN and Infinity (Python's json reads them); no field of a request takes either
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):

@@ -36,6 +36,14 @@ from typing import Any
 import torch
 
 from lmforge.errors import LmforgeError
+from lmforge.utils.bounds import real, whole
+
+POSITIVE = real(0.0, None, lo_open=True)
+# FLOPs a plan may have: from about one token through the smallest shape to ~10^4 times the largest
+# training runs published so far (~5e25); beyond it the shape search and step counts stop meaning anything.
+PLAN_COMPUTE = real(1e6, 1e30)
+MAX_BOOTSTRAP = whole(0, 1000)  # each refit is a few L-BFGS runs; a thousand is already a long wait
+PLOTS = ("scaling_isoloss.png", "scaling_isoflop.png")  # what `scaling fit --plot DIR` writes there
 
 HUBER_DELTA = 1e-3  # Hoffmann et al. D.2 (and Besiroglu et al.)
 COUNTS = ("total", "non-embedding")
@@ -357,7 +365,7 @@ def plot_fit(law: Law, points: list[Point], out_dir: str | os.PathLike) -> list[
     ax.set(xscale="log", yscale="log", xlim=(d_grid[0], d_grid[-1]), ylim=(n_grid[0], n_grid[-1]),
            xlabel="tokens D", ylabel=f"parameters N ({law.count})",
            title=f"iso-loss contours, E={law.E:.3f} alpha={law.alpha:.3f} beta={law.beta:.3f}")
-    paths = [save_figure(fig, out / "scaling_isoloss.png")]
+    paths = [save_figure(fig, out / PLOTS[0])]
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.get_cmap("plasma")(np.linspace(0, 0.85, len(budgets)))
     for c, color in zip(budgets, colors):
@@ -370,7 +378,7 @@ def plot_fit(law: Law, points: list[Point], out_dir: str | os.PathLike) -> list[
     ax.set(xscale="log", xlabel=f"parameters N ({law.count})", ylabel="loss",
            title="iso-FLOP curves (star: optimum)", ylim=(law.E, max(p.loss for p in points) * 1.15))
     ax.legend(fontsize=8)
-    paths.append(save_figure(fig, out / "scaling_isoflop.png"))
+    paths.append(save_figure(fig, out / PLOTS[1]))
     return paths
 
 
@@ -455,12 +463,21 @@ def make_plan(law: Law, *, compute: float | None = None, params: float | None = 
     of `base` (a Config), and batch, lr and steps for D."""
     from lmforge.config.schema import Config
 
-    given = [x for x in (compute, params, tokens) if x is not None]
-    if len(given) != 1 or given[0] <= 0:
+    given = {k: x for k, x in (("compute", compute), ("params", params), ("tokens", tokens)) if x is not None}
+    if len(given) != 1:
         raise LmforgeError("give exactly one positive --compute FLOPS, --params N or --tokens D")
-    if compute is None:
-        compute = law.compute_for_params(params) if params is not None else law.compute_for_tokens(tokens)
-    n, d = law.optimum(compute)
+    (key, value), = given.items()
+    POSITIVE.check(value, f"--{key}")
+    try:
+        if compute is None:
+            compute = law.compute_for_params(params) if params is not None else law.compute_for_tokens(tokens)
+        n, d = law.optimum(compute) if PLAN_COMPUTE.problem(compute) is None else (math.nan, math.nan)
+    except (OverflowError, ZeroDivisionError):
+        compute, n, d = math.inf, math.nan, math.nan
+    if not (math.isfinite(n) and math.isfinite(d) and n > 0 and d > 0):
+        implied = "" if key == "compute" else f" (--{key} {value:g} needs {compute:.3g} under law {law.name})"
+        raise LmforgeError(f"the planned compute must be {PLAN_COMPUTE.describe()} FLOPs{implied}; give a "
+                           f"--{key} inside that range")
     plan = Plan(law, compute, n, d, law.loss(n, d))
     cfg = base if base is not None else Config()
     model = cfg.model
@@ -507,15 +524,16 @@ def plan_config(plan: Plan, base_data: dict[str, Any]) -> dict[str, Any]:
 # -- the verbs ------------------------------------------------------------------------------------------
 def run_plan(law_spec: str, *, compute: float | None = None, params: float | None = None,
              tokens: float | None = None, config: str | None = None, overrides: Sequence[str] = (),
-             out: str | None = None, say=print) -> Plan:
-    """`lmforge scaling plan`: print N, D, the predicted loss and the config; write it with `out`."""
+             out: str | None = None, overwrite: bool = False, say=print) -> Plan:
+    """`lmforge scaling plan`: print N, D, the predicted loss and the config; write it with `out` (an
+    existing file only with `overwrite`)."""
     import yaml
 
     from lmforge.config.load import config_to_dict, load_config
-    from lmforge.utils.io import atomic_write_text, check_replaceable
+    from lmforge.utils.io import atomic_write_text, check_new_file
 
     if out:
-        check_replaceable(out)
+        check_new_file(out, overwrite)
     law = load_law(law_spec)
     base = load_config(config, list(overrides))
     plan = make_plan(law, compute=compute, params=params, tokens=tokens, base=base)
@@ -547,15 +565,20 @@ def run_plan(law_spec: str, *, compute: float | None = None, params: float | Non
 def run_fit(runs: Sequence[str], *, out: str | None = None, plot: str | None = None,
             predict: Sequence[str] = (), predict_config: Sequence[str] = (), check: Sequence[str] = (),
             all_evals: bool = False, count: str = "total", samples: int = 0, seed: int = 0,
-            say=print) -> dict[str, Any]:
-    """`lmforge scaling fit`: fit the law to the runs' (N, D, loss) and report, predict and check."""
+            overwrite: bool = False, say=print) -> dict[str, Any]:
+    """`lmforge scaling fit`: fit the law to the runs' (N, D, loss) and report, predict and check. An
+    existing `out` file or plot in `plot` is replaced only with `overwrite`."""
     from lmforge.config.load import load_config
-    from lmforge.utils.io import atomic_write_json, check_replaceable
+    from lmforge.utils.io import atomic_write_json, check_new_file
 
     if count not in COUNTS:
         raise LmforgeError(f"--count {count!r}: valid counts: {', '.join(COUNTS)}")
+    MAX_BOOTSTRAP.check(samples, "--bootstrap")
     if out:
-        check_replaceable(out)
+        check_new_file(out, overwrite)
+    if plot:
+        for name in PLOTS:
+            check_new_file(Path(plot) / name, overwrite)
     wanted = [parse_predict(s) for s in predict]  # bad input fails before the fit
     points = [p for r in runs for p in run_points(r, count, all_evals)]
     ns, ds, ls = [p.n for p in points], [p.d for p in points], [p.loss for p in points]
