@@ -202,18 +202,18 @@ def test_a_huge_grid_is_refused_before_any_point_is_built():
             parse_axis(spec)
 
 
-def test_a_plan_outside_the_compute_range_is_refused():
+def test_a_plan_needs_finite_positive_numbers_all_the_way():
     from lmforge.tools.scaling import LAWS, make_plan
 
     law = LAWS["epoch"]
-    for kw in ({"compute": math.nan}, {"compute": math.inf}, {"params": -1.0}):
+    for kw in ({"compute": math.nan}, {"compute": math.inf}, {"params": -1.0}, {"tokens": 0.0}):
         with pytest.raises(LmforgeError, match="must be a positive number"):
             make_plan(law, **kw)
-    with pytest.raises(LmforgeError, match=r"\[1,000,000, 1e\+30\] FLOPs \(--params 1e\+20 needs"):
-        make_plan(law, params=1e20)
-    with pytest.raises(LmforgeError, match=r"--tokens 1e-300 needs 0"):
-        make_plan(law, tokens=1e-300)
-    assert make_plan(law, compute=1e30).steps > 0  # the top of the range still plans
+    with pytest.raises(LmforgeError, match=r"--params 1e\+300 gives no finite plan under law epoch"):
+        make_plan(law, params=1e300)  # the budget for 1e300 parameters overflows a float
+    with pytest.raises(LmforgeError, match=r"--tokens 1e-300 gives no finite plan .*compute 0 FLOPs"):
+        make_plan(law, tokens=1e-300)  # ... and for 1e-300 tokens underflows to 0
+    assert make_plan(law, compute=1e30).steps > 0
 
 
 def test_serve_binds_only_a_real_port_and_requests_refuse_nan():
