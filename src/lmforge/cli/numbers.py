@@ -39,7 +39,7 @@ WORLD = whole(1, 1_000_000)  # ranks a schedule or estimate is planned for
 TOKENS = whole(1, 1_048_576)  # tokens generated / per window: above any model's context today
 FEWSHOT = whole(0, 1000)  # harness tasks use at most a few dozen
 TEMPERATURE = real(0.0, 100.0)  # 0: greedy; far above 2 the samples are noise already
-LR = real(0.0, 100.0, lo_open=True)
+LR = real(0.0, 1e6, lo_open=True)  # lr-find sweeps past divergence (1e3 is common)
 FRACTION = real(0.0, 1.0, hi_open=True)  # e.g. prune's sparsity: all of it would leave nothing
 OPEN_FRACTION = real(0.0, 1.0, lo_open=True, hi_open=True)
 SHARD_GB = real(0.001, 1024.0)  # safetensors shards from 1 MB to 1 TB
