@@ -203,6 +203,11 @@ CASES: list[Case] = [
     case("config run.seed 2^64", lambda ws: ["config", "--set", "run.seed=18446744073709551616"],
          match="run.seed"),
     case(
+        "generate 10^8 samples in one batch",
+        lambda ws: ["generate", str(ws / "run"), "--set", "generate.num_samples=100000000"],
+        match="generate.num_samples",
+    ),
+    case(
         "generate temperature .nan",
         lambda ws: ["generate", str(ws / "run"), "--set", "generate.temperature=.nan"],
         match="finite",

@@ -891,7 +891,7 @@ class LoggingConfig(Section):
 class EvalConfig(Section):
     split: Literal["val", "train"] = Field("val", description="Split to evaluate.")
     max_batches: int | None = Field(None, ge=1, description="Evaluate at most this many batches.")
-    batch_size: int = Field(8, ge=1, description="Sequences per evaluation batch.")
+    batch_size: int = Field(8, ge=1, le=4096, description="Sequences per evaluation batch.")
 
 
 class GenerateConfig(Section):
@@ -900,7 +900,8 @@ class GenerateConfig(Section):
     temperature: float = Field(0.8, ge=0.0, description="Sampling temperature (0: greedy).")
     top_k: int | None = Field(None, ge=1, description="Sample from the k most likely tokens.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    num_samples: int = Field(1, ge=1, description="Independent samples.")
+    num_samples: int = Field(1, ge=1, le=1024, description="Independent samples (one batch: a KV-cache "
+                             "row each).")
     seed: int = Field(0, ge=0, le=SEED_MAX, description="Sampling seed.")
 
 
