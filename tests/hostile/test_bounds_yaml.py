@@ -98,3 +98,13 @@ def test_a_task_file_still_refuses_python_code(tmp_path):
                                      "doc_to_target: a\n")
     with pytest.raises(TaskError, match="runs no code"):
         load_task(tmp_path / "t.yaml")
+
+
+def test_a_document_whose_choices_nest_without_end_is_a_clear_error(tmp_path):
+    (tmp_path / "docs.jsonl").write_text('{"q": "x", "a": 0}\n')
+    (tmp_path / "t.yaml").write_text("task: t\ndataset_path: docs.jsonl\noutput_type: multiple_choice\n"
+                                     "doc_to_text: q\ndoc_to_target: a\ndoc_to_choice: '{{ c }}'\n")
+    task = load_task(tmp_path / "t.yaml")
+    for text in ("-" * 1_000_000 + "1", "[" * 100_000 + "]" * 100_000):
+        with pytest.raises(TaskError, match="not a list literal"):
+            task.choices({"q": "x", "a": 0, "c": text}, "docs.jsonl:1")

@@ -250,7 +250,7 @@ class Task:
             rendered = render(spec, doc, where)
             try:
                 value = ast.literal_eval(rendered)
-            except (SyntaxError, ValueError):
+            except (SyntaxError, ValueError, MemoryError, RecursionError):  # a document can nest anything
                 raise TaskError(
                     f"{where}: doc_to_choice renders {rendered[:80]!r}, not a list literal"
                 ) from None
@@ -274,7 +274,7 @@ class Task:
             elif len(value) >= 2 and value[0] == "[" and value[-1] == "]":
                 try:
                     value = ast.literal_eval(value)
-                except (SyntaxError, ValueError):
+                except (SyntaxError, ValueError, MemoryError, RecursionError):  # a document can nest anything
                     pass
             return value
         return self._field(spec, doc, where, "doc_to_target")
