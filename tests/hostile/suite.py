@@ -608,7 +608,7 @@ CASES: list[Case] = [
     Case(
         "plot-schedule of zero ranks",
         lambda ws: ["plot-schedule", "--world-size", "0", "-o", str(ws / "s.png")],
-        match="world size",
+        match="--world-size",
     ),
     # -- generate ----------------------------------------------------------------------------------
     Case(

@@ -219,8 +219,8 @@ def test_a_job_within_bounds_records_what_it_asked(bounded):
     ("run: !!python/object/apply:os.system ['echo pwned']\n", 1, "could not determine a constructor"),
     ("run:\n  name: !!python/name:os.system\n", 2, "could not determine a constructor"),
     ("run:\n  name: 2001-02-30\n", 2, "day is out of range"),
-    ("run: " + "[" * 5000 + "]" * 5000 + "\n", 1, "nested more than 64 levels"),
-    ("".join(" " * i + "a:\n" for i in range(1200)), None, "nested too deeply to read"),
+    ("run: " + "[" * 5000 + "]" * 5000 + "\n", 1, "nest too deep (more than 64 levels"),
+    ("".join(" " * i + "a:\n" for i in range(1200)), None, "nests too deep to read"),
     ("a: &x [1]\nb: *x\n", 2, "aliases"),
 ])
 def test_yaml_the_loader_cannot_build_is_a_422_with_its_line(bounded, text, line, what):

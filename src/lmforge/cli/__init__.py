@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 from lmforge.cli.args import add_arguments
 from lmforge.errors import ConfigError, LmforgeDeprecationWarning, LmforgeError
-from lmforge.utils.io import check_replaceable
+from lmforge.utils.io import check_new_file
 
 
 def _config(args: argparse.Namespace):
@@ -121,7 +121,7 @@ def cmd_tasks(args: argparse.Namespace) -> int:
         return 0
     for path in (args.out, args.test_out):
         if path:
-            check_replaceable(path)
+            check_new_file(path, args.overwrite)  # both, before any record is made or written
     tasks = args.tasks.split(",") if args.tasks else None
     if args.pairs and args.unpaired:
         raise LmforgeError("give --pairs or --unpaired, not both")
@@ -228,6 +228,8 @@ def _eval_harness(args: argparse.Namespace) -> int:
 
     items = [t.strip() for t in args.tasks.split(",") if t.strip()]
     paths = _eval_paths(args)
+    if len(paths) > 1:  # the comparison report: refused now rather than after every evaluation
+        args.compare_out = str(check_new_file(args.compare_out or "eval_compare.md", args.overwrite))
     outs = eval_harness(paths, items, args.set, weights=args.weights, num_fewshot=args.num_fewshot,
                         limit=args.limit, batch_size=args.batch_size or 16,
                         seed=1234 if args.seed is None else args.seed, chat=args.chat,
@@ -305,7 +307,7 @@ def cmd_constitution(args: argparse.Namespace) -> int:
 
         from lmforge.utils.io import atomic_write_text
 
-        check_replaceable(args.write_default)
+        check_new_file(args.write_default, args.overwrite)
         principles = [vars(p) for p in load_constitution(None)]
         atomic_write_text(Path(args.write_default), yaml.safe_dump(principles, sort_keys=False, width=100))
         print(f"wrote the default constitution ({len(principles)} principles) to {args.write_default}")
@@ -382,7 +384,7 @@ def cmd_plot_schedule(args: argparse.Namespace) -> int:
     from lmforge.tools.plots import plot_schedule, schedule_curve
 
     cfg = _config(args)
-    check_replaceable(args.out)  # before any work
+    check_new_file(args.out, args.overwrite)  # before any work
     curve = schedule_curve(cfg, world_size=args.world_size)
     out = plot_schedule(curve, args.out, title=f"{cfg.run.name}: {cfg.schedule.name} schedule")
     console = Console(highlight=False)
@@ -416,7 +418,7 @@ def cmd_lr_find(args: argparse.Namespace) -> int:
 
     console = Console(highlight=False)
     if args.out:
-        check_replaceable(args.out)  # before a sweep of minutes
+        check_new_file(args.out, args.overwrite)  # before a sweep of minutes
     result = lr_find(_config(args), args.min_lr, args.max_lr, args.steps, args.out,
                      say=lambda m: console.print(m, markup=False))
     table = Table(title="lmforge lr-find", show_header=True)
@@ -437,11 +439,11 @@ def cmd_scaling(args: argparse.Namespace) -> int:
 
     if args.action == "plan":
         run_plan(args.law, compute=args.compute, params=args.params, tokens=args.tokens, config=args.config,
-                 overrides=args.set, out=args.out)
+                 overrides=args.set, out=args.out, overwrite=args.overwrite)
         return 0
     run_fit(args.runs, out=args.out, plot=args.plot, predict=args.predict,
             predict_config=args.predict_config, check=args.check, all_evals=args.all_evals, count=args.count,
-            samples=args.bootstrap, seed=args.seed)
+            samples=args.bootstrap, seed=args.seed, overwrite=args.overwrite)
     return 0
 
 
@@ -561,7 +563,12 @@ def _plain_warnings(verb: str, rank: int) -> Iterator[None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # argparse printed a usage error (a flag out of range, ...): exit 2 as any
+        if e.code == 2:  # other user error, returned rather than raised so that callers see the status
+            return 2
+        raise  # --help and --version exit 0 as argparse does
     handler = VERBS[args.verb][0]
     rank = int(os.environ.get("RANK", "0"))
     try:

@@ -51,6 +51,7 @@ from lmforge.engine.evaluate import evaluate_loss
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.eval.perplexity import read_texts, token_stream
 from lmforge.utils.io import atomic_write_json
+from lmforge.utils.safe_yaml import load_yaml, read_yaml_text
 
 METHODS = ("magnitude", "2:4", "heads", "channels")
 SCORES = ("magnitude", "wanda")
@@ -241,8 +242,8 @@ def _recovery_dict(cfg: Config, steps: int, recovery_config: str | Path | None) 
     if recovery_config is not None:
         path = Path(recovery_config)
         try:
-            user = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        except OSError as e:
+            user = load_yaml(read_yaml_text(path, ConfigError), f"-c {path}", error=ConfigError) or {}
+        except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"-c {path}: cannot read it ({e.strerror or e})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"-c {path}: not valid YAML: {e}") from None

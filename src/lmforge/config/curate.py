@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from lmforge.config.section import SEED_MAX
+
 # the largest English-language web populations (US covers all of +1: Canada, the Caribbean) and
 # the two largest EU languages; numbers of every other country are still found when written
 # with + and a country code, and each added region costs throughput and look-alike surface
@@ -18,7 +20,7 @@ DEFAULT_PHONE_REGIONS = ("US", "GB", "IN", "DE", "FR")
 
 
 class _Step(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # as config/section.py
 
 
 class NormalizeStep(_Step):
@@ -170,7 +172,7 @@ class MinHashDedupStep(_Step):
     ngram: int = Field(5, ge=1, description="Word n-gram size of the shingles.")
     num_perm: int = Field(128, ge=16, description="MinHash permutations (bands x rows).")
     bands: int | None = Field(None, ge=1, description="LSH bands (None: chosen from threshold and num_perm).")
-    seed: int = Field(1, ge=0, description="Seed of the hash permutations.")
+    seed: int = Field(1, ge=0, le=SEED_MAX, description="Seed of the hash permutations.")
 
 
 CurateStep = Annotated[

@@ -14,6 +14,8 @@ from pydantic import BaseModel, ValidationError
 
 from lmforge.config.schema import Config
 from lmforge.errors import ConfigError, LmforgeDeprecationWarning
+from lmforge.utils import safe_yaml
+from lmforge.utils.safe_yaml import compose_yaml, load_yaml, read_yaml_text
 
 
 def _key_lines(path: str, text: str) -> dict[tuple[str, ...], int]:
@@ -27,66 +29,37 @@ def _key_lines(path: str, text: str) -> dict[tuple[str, ...], int]:
                 lines[key] = k.start_mark.line + 1
                 walk(v, key)
 
-    try:
-        root = yaml.compose(text)
-    except (yaml.YAMLError, RecursionError):  # parse_yaml_text reports what is wrong with the text
+    try:  # the text was read by load_yaml already: its size and expansion are within bounds
+        ld, root = compose_yaml(text, path, error=ConfigError)
+        ld.dispose()
+    except (yaml.YAMLError, ConfigError):
         return lines
     if root is not None:
         walk(root, ())
     return lines
 
 
-class _Loader(yaml.SafeLoader):
-    """yaml's safe loader, with a value its constructors refuse (a date such as 2001-02-30, which they
-    raise ValueError for) reported as a YAML error at the value's line."""
-
-    def construct_object(self, node, deep=False):
-        try:
-            return super().construct_object(node, deep)
-        except (ValueError, OverflowError) as e:
-            raise yaml.constructor.ConstructorError(None, None, f"cannot read {node.value!r}: {e}",
-                                                    node.start_mark) from None
-
-
-MAX_FLOW_DEPTH = 64
-
-
 def check_nesting(text: str, where: str) -> None:
-    """ConfigError if `text` opens more than MAX_FLOW_DEPTH [ or { without closing them: yaml's scanner
-    takes time that grows with the square of that depth (1,000 levels: seconds; 5,000: half a minute),
-    and a config needs a handful. Brackets inside quotes count too (a scanner that skipped quotes could be
-    fooled by a stray one); no config holds 64 open brackets in a string."""
-    depth = 0
-    for i, ch in enumerate(text):
-        if ch in "[{":
-            depth += 1
-            if depth > MAX_FLOW_DEPTH:
-                line = text.count("\n", 0, i) + 1
-                raise ConfigError(f"{where}:{line}: invalid YAML: [ ] / {{ }} nested more than "
-                                  f"{MAX_FLOW_DEPTH} levels deep (a config needs a few)")
-        elif ch in "]}":
-            depth = max(0, depth - 1)
+    """ConfigError for flow nesting too deep for yaml's scanner (utils/safe_yaml.py), before it reads."""
+    safe_yaml.check_nesting(text, where, ConfigError)
 
 
 def parse_yaml_text(text: str, where: str) -> Any:
-    """The YAML document `text` (safe tags only), or ConfigError naming `where`, the line and the problem:
-    bad syntax, a tag such as !!python/object, a value yaml cannot build, nesting too deep to read."""
-    check_nesting(text, where)
+    """The YAML document `text` read within utils/safe_yaml.py's budget (safe tags only), or ConfigError
+    naming `where`, the line and the problem: bad syntax, a tag such as !!python/object, a value yaml
+    cannot build, nesting too deep, an alias bomb, a text too long."""
     try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader
+        return load_yaml(text, where, error=ConfigError)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f"{where}:{mark.line + 1}" if mark else where
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{at}: invalid YAML: {problem}") from None
-    except RecursionError:
-        raise ConfigError(f"{where}: invalid YAML: nested too deeply to read (a config is a few levels "
-                          "of mappings)") from None
 
 
 def _parse_yaml(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_yaml_text(path, ConfigError)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -192,8 +165,8 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(f"--set {item!r}: empty key")
     try:
-        value = yaml.load(raw, Loader=_Loader) if raw.strip() else None  # noqa: S506 - a SafeLoader
-    except (yaml.YAMLError, RecursionError):  # not YAML after all (or a date that is no date): the text
+        value = load_yaml(raw, f"--set {key}", error=ConfigError) if raw.strip() else None
+    except yaml.YAMLError:  # not YAML after all (or a date that is no date): the text
         value = raw
     return key, value
 
@@ -239,7 +212,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     if path is not None:
         p = Path(path)
         data = _parse_yaml(p)
-        lines = _key_lines(str(p), p.read_text(encoding="utf-8"))
+        lines = _key_lines(str(p), read_yaml_text(p, ConfigError))
         source = str(p)
     return config_from_dict(data, overrides, source, lines)
 

@@ -14,13 +14,13 @@ from pydantic import Field, field_validator, model_validator
 from lmforge.config.curate import CurateConfig
 from lmforge.config.optim import AdamWConfig, OptimConfig
 from lmforge.config.presets import PRESETS
-from lmforge.config.section import Section
+from lmforge.config.section import SEED_MAX, Section
 
 
 class RunConfig(Section):
     name: str = Field("run", description="Human-readable run name (used in logs and reports).")
     dir: str = Field("runs/run", description="Run directory: config, metrics, plots and checkpoints go here.")
-    seed: int = Field(1337, ge=0, description="Seed for model init, dropout and data order.")
+    seed: int = Field(1337, ge=0, le=SEED_MAX, description="Seed for model init, dropout and data order.")
     overwrite: bool = Field(
         False, description="Allow training into a run dir that already holds another run (deletes it)."
     )
@@ -530,8 +530,8 @@ class MLMConfig(Section):
     replace_prob: float = Field(0.8, ge=0.0, le=1.0, description="Of the picked: replaced by the mask token.")
     random_prob: float = Field(0.1, ge=0.0, le=1.0, description="Of the picked: replaced by a random token "
                                "(the rest are kept as they are).")
-    seed: int | None = Field(None, ge=0, description="Seed of the masks (None: run.seed); each row's mask "
-                             "is a function of this seed and the row's tokens.")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Seed of the masks (None: run.seed); each "
+                             "row's mask is a function of this seed and the row's tokens.")
 
     @model_validator(mode="after")
     def _check_split(self) -> MLMConfig:
@@ -891,7 +891,7 @@ class LoggingConfig(Section):
 class EvalConfig(Section):
     split: Literal["val", "train"] = Field("val", description="Split to evaluate.")
     max_batches: int | None = Field(None, ge=1, description="Evaluate at most this many batches.")
-    batch_size: int = Field(8, ge=1, description="Sequences per evaluation batch.")
+    batch_size: int = Field(8, ge=1, le=4096, description="Sequences per evaluation batch.")
 
 
 class GenerateConfig(Section):
@@ -900,8 +900,9 @@ class GenerateConfig(Section):
     temperature: float = Field(0.8, ge=0.0, description="Sampling temperature (0: greedy).")
     top_k: int | None = Field(None, ge=1, description="Sample from the k most likely tokens.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    num_samples: int = Field(1, ge=1, description="Independent samples.")
-    seed: int = Field(0, ge=0, description="Sampling seed.")
+    num_samples: int = Field(1, ge=1, le=1024, description="Independent samples (one batch: a KV-cache "
+                             "row each).")
+    seed: int = Field(0, ge=0, le=SEED_MAX, description="Sampling seed.")
 
 
 class Config(Section):

@@ -46,6 +46,9 @@ import yaml
 
 from lmforge.errors import LmforgeError
 from lmforge.eval import metrics as M
+from lmforge.utils.bounds import Bound, real, whole
+from lmforge.utils.safe_regex import compile_regex
+from lmforge.utils.safe_yaml import load_yaml, read_yaml_text
 
 OUTPUT_TYPES = ("multiple_choice", "loglikelihood", "loglikelihood_rolling", "generate_until")
 DEFAULT_METRICS = {
@@ -100,6 +103,22 @@ IGNORED_KEYS = {
 CODE_KEYS = {"process_docs", "process_results", "doc_to_image", "doc_to_audio", "custom_dataset", "class"}
 FILTERS = {"regex", "take_first", "lowercase", "uppercase", "strip"}
 MAX_INCLUDE_DEPTH = 8
+DEFAULT_REGEX = r"#### (\-?[0-9\.\,]+)"  # the harness's regex filter default (GSM8K's answer line)
+# The numbers a task file may give, checked when it is loaded (before any document is read or generated):
+# wide enough for every lm-evaluation-harness task, narrow enough that no file asks for unbounded work.
+BOUNDS: dict[str, Bound] = {
+    "repeats": whole(1, 1000),  # generations per document (pass@k's n; the harness's largest is 100s)
+    "num_fewshot": whole(0, 1000),  # examples per prompt (the harness uses at most a few dozen)
+    "generation_kwargs.max_gen_toks": whole(1, 1 << 17),  # long-reasoning tasks ask for 32k
+    "generation_kwargs.temperature": real(0.0, 100.0),
+    "generation_kwargs.top_k": whole(0, 2**31 - 1),
+    "generation_kwargs.top_p": real(0.0, 1.0, lo_open=True),
+    "chance": real(0.0, 1.0),  # a chance level of exact_match / f1 / pass@k, all fractions
+    "pass_at_k.k": whole(1, 1000),
+    "pass_at_k.timeout_s": real(0.0, 600.0, lo_open=True),  # per program
+    "pass_at_k.memory_mb": real(64.0, 65536.0),  # per program's address space
+    "group_select": whole(-1000, 1000),  # which regex match a filter keeps (negative: from the end)
+}
 
 
 class TaskError(LmforgeError):
@@ -129,8 +148,16 @@ def _template(source: str):
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    env.filters["regex_replace"] = lambda s, pattern, repl, count=0: re.sub(pattern, repl, s, count=count)
+    env.filters["regex_replace"] = _regex_replace
     return env.from_string(source)
+
+
+def _regex_replace(s: Any, pattern: Any, repl: Any, count: Any = 0) -> str:
+    """The harness's `regex_replace` Jinja filter, with the pattern under the regex time budget."""
+    if not all(isinstance(x, str) for x in (s, pattern, repl)):
+        raise TaskError("regex_replace takes a text, a pattern and a replacement, all strings")
+    count = whole(0, 1 << 30).check(count, "regex_replace's count", TaskError)
+    return compile_regex(pattern, "a task template's regex_replace", TaskError).sub(repl, s, count=count)
 
 
 def render(source: str, doc: dict, where: str) -> str:
@@ -140,6 +167,8 @@ def render(source: str, doc: dict, where: str) -> str:
         return _template(source).render(**doc)
     except jinja2.TemplateError as e:
         raise TaskError(f"{where}: the template {source!r} does not render: {e}") from None
+    except LmforgeError as e:  # a filter's own refusal (regex_replace over its time budget)
+        raise TaskError(f"{where}: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------- spec
@@ -221,7 +250,7 @@ class Task:
             rendered = render(spec, doc, where)
             try:
                 value = ast.literal_eval(rendered)
-            except (SyntaxError, ValueError):
+            except (SyntaxError, ValueError, MemoryError, RecursionError):  # a document can nest anything
                 raise TaskError(
                     f"{where}: doc_to_choice renders {rendered[:80]!r}, not a list literal"
                 ) from None
@@ -245,7 +274,7 @@ class Task:
             elif len(value) >= 2 and value[0] == "[" and value[-1] == "]":
                 try:
                     value = ast.literal_eval(value)
-                except (SyntaxError, ValueError):
+                except (SyntaxError, ValueError, MemoryError, RecursionError):  # a document can nest anything
                     pass
             return value
         return self._field(spec, doc, where, "doc_to_target")
@@ -371,6 +400,9 @@ def load_task(path: str | Path, num_fewshot: int | None = None) -> Task:
             raise TaskError(f"{path}: key '{key}' must be {names} (got {type(value).__name__})")
         return value
 
+    def bounded(key: str, value: Any) -> Any:
+        return BOUNDS[key].check(value, f"{path}: key '{key}'", TaskError)
+
     name = need("task", (str,), path.stem)
     output_type = need("output_type", (str,), "generate_until")
     if output_type not in OUTPUT_TYPES:
@@ -415,9 +447,7 @@ def load_task(path: str | Path, num_fewshot: int | None = None) -> Task:
     until = [until] if isinstance(until, str) else until
     if not isinstance(until, list) or not all(isinstance(u, str) for u in until):
         raise TaskError(f"{path}: generation_kwargs.until must be a string or a list of strings")
-    max_gen_toks = gen.get("max_gen_toks", 256)
-    if not isinstance(max_gen_toks, int) or isinstance(max_gen_toks, bool) or max_gen_toks < 1:
-        raise TaskError(f"{path}: generation_kwargs.max_gen_toks must be a positive integer")
+    max_gen_toks = bounded("generation_kwargs.max_gen_toks", gen.get("max_gen_toks", 256))
     unknown_gen = sorted(set(gen) - {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"})
     if unknown_gen:
         raise TaskError(
@@ -426,21 +456,14 @@ def load_task(path: str | Path, num_fewshot: int | None = None) -> Task:
         )
     temperature = 0.0
     if gen.get("do_sample"):  # as transformers: sampling only when asked for, at temperature 1 by default
-        temperature = gen.get("temperature", 1.0)
-        if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-            raise TaskError(f"{path}: generation_kwargs.temperature must be a number >= 0")
+        temperature = bounded("generation_kwargs.temperature", gen.get("temperature", 1.0))
     top_k, top_p = gen.get("top_k"), gen.get("top_p")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
-        raise TaskError(f"{path}: generation_kwargs.top_k must be a whole number >= 0")
-    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise TaskError(f"{path}: generation_kwargs.top_p must be in (0, 1]")
-    repeats = need("repeats", (int,), 1)
-    if repeats < 1:
-        raise TaskError(f"{path}: key 'repeats' must be >= 1")
-    nf = need("num_fewshot", (int,), 0) if num_fewshot is None else num_fewshot
-    if nf < 0:
-        raise TaskError(f"{path}: num_fewshot must be >= 0")
+    top_k = None if top_k is None else bounded("generation_kwargs.top_k", top_k)
+    top_p = None if top_p is None else bounded("generation_kwargs.top_p", top_p)
+    repeats = bounded("repeats", need("repeats", (int,), 1))
+    nf = bounded("num_fewshot", need("num_fewshot", (int,), 0) if num_fewshot is None else num_fewshot)
     chance = need("chance", (int, float), None)
+    chance = None if chance is None else bounded("chance", chance)
     return Task(
         name=name,
         path=path,
@@ -480,7 +503,7 @@ def _read_yaml(path: Path, depth: int, seen: tuple[Path, ...]) -> dict:
     if not path.is_file():
         raise TaskError(f"{path}: no such task file")
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_TaskLoader)  # noqa: S506 (a SafeLoader)
+        raw = load_yaml(read_yaml_text(path, TaskError), str(path), _TaskLoader, error=TaskError)
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         mark = getattr(e, "problem_mark", None)
         at = f":{mark.line + 1}" if mark is not None else ""
@@ -611,26 +634,36 @@ def _metrics(metric_list: Any, output_type: str, path: Path) -> dict[str, dict]:
                 raise TaskError(
                     f"{path}: metric_list[{i}] exact_match has unknown option(s) {', '.join(bad)}"
                 )
+            regexes = opts.get("regexes_to_ignore", [])
+            regexes = [regexes] if isinstance(regexes, str) else regexes
+            if not isinstance(regexes, list):
+                raise TaskError(f"{path}: metric_list[{i}] exact_match.regexes_to_ignore must be a list of "
+                                "regexes")
+            for pattern in regexes:  # each compiles (and is kept) under the regex time budget
+                compile_regex(pattern, f"{path}: exact_match.regexes_to_ignore", TaskError)
+            opts = {**opts, "regexes_to_ignore": regexes} if regexes else opts
         if name == "pass_at_k":
             bad = sorted(set(opts) - {"k", "test", "timeout_s", "memory_mb"})
             if bad:
                 raise TaskError(f"{path}: metric_list[{i}] pass_at_k has unknown option(s) {', '.join(bad)}")
             ks = opts.get("k", [1])
             ks = [ks] if isinstance(ks, int) else ks
-            if not isinstance(ks, list) or not ks or not all(isinstance(k, int) and k >= 1 for k in ks):
+            if not isinstance(ks, list) or not ks:
                 raise TaskError(
                     f"{path}: metric_list[{i}] pass_at_k.k must be a positive integer or a list of them"
                 )
+            for k in ks:
+                BOUNDS["pass_at_k.k"].check(k, f"{path}: metric_list[{i}] pass_at_k.k", TaskError)
             if not isinstance(opts.get("test"), str) or not opts["test"].strip():
                 raise TaskError(
                     f"{path}: metric_list[{i}] pass_at_k needs 'test': a document field or a template of "
                     "the test code run after the prompt and the completion (e.g. "
                     '"{{test}}\\ncheck({{entry_point}})")'
                 )
-            for key, low in (("timeout_s", 0.1), ("memory_mb", 64)):
-                v = opts.get(key)
-                if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or v < low):
-                    raise TaskError(f"{path}: metric_list[{i}] pass_at_k.{key} must be a number >= {low}")
+            for key in ("timeout_s", "memory_mb"):
+                if opts.get(key) is not None:
+                    BOUNDS[f"pass_at_k.{key}"].check(opts[key], f"{path}: metric_list[{i}] pass_at_k.{key}",
+                                                     TaskError)
             opts = {**opts, "k": ks}
         out[name] = opts
     return out
@@ -654,25 +687,27 @@ def _filters(filter_list: Any, path: Path) -> list[tuple[str, list[dict]]]:
                     f"({', '.join(sorted(FILTERS))})"
                 )
             if fn == "regex":
-                try:
-                    re.compile(step.get("regex_pattern", r"#### (\-?[0-9\.\,]+)"))
-                except re.error as e:
-                    raise TaskError(
-                        f"{path}: filter_list[{i}].filter[{j}] regex_pattern does not compile: {e}"
-                    ) from None
+                where = f"{path}: filter_list[{i}].filter[{j}]"
+                compile_regex(step.get("regex_pattern", DEFAULT_REGEX), f"{where} regex_pattern", TaskError)
+                BOUNDS["group_select"].check(step.get("group_select", 0), f"{where} group_select", TaskError)
+                if not isinstance(step.get("fallback", ""), str):
+                    raise TaskError(f"{where} fallback must be a string")
         out.append((item["name"], steps))
     return out
 
 
-def apply_filter(steps: list[dict], response: str) -> str:
-    """One response through a filter pipeline (the harness's regex / take_first / case / strip)."""
+def apply_filter(steps: list[dict], response: str, where: str = "a task's regex filter") -> str:
+    """One response through a filter pipeline (the harness's regex / take_first / case / strip); a regex
+    runs under the time budget of utils/safe_regex.py (`where` names the filter in its error). A
+    group_select past the matches found gives the fallback, as no match does."""
     for step in steps:
         fn = step["function"]
         if fn == "regex":
-            pattern = re.compile(step.get("regex_pattern", r"#### (\-?[0-9\.\,]+)"))
+            pattern = compile_regex(step.get("regex_pattern", DEFAULT_REGEX), where, TaskError)
             found = pattern.findall(response)
-            if found:
-                match = found[int(step.get("group_select", 0))]
+            pick = int(step.get("group_select", 0))
+            if found and -len(found) <= pick < len(found):
+                match = found[pick]
                 if isinstance(match, tuple):
                     match = next((m for m in match if m), step.get("fallback", "[invalid]"))
                 response = match.strip()
@@ -931,7 +966,7 @@ def _generate(task: Task, scorer, docs, contexts, seed: int, code_isolation: str
     ]
     for fname, steps in task.filters:
         suffix = "" if fname == "none" else f",{fname}"
-        preds = [apply_filter(steps, o) for o in outputs]
+        preds = [apply_filter(steps, o, f"{task.path}: filter {fname}") for o in outputs]
         for s, p in zip(samples, preds):
             s[f"filtered{suffix}"] = p
         for m, opts in task.metrics.items():

@@ -14,7 +14,6 @@ safetensors (never pickle) and checked against the model before the model is tou
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
 from lmforge.models.hf import llama
 from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
+from lmforge.utils.safe_regex import compile_regex
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -177,8 +177,8 @@ def _peft_matches(hf_module: str, targets: str | list[str]) -> bool:
     linear layer but the output head); a list matches a name equal to, or ending in "." + an entry."""
     if targets == ALL_LINEAR:
         return hf_module != "lm_head"
-    if isinstance(targets, str):
-        return re.fullmatch(targets, hf_module) is not None
+    if isinstance(targets, str):  # from the adapter's config file: under the regex time budget
+        return compile_regex(targets, "adapter_config.json target_modules").fullmatch(hf_module) is not None
     return any(hf_module == t or hf_module.endswith("." + t) for t in targets)
 
 

@@ -24,11 +24,13 @@ import torch
 
 from lmforge.errors import LmforgeError
 from lmforge.serve.engine import Engine, EngineBusy, Event, SamplingParams
+from lmforge.utils.bounds import PORT, THREADS, whole
 
 __all__ = ["Engine", "EngineBusy", "Event", "SamplingParams", "Server", "resolve_api_keys", "serve",
            "start_server"]
 
 ENV_KEY = "LMFORGE_API_KEY"
+MAX_BATCH = whole(1, 1024)  # rows of the engine's KV cache, allocated at start (the CLI's range too)
 
 
 def _require_extra():
@@ -111,6 +113,7 @@ class Server:
 
 def bind(host: str, port: int) -> socket.socket:
     """A TCP socket bound to host:port (port 0: a free one), or a clear error when that is impossible."""
+    PORT.check(port, "--port")  # getaddrinfo would take 70000 modulo 2**16 and serve on port 4464
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
@@ -139,10 +142,9 @@ def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
     from lmforge.eval.entry import chat_template_of, load_run
     from lmforge.serve.app import create_app
 
-    if max_batch_size < 1:
-        raise LmforgeError(f"--max-batch-size must be >= 1, got {max_batch_size}")
-    if threads is not None and threads < 1:
-        raise LmforgeError(f"--threads must be >= 1, got {threads}")
+    MAX_BATCH.check(max_batch_size, "--max-batch-size")  # the KV cache holds this many rows
+    if threads is not None:
+        THREADS.check(threads, "--threads")
     sock = bind(host, port)  # before loading: a busy port fails fast
     try:
         run = load_run(path, list(overrides), weights)

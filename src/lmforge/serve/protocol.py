@@ -54,7 +54,8 @@ def _same(value: Any, neutral: Any) -> bool:
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # JSON bodies may spell NaN and Infinity (Python's json reads them); no field of a request takes either
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):

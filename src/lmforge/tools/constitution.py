@@ -34,6 +34,8 @@ import yaml
 
 from lmforge.data.chat import BadRecord, ChatStats, parse_messages, parse_sources
 from lmforge.errors import DataError
+from lmforge.utils.bounds import real, whole
+from lmforge.utils.safe_yaml import load_yaml, read_yaml_text
 
 # Principles in the shape of the CAI paper's critique / revision requests, written for lmforge.
 DEFAULT_CONSTITUTION: list[dict[str, str]] = [
@@ -78,7 +80,7 @@ def load_constitution(path: str | Path | None) -> list[Principle]:
     else:
         where = str(path)
         try:
-            items = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            items = load_yaml(read_yaml_text(path, DataError), str(path), error=DataError)
         except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
             raise DataError(f"{path}: cannot read the constitution ({e})") from None
         if isinstance(items, dict):
@@ -133,6 +135,9 @@ def run_constitution(path: str | Path, prompts_files: list[str], out: str | Path
     from lmforge.eval.entry import chat_template_of, load_run
     from lmforge.models.generation import sample_replies
 
+    # the CLI's flags are checked by argparse already; these are for Python callers
+    real(0.0, 100.0).check(temperature, "temperature")
+    whole(1, 1 << 20).check(max_new_tokens, "max_new_tokens")
     principles = load_constitution(constitution)
     prompts, stats = read_prompts(list(prompts_files))
     if limit is not None:

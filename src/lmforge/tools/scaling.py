@@ -37,6 +37,11 @@ import torch
 
 from lmforge.errors import LmforgeError
 from lmforge.tools.scaling_inputs import Point, fit_points, param_count, run_points
+from lmforge.utils.bounds import real, whole
+
+POSITIVE = real(0.0, None, lo_open=True)  # --compute / --params / --tokens: finite and above 0
+MAX_BOOTSTRAP = whole(0, 1000)  # each refit is a few L-BFGS runs; a thousand is already a long wait
+PLOTS = ("scaling_isoloss.png", "scaling_isoflop.png")  # what `scaling fit --plot DIR` writes there
 
 HUBER_DELTA = 1e-3  # Hoffmann et al. D.2 (and Besiroglu et al.)
 COUNTS = ("total", "non-embedding")
@@ -281,7 +286,7 @@ def plot_fit(law: Law, points: list[Point], out_dir: str | os.PathLike) -> list[
     ax.set(xscale="log", yscale="log", xlim=(d_grid[0], d_grid[-1]), ylim=(n_grid[0], n_grid[-1]),
            xlabel="tokens D", ylabel=f"parameters N ({law.count})",
            title=f"iso-loss contours, E={law.E:.3f} alpha={law.alpha:.3f} beta={law.beta:.3f}")
-    paths = [save_figure(fig, out / "scaling_isoloss.png")]
+    paths = [save_figure(fig, out / PLOTS[0])]
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = plt.get_cmap("plasma")(np.linspace(0, 0.85, len(budgets)))
     for c, color in zip(budgets, colors):
@@ -294,7 +299,7 @@ def plot_fit(law: Law, points: list[Point], out_dir: str | os.PathLike) -> list[
     ax.set(xscale="log", xlabel=f"parameters N ({law.count})", ylabel="loss",
            title="iso-FLOP curves (star: optimum)", ylim=(law.E, max(p.loss for p in points) * 1.15))
     ax.legend(fontsize=8)
-    paths.append(save_figure(fig, out / "scaling_isoflop.png"))
+    paths.append(save_figure(fig, out / PLOTS[1]))
     return paths
 
 
@@ -379,12 +384,23 @@ def make_plan(law: Law, *, compute: float | None = None, params: float | None = 
     of `base` (a Config), and batch, lr and steps for D."""
     from lmforge.config.schema import Config
 
-    given = [x for x in (compute, params, tokens) if x is not None]
-    if len(given) != 1 or given[0] <= 0:
+    given = {k: x for k, x in (("compute", compute), ("params", params), ("tokens", tokens)) if x is not None}
+    if len(given) != 1:
         raise LmforgeError("give exactly one positive --compute FLOPS, --params N or --tokens D")
-    if compute is None:
-        compute = law.compute_for_params(params) if params is not None else law.compute_for_tokens(tokens)
-    n, d = law.optimum(compute)
+    (key, value), = given.items()
+    POSITIVE.check(value, f"--{key}")
+    n = d = math.nan
+    try:
+        if compute is None:
+            compute = math.inf  # what an overflow on the next line leaves
+            compute = law.compute_for_params(params) if params is not None else law.compute_for_tokens(tokens)
+        n, d = law.optimum(compute)
+    except (OverflowError, ZeroDivisionError):
+        pass
+    # a finite --params / --tokens can still leave float range (or reach 0) through a law's exponents
+    if not all(math.isfinite(x) and x > 0 for x in (compute, n, d)):
+        raise LmforgeError(f"--{key} {value:g} gives no finite plan under law {law.name} (compute "
+                           f"{compute:.3g} FLOPs, N {n:.3g}, D {d:.3g}); give a --{key} nearer its range")
     plan = Plan(law, compute, n, d, law.loss(n, d))
     cfg = base if base is not None else Config()
     model = cfg.model
@@ -431,15 +447,16 @@ def plan_config(plan: Plan, base_data: dict[str, Any]) -> dict[str, Any]:
 # -- the verbs ------------------------------------------------------------------------------------------
 def run_plan(law_spec: str, *, compute: float | None = None, params: float | None = None,
              tokens: float | None = None, config: str | None = None, overrides: Sequence[str] = (),
-             out: str | None = None, say=print) -> Plan:
-    """`lmforge scaling plan`: print N, D, the predicted loss and the config; write it with `out`."""
+             out: str | None = None, overwrite: bool = False, say=print) -> Plan:
+    """`lmforge scaling plan`: print N, D, the predicted loss and the config; write it with `out` (an
+    existing file only with `overwrite`)."""
     import yaml
 
     from lmforge.config.load import config_to_dict, load_config
-    from lmforge.utils.io import atomic_write_text, check_replaceable
+    from lmforge.utils.io import atomic_write_text, check_new_file
 
     if out:
-        check_replaceable(out)
+        check_new_file(out, overwrite)
     law = load_law(law_spec)
     base = load_config(config, list(overrides))
     plan = make_plan(law, compute=compute, params=params, tokens=tokens, base=base)
@@ -471,15 +488,20 @@ def run_plan(law_spec: str, *, compute: float | None = None, params: float | Non
 def run_fit(runs: Sequence[str], *, out: str | None = None, plot: str | None = None,
             predict: Sequence[str] = (), predict_config: Sequence[str] = (), check: Sequence[str] = (),
             all_evals: bool = False, count: str = "total", samples: int = 0, seed: int = 0,
-            say=print) -> dict[str, Any]:
-    """`lmforge scaling fit`: fit the law to the runs' (N, D, loss) and report, predict and check."""
+            overwrite: bool = False, say=print) -> dict[str, Any]:
+    """`lmforge scaling fit`: fit the law to the runs' (N, D, loss) and report, predict and check. An
+    existing `out` file or plot in `plot` is replaced only with `overwrite`."""
     from lmforge.config.load import load_config
-    from lmforge.utils.io import atomic_write_json, check_replaceable
+    from lmforge.utils.io import atomic_write_json, check_new_file
 
     if count not in COUNTS:
         raise LmforgeError(f"--count {count!r}: valid counts: {', '.join(COUNTS)}")
+    MAX_BOOTSTRAP.check(samples, "--bootstrap")
     if out:
-        check_replaceable(out)
+        check_new_file(out, overwrite)
+    if plot:
+        for name in PLOTS:
+            check_new_file(Path(plot) / name, overwrite)
     wanted = [parse_predict(s) for s in predict]  # bad input fails before the fit
     points, used, inputs = fit_points(runs, count, all_evals)
     for line in inputs.skip_lines():

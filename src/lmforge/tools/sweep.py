@@ -24,11 +24,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from lmforge.errors import LmforgeError
+from lmforge.utils.bounds import SEED, whole
+from lmforge.utils.safe_yaml import load_yaml
 
 SUMMARY = "sweep.json"
+# Points of one sweep (a grid's product or --random K): each is a training run, validated before anything
+# starts and listed in sweep.json. Ten thousand is past any search run by hand; more is a typo (or 10^8
+# points, which used to be materialised before anything else happened).
+MAX_SWEEP_POINTS = 10_000
+PARALLEL = whole(1, 1024)
 _NAME_OK = re.compile(r"[^A-Za-z0-9._=-]+")
 
 
@@ -64,7 +69,7 @@ def _value(raw: str) -> Any:
             return kind(raw)
         except ValueError:
             pass
-    return yaml.safe_load(raw) if raw else None
+    return load_yaml(raw, f"--grid value {raw[:40]!r}") if raw else None
 
 
 def parse_axis(spec: str) -> Axis:
@@ -76,8 +81,10 @@ def parse_axis(spec: str) -> Axis:
                            "--grid model.d_model=64,128")
     if ".." in raw and "," not in raw:
         lo, hi = (_value(x) for x in raw.split("..", 1))
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in (lo, hi)) or lo >= hi:
-            raise LmforgeError(f"--grid {spec!r}: a range needs numbers LOW < HIGH")
+        finite = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+                     for x in (lo, hi))
+        if not finite or lo >= hi:
+            raise LmforgeError(f"--grid {spec!r}: a range needs finite numbers LOW < HIGH")
         if Axis(key).log and lo <= 0:
             raise LmforgeError(f"--grid {spec!r}: {key} is drawn log-uniformly; LOW must be positive")
         return Axis(key, low=lo, high=hi)
@@ -92,12 +99,17 @@ def grid_points(axes: Sequence[Axis], random_k: int | None = None, seed: int = 0
         ranged = [a.key for a in axes if a.values is None]
         if ranged:
             raise LmforgeError(f"--grid {ranged[0]}=LOW..HIGH is a range: it needs --random K")
+        size = math.prod(len(a.values or []) for a in axes)  # counted before a single point is built
+        if size > MAX_SWEEP_POINTS:
+            sizes = " x ".join(f"{len(a.values or []):,}" for a in axes)
+            raise LmforgeError(f"--grid: {sizes} = {size:,} points; a sweep runs at most "
+                               f"{MAX_SWEEP_POINTS:,}: give fewer values (or --random K for a sample)")
         points: list[dict[str, Any]] = [{}]
         for a in axes:
             points = [{**p, a.key: v} for p in points for v in a.values or []]
         return points
-    if random_k < 1:
-        raise LmforgeError(f"--random {random_k}: give a positive number of points")
+    whole(1, MAX_SWEEP_POINTS).check(random_k, "--random")
+    SEED.check(seed, "--seed")
     rng = random.Random(seed)
     out, seen = [], set()
     for _ in range(random_k):
@@ -168,8 +180,7 @@ def sweep(config: str | None, overrides: Sequence[str], grid: Sequence[str], out
 
     if backend not in ("local", "ray"):
         raise LmforgeError(f"--backend {backend!r}: valid backends: local, ray")
-    if parallel < 1:
-        raise LmforgeError(f"--parallel {parallel}: give at least 1")
+    PARALLEL.check(parallel, "--parallel")
     if not grid:
         raise LmforgeError("give at least one --grid KEY=V1,V2,...")
     axes = [parse_axis(g) for g in grid]

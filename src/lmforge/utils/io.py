@@ -47,6 +47,17 @@ def check_replaceable(path: str | os.PathLike) -> Path:
     return path
 
 
+def check_new_file(path: str | os.PathLike, overwrite: bool, flag: str = "--overwrite") -> Path:
+    """`path`, if a file may be written there: a new path, or (with `overwrite`) a regular file to replace.
+    Called before any work, so that a refusal costs nothing; the write itself then goes beside the file
+    and is renamed over it (atomic_write_*), so a failure leaves the old file whole."""
+    path = check_replaceable(path)
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise LmforgeError(f"{path} already exists; refusing to replace it: give {flag} to replace it, or "
+                           "another path")
+    return path
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = check_replaceable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
