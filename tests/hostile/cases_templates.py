@@ -200,6 +200,12 @@ CASES: list[Case] = [
         match="tokenizer_config.json must be a string or a list",
     ),
     Case(
+        "templates: generate --chat, a tokenizer_config.json nested 100,000 deep",
+        generate_chat,
+        write("hf/tokenizer_config.json", "[" * 100_000 + "]" * 100_000),
+        match="tokenizer_config.json: not valid JSON (JSON nested too deeply",
+    ),
+    Case(
         "templates: eval --chat with an HF template that never ends",
         eval_chat,
         both(hf_template(LOOP), task_files),

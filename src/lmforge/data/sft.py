@@ -45,6 +45,7 @@ from lmforge.data.sft_examples import (  # noqa: F401 - Example, label_mask, fit
 from lmforge.data.shards import read_meta, write_meta
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import DataError
+from lmforge.utils.jsontext import loads
 
 FORMAT = 1
 KIND = "sft"
@@ -127,8 +128,8 @@ class PreparedSFT:
         if not path.exists():
             return None
         try:
-            info = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
+            info = loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # BadJSON too: nested past the recursion limit
             raise DataError(f"{path}: cannot read the prompts' answers ({e}); prepare the data "
                             "again") from None
         if not isinstance(info, list) or not all(isinstance(i, dict) for i in info):

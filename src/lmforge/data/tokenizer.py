@@ -18,6 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from lmforge.errors import DataError
 from lmforge.utils.io import atomic_write_text
+from lmforge.utils.jsontext import loads
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens of common tokenizer families, tried in this order when loading one.
@@ -250,8 +251,8 @@ def _find_eos(tok: HFTokenizer, where: str | Path, config: Path | None = None) -
 def _config_eos(path: Path) -> str | None:
     if not path.is_file():
         return None
-    try:
-        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
+    try:  # BadJSON is a ValueError: nested too deeply, lone surrogates
+        eos = loads(path.read_bytes().decode("utf-8-sig")).get("eos_token")
     except (OSError, ValueError, AttributeError):
         return None
     if isinstance(eos, dict):  # transformers also writes {"content": "...", ...}
