@@ -375,8 +375,12 @@ def _address_space() -> int:
 
 
 def _limit_memory(resource, extra: int) -> None:
+    try:
+        now = _address_space()
+    except (OSError, ValueError):  # no /proc (not Linux): the deadline alone bounds the render
+        return
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    want = _address_space() + MEMORY_BUDGET + extra
+    want = now + MEMORY_BUDGET + extra
     if hard != resource.RLIM_INFINITY:
         want = min(want, hard)
     resource.setrlimit(resource.RLIMIT_AS, (want, hard))
