@@ -10,7 +10,9 @@ Shapes (`sft.format`, or "auto" to tell them apart record by record):
 
 A record that is not one of them (a missing key, an unknown role, an empty conversation, no assistant
 turn, a non-string content) is skipped and counted, or with `sft.on_bad_record=fail` an error naming
-the file and line (JSONL) or row (Parquet, datasets). Records keep where they came from, so every
+the file and line (JSONL) or row (Parquet, datasets). So is a JSONL line that is not JSON text: malformed,
+nested too deeply to read, or holding a lone surrogate escape (lmforge.utils.jsontext); a UTF-8 byte
+order mark opening a file is not part of its first line. Records keep where they came from, so every
 later error (a template that fails, a conversation that does not fit) can name it too.
 """
 
@@ -24,6 +26,7 @@ from typing import Any
 
 from lmforge.data.sources import JSONL_EXTENSIONS, MAX_EXAMPLES, PARQUET_EXTENSIONS, check_source, walk_files
 from lmforge.errors import DataError
+from lmforge.utils.jsontext import BOM, BadJSON, loads
 
 FORMATS = ("auto", "messages", "prompt_completion", "alpaca", "sharegpt")
 ROLES = ("system", "user", "assistant")
@@ -240,12 +243,14 @@ def _iter_jsonl(path: Path, stats: ChatStats) -> Iterator[tuple[str, Any]]:
                 except UnicodeDecodeError as e:
                     yield where, BadRow(f"not valid UTF-8 at byte {e.start} of the line")
                     continue
-                if line.isspace():
+                if lineno == 1:  # a byte order mark, as editors on Windows write them
+                    line = line.removeprefix(BOM)
+                if line.isspace() or not line:
                     continue
                 try:
-                    yield where, json.loads(line)
-                except json.JSONDecodeError as e:
-                    yield where, BadRow(f"malformed JSON ({e.msg} at column {e.colno})")
+                    yield where, loads(line)
+                except BadJSON as e:
+                    yield where, BadRow(e.why)
     except OSError as e:
         raise _unreadable(path, e) from None
 
@@ -280,7 +285,7 @@ def _dataset_files(path: Path) -> list[Path]:
     if state.is_file():
         try:
             files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise DataError(f"{state}: not a datasets state.json ({e})") from None
         for f in files:
             if f.resolve().parent != path.resolve() or not f.is_file():

@@ -1,9 +1,20 @@
 """Chat templates: a conversation rendered to text, with the character spans of the assistant turns.
 
 A template is Jinja, rendered as transformers renders `tokenizer_config.json`'s `chat_template`: in
-Jinja's immutable sandbox (a template from someone else's model dir is untrusted code), with
-trim_blocks / lstrip_blocks, loop controls, `raise_exception`, `strftime_now`, a `tojson` that does not
-escape HTML, and the special tokens of the tokenizer config (`bos_token`, `eos_token`, ...).
+Jinja's immutable sandbox, with trim_blocks / lstrip_blocks, loop controls, `raise_exception`,
+`strftime_now`, a `tojson` that does not escape HTML, and the special tokens of the tokenizer config
+(`bos_token`, `eos_token`, ...).
+
+A template from someone else's model dir is untrusted code, and the sandbox bounds what it may reach,
+not how much it works: every template but lmforge's own (ChatML, trusted by its exact text) renders in
+a worker process under a work budget (lmforge.data.template_sandbox, lmforge.data.template_pool):
+RENDER_SECONDS of wall clock per conversation and a bounded address space, with the operations that
+build big values refused up front. A render past the budget is stopped and is a TemplateError naming
+the template.
+
+Renders are cut at a number of characters (`limit`): what a sequence length of tokens can hold
+(Tokenizer.text_budget), so preparing a conversation far longer than the context costs what its first
+part costs. `Rendered.complete` says whether the conversation ended before the cut.
 
 Which characters are the assistant's (what the loss is taken on):
   - a template that marks them with `{% generation %} ... {% endgeneration %}` (transformers' and
@@ -19,11 +30,13 @@ the reply and its `<|im_end|>`, so a fine-tuned model learns to end its turn.
 from __future__ import annotations
 
 import json
-from datetime import datetime
-from functools import lru_cache
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
+from lmforge.data import template_sandbox as sandbox
 from lmforge.errors import DataError
+from lmforge.utils.jsontext import BadJSON, loads
 
 CHATML = (
     "{%- for message in messages %}"
@@ -38,67 +51,35 @@ CHATML = (
 )
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 CHATML_END = "<|im_end|>"
+TRUSTED = frozenset({CHATML})  # templates lmforge ships: rendered in-process
+TEMPLATE_FILE = "chat_template.jinja"
+RENDER_SECONDS = 2.0  # wall clock one conversation's render may take in the worker
+MAX_TEMPLATE_CHARS = 1 << 20  # the longest templates in use are tens of kilobytes
+MAX_RENDER_CHARS = 1 << 24  # a render that no sequence length bounds (an eval prompt) stops here
 
 
 class TemplateError(DataError):
-    """A template that does not compile or fails to render a conversation."""
+    """A template that does not compile or fails to render a conversation; `index`: which conversation
+    of a batch (None for one)."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
 
 
-@lru_cache(maxsize=8)
-def _compile(source: str):
-    import jinja2
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class Generation(Extension):
-        """`{% generation %}...{% endgeneration %}`: records the character span its body renders to."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(
-                self.call_method("_span", [jinja2.nodes.ContextReference()]), [], [], body
-            ).set_lineno(lineno)
-
-        def _span(self, context, caller):
-            text = caller()
-            spans = context.get("__spans__")
-            if spans is not None:
-                # The marker is unique text: where it lands in the output is where this block starts
-                # (the body can be preceded by any amount of text rendered outside this call).
-                spans.append(text)
-                return f"\x00gen{len(spans) - 1}\x00"
-            return text
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.exceptions.TemplateSyntaxError as e:
-        raise TemplateError(
-            f"the chat template does not compile: {e.message} (template line {e.lineno})"
-        ) from None
+@dataclass(frozen=True)
+class Rendered:
+    text: str  # at most the render's limit of characters
+    spans: list[tuple[int, int]]  # (start, end) of the assistant turns within `text` (span renders)
+    complete: bool  # False: the conversation goes on past the cut
 
 
 class ChatTemplate:
     """A Jinja chat template with the special tokens it may refer to.
 
     `render(messages, add_generation_prompt)` is the text; `assistant_spans(messages)` the text and the
-    (start, end) character spans of the assistant turns, in order.
+    (start, end) character spans of the assistant turns, in order; `render_batch` either for many
+    conversations at once (one round trip to the worker), cut at `limit` characters.
     """
 
     def __init__(
@@ -110,83 +91,81 @@ class ChatTemplate:
     ) -> None:
         if not isinstance(source, str) or not source.strip():
             raise TemplateError(f"{name} is empty")
+        if len(source) > MAX_TEMPLATE_CHARS:
+            raise TemplateError(f"{name} is {len(source):,} characters long; a chat template is at most "
+                                f"{MAX_TEMPLATE_CHARS:,}")
         self.source = source
         self.name = name
         self.special_tokens = dict(special_tokens or {})
         self.end_of_turn = end_of_turn  # the token a reply ends with (what generation stops at)
-        self.tracks_generation = "generation" in source and _has_generation_tag(source)
-        _compile(source)  # fail now, not on the first conversation
+        self.trusted = source in TRUSTED
+        self.tracks_generation = sandbox.has_generation_tag(source)
+        self._run([{"op": "compile"}])  # fail now, not on the first conversation
 
     @classmethod
     def chatml(cls) -> ChatTemplate:
         return cls(CHATML, {}, name="lmforge's ChatML template", end_of_turn=CHATML_END)
 
-    def render(self, messages: list[dict] | tuple[dict, ...], add_generation_prompt: bool = False) -> str:
-        text, _ = self._render(messages, add_generation_prompt, track=False)
-        return text
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
+        return self._whole(self.render_batch([messages], add_generation_prompt=add_generation_prompt)[0]).text
 
-    def assistant_spans(self, messages: list[dict] | tuple[dict, ...]) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns (one per turn)."""
-        if self.tracks_generation:
-            return self._render(messages, False, track=True)
-        text = self.render(messages)
-        spans = []
-        for k, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            before = self.render(messages[:k], add_generation_prompt=True)
-            through = self.render(messages[: k + 1])
-            if not (through.startswith(before) and text.startswith(through)):
-                raise TemplateError(
-                    f"{self.name} renders earlier turns differently once later ones follow, so the assistant "
-                    "tokens cannot be found by rendering prefixes; use a template that marks them with "
-                    "{% generation %} ... {% endgeneration %} (sft.template), or sft.loss_on=all"
-                )
-            spans.append((len(before), len(through)))
-        return text, spans
+        r = self._whole(self.render_batch([messages], spans=True)[0])
+        return r.text, r.spans
 
-    def _render(
-        self, messages, add_generation_prompt: bool, track: bool
-    ) -> tuple[str, list[tuple[int, int]]]:
-        import jinja2
+    def render_batch(self, conversations: Sequence[Sequence[dict]], *, spans: bool = False,
+                     add_generation_prompt: bool = False, limit: int | None = None) -> list[Rendered]:
+        """Each conversation rendered and cut at `limit` characters (MAX_RENDER_CHARS when None), with
+        its assistant spans when `spans`; TemplateError (its `index` the conversation's) for the first
+        one the template fails on."""
+        limit = MAX_RENDER_CHARS if limit is None else limit
+        op = {"op": "spans"} if spans else {"op": "render", "gen": add_generation_prompt}
+        jobs = [{**op, "messages": [dict(m) for m in c], "limit": limit} for c in conversations]
+        return [Rendered(a["text"], [tuple(s) for s in a["spans"]], a["complete"]) for a in self._run(jobs)]
 
-        pieces: list[str] = []
-        variables: dict[str, Any] = {
-            **self.special_tokens,
-            "messages": [dict(m) for m in messages],
-            "add_generation_prompt": add_generation_prompt,
-        }
-        if track:
-            variables["__spans__"] = pieces
-        try:
-            text = _compile(self.source).render(**variables)
-        except jinja2.exceptions.TemplateError as e:
-            raise TemplateError(f"{self.name} failed to render the conversation: {e}") from None
-        except Exception as e:  # a template is code: any error in it is the template's, reported as such
-            raise TemplateError(
-                f"{self.name} failed to render the conversation: {type(e).__name__}: {e}"
-            ) from None
-        if not track:
-            return text, []
-        out, spans, pos = [], [], 0
-        for i, piece in enumerate(pieces):
-            marker = f"\x00gen{i}\x00"
-            at = text.find(marker, pos)
-            if at < 0:  # the block's output was dropped or transformed by the template: no span for it
-                continue
-            out.append(text[pos:at])
-            start = sum(map(len, out))
-            out.append(piece)
-            spans.append((start, start + len(piece)))
-            pos = at + len(marker)
-        out.append(text[pos:])
-        return "".join(out), spans
+    def _whole(self, r: Rendered) -> Rendered:
+        if not r.complete:
+            raise TemplateError(f"{self.name} rendered more than {MAX_RENDER_CHARS:,} characters for one "
+                                "conversation; shorten the conversation or fix the template")
+        return r
 
+    def _run(self, jobs: list[dict]) -> list[dict]:
+        if self.trusted:
+            answers = []
+            for job in jobs:
+                answers.append(sandbox.run_job(self.source, self.special_tokens, job))
+                if "error" in answers[-1]:
+                    break
+        else:
+            from lmforge.data.template_pool import pool
 
-def _has_generation_tag(source: str) -> bool:
-    import re
+            with pool().worker() as w:
+                answers = w.run(self.source, self.special_tokens, jobs, RENDER_SECONDS)
+        for i, answer in enumerate(answers):
+            if "error" in answer:
+                raise TemplateError(self._why(answer), index=None if len(jobs) == 1 else i)
+        return answers
 
-    return re.search(r"\{%-?\s*generation\s*-?%\}", source) is not None
+    def _why(self, answer: dict) -> str:
+        kind, error = answer["kind"], answer["error"]
+        if kind == "compile":
+            return f"{self.name} does not compile: {error}"
+        if kind == "prefix":
+            return f"{self.name} {error}"
+        if kind == "timeout":
+            from lmforge.data.template_pool import JOB_SECONDS
+
+            within = f"{JOB_SECONDS:g} s in all" if error == "job" else f"{RENDER_SECONDS:g} s"
+            return (f"{self.name} did not finish rendering a conversation within {within} (a loop that "
+                    "does not end, or too much work) and was stopped; fix the template or use another one")
+        if kind == "memory":
+            return (f"{self.name} needed more than {sandbox.MEMORY_BUDGET >> 20} MiB to render a "
+                    "conversation and was stopped; fix the template or use another one")
+        if kind == "died":
+            return (f"{self.name} crashed the process rendering it ({error}); fix the template or use "
+                    "another one")
+        return f"{self.name} failed to render the conversation: {error}"
 
 
 def stop_ids(template: ChatTemplate, tokenizer) -> set[int]:
@@ -195,3 +174,84 @@ def stop_ids(template: ChatTemplate, tokenizer) -> set[int]:
     if template.end_of_turn and tokenizer.token_id(template.end_of_turn) is not None:
         ids.add(tokenizer.token_id(template.end_of_turn))
     return ids
+
+
+# -- the template that ships with a tokenizer ---------------------------------------------------------
+def tokenizer_template(tok_file: Path | None, tok) -> ChatTemplate | None:
+    """The chat template that ships with the tokenizer file `tok_file` (a Hugging Face model dir's),
+    with the special tokens of its tokenizer_config.json; None when it has none."""
+    config = tokenizer_config(tok_file)
+    own = shipped_template(tok_file, config)
+    if own is None:
+        return None
+    specials = template_specials(config, tok)
+    return ChatTemplate(own[0], specials, name=own[1], end_of_turn=specials.get("eos_token"))
+
+
+def template_specials(config: dict, tok) -> dict[str, str]:
+    """The special tokens a template may refer to (`bos_token`, `eos_token`, ...): tokenizer_config's,
+    and for lmforge's own tokenizers (which have none) the EOS as `eos_token`."""
+    specials = {k: t for k, v in config.items() if k.endswith("_token") and (t := _token_text(v)) is not None}
+    specials.setdefault("eos_token", tok.hf.id_to_token(tok.eos_id))
+    return specials
+
+
+def tokenizer_config(tok_file: Path | None) -> dict:
+    """tokenizer_config.json beside `tok_file` ({} when there is none)."""
+    if tok_file is None:
+        return {}
+    path = tok_file.parent / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = loads(read_text(path))
+    except BadJSON as e:
+        raise DataError(f"{path}: not valid JSON ({e.why})") from None
+    return config if isinstance(config, dict) else {}
+
+
+def shipped_template(tok_file: Path | None, config: dict) -> tuple[str, str] | None:
+    """(source, name) of the template that ships with a tokenizer: chat_template.jinja beside it (as
+    transformers >= 4.50 saves it), else tokenizer_config.json's chat_template: a string, or a list of
+    {"name", "template"} of which "default" is the one applied (as transformers applies it)."""
+    if tok_file is None:
+        return None
+    jinja = tok_file.parent / TEMPLATE_FILE
+    if jinja.is_file():
+        return read_text(jinja), f"the chat template {jinja}"
+    where = f"the chat template of {tok_file.parent / 'tokenizer_config.json'}"
+    value = config.get("chat_template")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value, where
+    if not isinstance(value, list):
+        raise TemplateError(f"{where} must be a string or a list of {{\"name\": ..., \"template\": ...}}, "
+                            f"not {type(value).__name__} {json.dumps(value)[:60]}")
+    named = {}
+    for i, entry in enumerate(value):
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("template"), str)):
+            raise TemplateError(f"{where}: entry {i} is {json.dumps(entry)[:80]}; each entry must be "
+                                '{"name": "...", "template": "..."} with both strings')
+        named[entry["name"]] = entry["template"]
+    if "default" not in named:
+        raise TemplateError(f"{where} names templates {', '.join(map(repr, named)) or '(none)'} but no "
+                            '"default", the one a conversation is rendered with')
+    return named["default"], f"{where} (\"default\")"
+
+
+def read_text(path: Path) -> str:
+    """A template or config file as text (a UTF-8 byte order mark dropped), or DataError saying why not."""
+    try:
+        return path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror})") from None
+
+
+def _token_text(v) -> str | None:
+    if isinstance(v, dict):
+        v = v.get("content")
+    return v if isinstance(v, str) else None

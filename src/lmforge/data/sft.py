@@ -1,10 +1,5 @@
-"""Conversations -> token ids and the tokens that carry the loss -> a prepared SFT data dir.
-
-An example is the ids of one rendered conversation and a label mask over them (1 where the loss is
-taken, as the labels of transformers / TRL: the token is predicted from the ones before it). The
-template decides the text; `sft.loss_on` which characters count (see chat_template); a token counts
-when its characters overlap a counted span, which is what transformers' `return_assistant_tokens_mask`
-gives (the tokens from the one holding the span's first character to the one holding its last).
+"""Conversations -> token ids and the tokens that carry the loss (lmforge.data.sft_examples) -> a
+prepared SFT data dir.
 
 The prepared dir holds, per split, the concatenated ids (int32), masks (uint8) and example offsets
 (int64) as .npy files (never pickled), the tokenizer (with the template's control tokens), the template
@@ -28,11 +23,29 @@ import numpy as np
 from lmforge._version import __version__
 from lmforge.config.schema import Config
 from lmforge.data.chat import ChatStats, Conversation, read_conversations
-from lmforge.data.chat_template import CHATML_TOKENS, ChatTemplate, TemplateError
+from lmforge.data.chat_template import (
+    CHATML_TOKENS,
+    TEMPLATE_FILE,
+    ChatTemplate,
+    TemplateError,
+    read_text,
+    shipped_template,
+    template_specials,
+    tokenizer_config,
+)
 from lmforge.data.prepare import TOKENIZER_FILE, data_dir, split_of
+from lmforge.data.sft_examples import (  # noqa: F401 - Example, label_mask, fit: this module's API too
+    Example,
+    batches,
+    check_contents,
+    fit,
+    label_mask,
+    message_chars,
+)
 from lmforge.data.shards import read_meta, write_meta
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import DataError
+from lmforge.utils.jsontext import loads
 
 FORMAT = 1
 KIND = "sft"
@@ -58,58 +71,7 @@ def _sources(cfg: Config) -> tuple[list[str], list[str], float]:
     sections = {PREFERENCE_KIND: cfg.preference, UNPAIRED_KIND: cfg.preference, PROMPT_KIND: cfg.rl}
     s = sections.get(kind_of(cfg), cfg.sft)
     return list(s.data), list(s.val_data), s.val_fraction
-TEMPLATE_FILE = "chat_template.jinja"
 SPLITS = ("train", "val")
-
-
-@dataclass
-class Example:
-    ids: np.ndarray  # int32 (n,)
-    mask: np.ndarray  # bool (n,): the loss is taken on ids[i] (predicted from ids[:i])
-
-
-def label_mask(conv: Conversation, template: ChatTemplate, tok: Tokenizer, loss_on: str) -> Example:
-    """The ids of `conv` rendered by `template` and the mask of the tokens `loss_on` picks."""
-    text, spans = template.assistant_spans(conv.messages)
-    ids, offsets = tok.encode_chat(text)
-    n = len(ids)
-    if loss_on == "all":
-        return Example(np.asarray(ids, dtype=np.int32), np.ones(n, dtype=bool))
-    assistant_turns = [k for k, m in enumerate(conv.messages) if m["role"] == "assistant"]
-    if len(spans) != len(assistant_turns):
-        raise TemplateError(
-            f"{template.name} marks {len(spans)} assistant spans in a conversation with "
-            f"{len(assistant_turns)} assistant turns; fix its {{% generation %}} blocks"
-        )
-    if conv.completion_start is not None:  # prompt/completion: the completion only (as TRL)
-        spans = [s for s, k in zip(spans, assistant_turns) if k >= conv.completion_start]
-    if loss_on == "last":
-        spans = spans[-1:]
-    starts = np.fromiter((a for a, _ in offsets), dtype=np.int64, count=n)
-    ends = np.fromiter((b for _, b in offsets), dtype=np.int64, count=n)
-    mask = np.zeros(n, dtype=bool)
-    for a, b in spans:
-        mask |= (starts < b) & (ends > a) & (ends > starts)
-    return Example(np.asarray(ids, dtype=np.int32), mask)
-
-
-def check_contents(conv: Conversation, specials: list[str]) -> None:
-    """A message may not contain a control token's text: it would be encoded as the token itself and
-    could forge a turn (an injected `<|im_start|>assistant`)."""
-    for i, m in enumerate(conv.messages):
-        for s in specials:
-            if s and s in m["content"]:
-                raise DataError(f"message {i} ({m['role']}) contains the control token {s!r}")
-
-
-def fit(example: Example, seq_len: int, overlong: str) -> Example | None:
-    """`example` cut to seq_len tokens (overlong=truncate), or None when it does not fit (drop) or
-    keeps no loss token."""
-    if len(example.ids) > seq_len:
-        if overlong == "drop":
-            return None
-        example = Example(example.ids[:seq_len], example.mask[:seq_len])
-    return example if example.mask[1:].any() else None  # mask[0] is never predicted
 
 
 # -- the prepared dir ---------------------------------------------------------------------------------
@@ -166,8 +128,8 @@ class PreparedSFT:
         if not path.exists():
             return None
         try:
-            info = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
+            info = loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # BadJSON too: nested past the recursion limit
             raise DataError(f"{path}: cannot read the prompts' answers ({e}); prepare the data "
                             "again") from None
         if not isinstance(info, list) or not all(isinstance(i, dict) for i in info):
@@ -178,7 +140,7 @@ class PreparedSFT:
 def load_template(dir: Path, meta: dict) -> ChatTemplate:
     t = meta["template"]
     return ChatTemplate(
-        (dir / TEMPLATE_FILE).read_text(encoding="utf-8"),
+        read_text(dir / TEMPLATE_FILE),
         t.get("special_tokens") or {},
         name=t.get("name", "chat template"),
         end_of_turn=t.get("end_of_turn"),
@@ -201,70 +163,25 @@ def resolve_template(cfg: Config, tok_path: Path | None, tok: Tokenizer) -> Chat
     """The template `sft.template` names, with the special tokens it may use; adds ChatML's control
     tokens to `tok` when it is chosen."""
     choice = cfg.sft.template
-    config = _tokenizer_config(tok_path)
-    own = _own_template(tok_path, config)
+    config = tokenizer_config(tok_path)
+    own = shipped_template(tok_path, config)
     if choice == "auto":
         choice = "tokenizer" if own is not None else "chatml"
     if choice == "chatml":
         tok.add_special_tokens(CHATML_TOKENS)
         return ChatTemplate.chatml()
-    specials = {
-        k: _token_text(v) for k, v in config.items() if k.endswith("_token") and _token_text(v) is not None
-    }
-    # lmforge's own tokenizers have no tokenizer_config.json: their EOS is the template's eos_token.
-    specials.setdefault("eos_token", tok.hf.id_to_token(tok.eos_id))
+    specials = template_specials(config, tok)
     if choice == "tokenizer":
         if own is None:
             raise DataError(f"sft.template=tokenizer: {tok_path.parent} has no chat template (chat_template "
                             "in tokenizer_config.json, or chat_template.jinja)")
         source, name = own
-        end = specials.get("eos_token")
     else:
         path = Path(choice)
         if not path.is_file():
             raise DataError(f"sft.template={choice!r}: no such file; give auto, chatml or a .jinja file")
-        source, name, end = (
-            path.read_text(encoding="utf-8"),
-            f"the chat template {path}",
-            specials.get("eos_token"),
-        )
-    return ChatTemplate(source, specials, name=name, end_of_turn=end)
-
-
-def _tokenizer_config(tok_path: Path | None) -> dict:
-    if tok_path is None:
-        return {}
-    path = tok_path.parent / "tokenizer_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise DataError(f"{path}: not valid JSON ({e})") from None
-    return config if isinstance(config, dict) else {}
-
-
-def _own_template(tok_path: Path | None, config: dict) -> tuple[str, str] | None:
-    """(source, where) of the template that ships with a tokenizer: chat_template.jinja beside it (as
-    transformers >= 4.50 saves it), else tokenizer_config.json's chat_template (a string, or a list
-    of named templates of which "default" is the one applied)."""
-    if tok_path is None:
-        return None
-    jinja = tok_path.parent / TEMPLATE_FILE
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8"), f"the chat template {jinja}"
-    where = f"the chat template of {tok_path.parent / 'tokenizer_config.json'}"
-    value = config.get("chat_template")
-    if isinstance(value, list):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
-        value = named.get("default")
-    return (value, where) if isinstance(value, str) else None
-
-
-def _token_text(v) -> str | None:
-    if isinstance(v, dict):
-        v = v.get("content")
-    return v if isinstance(v, str) else None
+        source, name = read_text(path), f"the chat template {path}"
+    return ChatTemplate(source, specials, name=name, end_of_turn=specials.get("eos_token"))
 
 
 def _settings(cfg: Config, tok_file: Path) -> dict:
@@ -389,48 +306,63 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
         if len(bad_examples) < 5:
             bad_examples.append(f"{where}: {e}")
 
-    def example(conv: Conversation) -> Example | None:
+    limit = tok.text_budget(cfg.seq_len + 1)  # characters of a render that can reach the sequence
+
+    def example(conv: Conversation, rendered) -> Example | None:
+        """The example of one rendered conversation, fitted to the sequence length (None: skipped)."""
         try:
-            check_contents(conv, specials)
-            ex = label_mask(conv, template, tok, loss_on)
+            if kind == PROMPT_KIND:
+                ids, _ = tok.encode_chat(rendered.text)
+                if len(ids) >= cfg.seq_len or not rendered.complete:  # no room left for a reply
+                    counts["dropped_overlong"] += 1
+                    return None
+                return Example(np.asarray(ids, dtype=np.int32), np.zeros(len(ids), dtype=bool))
+            ex = label_mask(conv, template, tok, loss_on, rendered)
         except DataError as e:
             bad(conv.where, e)
             return None
         fitted = fit(ex, cfg.seq_len, s.overlong)
+        overlong = len(ex.ids) > cfg.seq_len or not ex.complete
         if fitted is None:
-            counts["dropped_overlong" if len(ex.ids) > cfg.seq_len else "no_loss_tokens"] += 1
+            counts["dropped_overlong" if overlong else "no_loss_tokens"] += 1
             return None
-        counts["truncated"] += len(fitted.ids) < len(ex.ids)
+        counts["truncated"] += overlong
         return fitted
 
-    def prompt(item) -> Example | None:
-        try:
-            check_contents(Conversation(item.messages, item.where), specials)
-            ids, _ = tok.encode_chat(template.render(list(item.messages), add_generation_prompt=True))
-        except DataError as e:
-            bad(item.where, e)
-            return None
-        if len(ids) >= cfg.seq_len:  # no room left for a reply
-            counts["dropped_overlong"] += 1
-            return None
-        return Example(np.asarray(ids, dtype=np.int32), np.zeros(len(ids), dtype=bool))
-
-    def add(item, split: str) -> None:
+    def conversations(item) -> list[Conversation]:
         if kind == PROMPT_KIND:
-            if (ex := prompt(item)) is not None:
-                examples[split].append(ex)
-                infos[split].append(item.info)
-            return
+            return [Conversation(item.messages, item.where)]
         if kind == UNPAIRED_KIND:
-            if (ex := example(item.conversation())) is not None:
-                examples[split].append(ex)
-                infos[split].append({"label": item.desirable})
-            return
-        convs = item.conversations() if kind == PREFERENCE_KIND else (item,)
-        made = [example(c) for c in convs]
-        if all(e is not None for e in made):  # a pair is kept whole or not at all
+            return [item.conversation()]
+        return list(item.conversations()) if kind == PREFERENCE_KIND else [item]
+
+    def add(batch: list[tuple[object, str]]) -> None:
+        """A batch of records: their conversations' contents checked, rendered in one round trip, and
+        each record's examples kept (a pair whole or not at all)."""
+        groups = [conversations(item) for item, _ in batch]
+        checked = []
+        for conv in (c for g in groups for c in g):
+            try:
+                check_contents(conv, specials)
+                checked.append(conv)
+            except DataError as e:
+                bad(conv.where, e)
+        try:
+            rendered = template.render_batch([c.messages for c in checked], spans=kind != PROMPT_KIND,
+                                             add_generation_prompt=kind == PROMPT_KIND, limit=limit)
+        except TemplateError as e:
+            raise DataError(f"{checked[e.index or 0].where}: {e}") from None
+        by_conv = {id(c): r for c, r in zip(checked, rendered)}
+        for (item, split), group in zip(batch, groups):
+            made = [example(c, by_conv[id(c)]) if id(c) in by_conv else None for c in group]
+            if any(e is None for e in made):
+                continue
             examples[split].extend(made)
-            if kind == PREFERENCE_KIND:
+            if kind == PROMPT_KIND:
+                infos[split].append(item.info)
+            elif kind == UNPAIRED_KIND:
+                infos[split].append({"label": item.desirable})
+            elif kind == PREFERENCE_KIND:
                 infos[split].append({"margin": item.margin})
 
     if kind == PREFERENCE_KIND:
@@ -447,14 +379,16 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
         read = lambda sources: read_prompts(sources, s.on_bad_record, stats)  # noqa: E731
     else:
         read = lambda sources: read_conversations(sources, s.format, s.on_bad_record, stats)  # noqa: E731
-    if val_data:
-        for item in read(data):
-            add(item, "train")
-        for item in read(val_data):
-            add(item, "val")
-    else:
-        for i, item in enumerate(read(data)):
-            add(item, split_of(i, cfg.run.seed, val_fraction) if val_fraction > 0 else "train")
+    def split_items():
+        if val_data:
+            yield from ((item, "train") for item in read(data))
+            yield from ((item, "val") for item in read(val_data))
+        else:
+            for i, item in enumerate(read(data)):
+                yield item, split_of(i, cfg.run.seed, val_fraction) if val_fraction > 0 else "train"
+
+    for batch in batches(split_items(), lambda pair: message_chars(conversations(pair[0]))):
+        add(batch)
     console(stats.summary())
     if any(counts.values()):
         console(

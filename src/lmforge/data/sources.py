@@ -9,7 +9,6 @@ and a folder walk skips them (and links to them, dangling links and links that l
 from __future__ import annotations
 
 import errno
-import json
 import os
 import stat
 import sys
@@ -21,6 +20,7 @@ from typing import BinaryIO
 
 from lmforge.config.schema import DataConfig
 from lmforge.errors import DataError
+from lmforge.utils.jsontext import BadJSON, loads
 
 BUILTIN_PYTHON = "builtin:python"
 TEXT_EXTENSIONS = (".txt", ".md")
@@ -288,9 +288,9 @@ def _jsonl_text(raw: bytes, where: str, start: int, cfg: DataConfig, stats: Sour
     if not line or line.isspace():
         return None  # blank lines are allowed in JSONL files (a trailing newline, say)
     try:
-        record = json.loads(line)
-    except json.JSONDecodeError as e:
-        return _bad_json(where, f"malformed JSON ({e.msg} at column {e.colno})", cfg, stats)
+        record = loads(line)
+    except BadJSON as e:  # malformed, nested past the recursion limit, or lone surrogates
+        return _bad_json(where, e.why, cfg, stats)
     if not isinstance(record, dict) or cfg.text_key not in record:
         return _bad_json(where, f"record has no {cfg.text_key!r} key (set data.text_key to the text field)",
                          cfg, stats)

@@ -18,6 +18,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from lmforge.errors import DataError
 from lmforge.utils.io import atomic_write_text
+from lmforge.utils.jsontext import loads
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens of common tokenizer families, tried in this order when loading one.
@@ -26,6 +27,7 @@ EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 # RoBERTa's. lmforge's own tokenizers get BERT's appended (after the BPE ids, which stay as they are).
 ENCODER_TOKEN_SETS = (("[CLS]", "[SEP]", "[MASK]", "[PAD]"), ("<s>", "</s>", "<mask>", "<pad>"))
 _BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+TEXT_SLACK = 64  # tokens of margin in text_budget: a cut inside a word changes only its last tokens
 
 
 @lru_cache(maxsize=1)
@@ -49,6 +51,7 @@ class Tokenizer:
         self._tok = tok
         self._tok.encode_special_tokens = True  # see the module docstring
         self.eos_id = eos_id
+        self._longest: int | None = None  # characters of the longest vocabulary entry (text_budget)
 
     @property
     def hf(self) -> HFTokenizer:
@@ -133,11 +136,28 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, with no special tokens added."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            raise _not_unicode([text]) from None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, encoded in parallel by the Rust side."""
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        try:
+            return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        except TypeError:
+            raise _not_unicode(texts) from None
+
+    def text_budget(self, n_tokens: int) -> int:
+        """Characters of text that hold more than `n_tokens` tokens, however the text goes on: a token
+        covers at most as many characters as its vocabulary entry has (bytes, for a byte-level BPE), so
+        this many characters hold n_tokens + TEXT_SLACK tokens, the slack being margin for a cut that
+        lands inside a word. Renders and tokenization cut text here, so a record far longer than the
+        sequence costs what a sequence costs. (A normalizer that deletes characters could make the text
+        hold fewer; its first tokens are still the text's first tokens.)"""
+        if self._longest is None:
+            self._longest = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return (n_tokens + TEXT_SLACK) * max(self._longest, 1)
 
     def encode_chat(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and character offsets of a rendered chat: here special tokens written in the text (the
@@ -146,6 +166,8 @@ class Tokenizer:
         self._tok.encode_special_tokens = False
         try:
             enc = self._tok.encode(text, add_special_tokens=False)
+        except TypeError:
+            raise _not_unicode([text]) from None
         finally:
             self._tok.encode_special_tokens = True
         return enc.ids, enc.offsets
@@ -160,6 +182,7 @@ class Tokenizer:
 
         missing = [t for t in tokens if self._tok.token_to_id(t) is None]
         if missing:
+            self._longest = None
             self._tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
         return [self._tok.token_to_id(t) for t in tokens]
 
@@ -228,10 +251,25 @@ def _find_eos(tok: HFTokenizer, where: str | Path, config: Path | None = None) -
 def _config_eos(path: Path) -> str | None:
     if not path.is_file():
         return None
-    try:
-        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token")
+    try:  # BadJSON is a ValueError: nested too deeply, lone surrogates
+        eos = loads(path.read_bytes().decode("utf-8-sig")).get("eos_token")
     except (OSError, ValueError, AttributeError):
         return None
     if isinstance(eos, dict):  # transformers also writes {"content": "...", ...}
         eos = eos.get("content")
     return eos if isinstance(eos, str) else None
+
+
+def _not_unicode(texts: list) -> Exception:
+    """The error for text `tokenizers` refuses: a lone surrogate (U+D800-U+DFFF) is not Unicode text
+    and cannot be encoded; anything else is a caller's bug, passed on as the TypeError it is."""
+    for text in texts:
+        if isinstance(text, str):
+            at = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+            if at is not None:
+                return DataError(
+                    f"the text holds a lone surrogate ({text[at]!r} at character {at}), which is not valid "
+                    "Unicode: an unpaired \\ud800-\\udfff escape in JSON, or bytes that are not UTF-8; "
+                    "fix the text"
+                )
+    return TypeError("tokenizers accepts text (str) only")

@@ -19,10 +19,31 @@ from lmforge.errors import LmforgeError
 from lmforge.models.generation import sample_replies
 
 
-def chat_prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
+class PromptTooLong(LmforgeError):
+    """A conversation whose rendered text is longer than the model's context can hold."""
+
+
+def chat_prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[dict],
+                    max_len: int | None = None) -> list[int]:
     """Token ids of `messages` followed by the template's generation prompt (the assistant's turn)."""
-    ids, _ = tokenizer.encode_chat(template.render(list(messages), add_generation_prompt=True))
-    return ids
+    return chat_prompts(template, tokenizer, [messages], max_len)[0]
+
+
+def chat_prompts(template: ChatTemplate, tokenizer: Tokenizer, conversations: Sequence[Sequence[dict]],
+                 max_len: int | None = None) -> list[list[int]]:
+    """`chat_prompt_ids` of each conversation, rendered in one batch. With `max_len` (the model's
+    context), the render stops at the text that many tokens can hold and a conversation that goes on
+    past it is PromptTooLong: the work is bounded by the context, not by the request."""
+    limit = None if max_len is None else tokenizer.text_budget(max_len)
+    out = []
+    for i, r in enumerate(template.render_batch(conversations, add_generation_prompt=True, limit=limit)):
+        if not r.complete:
+            which = f"conversation {i}" if len(conversations) > 1 else "the conversation"
+            room = f"the model's context of {max_len} tokens" if max_len else f"{len(r.text):,} characters"
+            raise PromptTooLong(f"{which} rendered by {template.name} is longer than {room}; shorten the "
+                                "messages")
+        out.append(tokenizer.encode_chat(r.text)[0])
+    return out
 
 
 def greedy_replies(
@@ -49,7 +70,8 @@ def task_accuracy(
     """Exact-match accuracy per task of `model`'s greedy replies to `records` (instruct_tasks records:
     the reply to every message before the final assistant answer is scored against `answer`)."""
     stops = stop_ids(template, tokenizer)
-    prompts = [chat_prompt_ids(template, tokenizer, _before_answer(r)) for r in records]
+    max_len = getattr(getattr(model, "cfg", None), "max_seq_len", None)
+    prompts = chat_prompts(template, tokenizer, [_before_answer(r) for r in records], max_len)
     replies: list[str] = []
     for i in range(0, len(prompts), batch_size):
         for ids in greedy_replies(model, prompts[i : i + batch_size], max_new_tokens, stops, device):

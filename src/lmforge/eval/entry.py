@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lmforge.assembly import Run, build_run
-from lmforge.checkpoint.runs import run_config
+from lmforge.checkpoint.runs import run_config, run_tokenizer_file
 from lmforge.data.chat import ChatStats
-from lmforge.data.chat_template import ChatTemplate, stop_ids
+from lmforge.data.chat_template import ChatTemplate, stop_ids, tokenizer_template
 from lmforge.engine.evaluate import evaluate_loss
 from lmforge.errors import DataError, LmforgeError
-from lmforge.eval.chat import chat_prompt_ids, task_accuracy
+from lmforge.eval.chat import chat_prompt_ids, chat_prompts, task_accuracy
 from lmforge.eval.generate import generate
 from lmforge.utils.io import atomic_write_json
 
@@ -92,7 +92,8 @@ def generate_text(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
     g = run.cfg.generate
     if chat:
         template = chat_template_of(run)
-        prompt_ids = chat_prompt_ids(template, run.tokenizer, [{"role": "user", "content": g.prompt}])
+        prompt_ids = chat_prompt_ids(template, run.tokenizer, [{"role": "user", "content": g.prompt}],
+                                     run.model.cfg.max_seq_len)
         stops = stop_ids(template, run.tokenizer)
     else:
         prompt_ids = run.tokenizer.encode(g.prompt) if g.prompt else [run.tokenizer.eos_id]
@@ -135,8 +136,13 @@ def _speculative_samples(run: Run, draft_path: str | Path, k: int, prompt_ids: l
 
 
 def chat_template_of(run: Run) -> ChatTemplate:
-    """The template a run was fine-tuned with; lmforge's ChatML for one that was not."""
-    return run.template if run.template is not None else ChatTemplate.chatml()
+    """The template a run was fine-tuned with; for one that was not, the template its tokenizer ships
+    with (a Hugging Face model dir's `chat_template` or chat_template.jinja, as transformers applies it),
+    else lmforge's ChatML."""
+    if run.template is not None:
+        return run.template
+    own = tokenizer_template(run_tokenizer_file(run.cfg), run.tokenizer)
+    return own if own is not None else ChatTemplate.chatml()
 
 
 def eval_tasks(path: str | Path, tasks_file: str | Path, overrides: list[str] | tuple[str, ...] = (),
@@ -179,8 +185,8 @@ def eval_redteam(path: str | Path, prompts_file: str | Path | None = None,
     run = load_run(path, overrides, weights)
     template = chat_template_of(run)
     stops = stop_ids(template, run.tokenizer)
-    ids = [chat_prompt_ids(template, run.tokenizer, [{"role": "user", "content": r["prompt"]}])
-           for r in attacks + benign]
+    ids = chat_prompts(template, run.tokenizer, [[{"role": "user", "content": r["prompt"]}]
+                                                 for r in attacks + benign], run.model.cfg.max_seq_len)
     replies: list[str] = []
     for i in range(0, len(ids), batch_size):
         for out in greedy_replies(run.model, ids[i : i + batch_size], max_new_tokens, stops, run.device):

@@ -27,8 +27,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from lmforge.data.chat_template import ChatTemplate, stop_ids
+from lmforge.data.template_pool import pool
 from lmforge.errors import LmforgeError
-from lmforge.eval.chat import chat_prompt_ids
+from lmforge.eval.chat import PromptTooLong, chat_prompt_ids
 from lmforge.serve.engine import Engine, EngineBusy, Event, SamplingParams
 from lmforge.serve.protocol import (
     ChatCompletionRequest,
@@ -38,8 +39,10 @@ from lmforge.serve.protocol import (
     now,
     usage,
 )
+from lmforge.utils.jsontext import BadJSON, loads
 
 MAX_BODY_BYTES = 1 << 20
+RENDER_WORKERS = 2  # processes rendering an untrusted chat template: one refused render holds up no one
 
 
 class ApiError(HTTPException):
@@ -60,6 +63,8 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
     app.add_middleware(_Guard, keys=None if api_keys is None else [k.encode() for k in api_keys],
                        max_body=max_body_bytes)
     created = now()
+    if not template.trusted:
+        pool().resize(max(pool().size, RENDER_WORKERS))
     specials = tokenizer.special_tokens()
     chat_stops = frozenset(stop_ids(template, tokenizer))
     # A template's end of turn that is not one token (ChatML over a tokenizer that was never
@@ -116,9 +121,11 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
             if bad is not None:  # it would be encoded as the token itself and could forge a turn
                 raise ApiError(400, f"messages[{i}].content contains the control token {bad!r}",
                                param=f"messages.{i}.content")
-        try:
-            ids = chat_prompt_ids(template, tokenizer, messages)
-        except LmforgeError as e:  # the template refused the conversation (raise_exception)
+        try:  # in a thread: an untrusted template's render waits on its worker, not on the event loop
+            ids = await asyncio.to_thread(chat_prompt_ids, template, tokenizer, messages, engine.max_len)
+        except PromptTooLong as e:
+            raise ApiError(400, str(e), code="context_length_exceeded", param="messages") from None
+        except LmforgeError as e:  # the template refused the conversation, or ran past its budget
             raise ApiError(400, f"the chat template cannot render these messages: {e}",
                            param="messages") from None
         params = _params(engine, body, [ids], body.limit(), chat_stops, chat_stop_text)
@@ -136,9 +143,11 @@ def _check_model(name: str, served: str) -> None:
 def _parse(raw: bytes, schema):
     """The validated request, or a 400 saying what is wrong with the body."""
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        obj = loads(raw)
+    except BadJSON as e:
+        if e.path is not None:  # well-formed JSON, but text no encoder can take
+            raise ApiError(400, e.why, param=e.path or None) from None
+        raise ApiError(400, f"the request body is not valid JSON: {e.why}", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     try:
