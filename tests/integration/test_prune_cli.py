@@ -123,9 +123,9 @@ def test_recovery_config_and_set_are_applied(source, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--method", "magnitude", "--sparsity", "1.0"], "argument --sparsity: must be a positive number < 1"),
-        (["--method", "magnitude", "--sparsity", "-0.5"], "argument --sparsity: must be a positive number < 1"),
-        (["--method", "magnitude", "--sparsity", "0"], "argument --sparsity: must be a positive number < 1"),
+        (["--method", "magnitude", "--sparsity", "1.0"], "--sparsity: must be a positive number < 1"),
+        (["--method", "magnitude", "--sparsity", "-0.5"], "--sparsity: must be a positive number < 1"),
+        (["--method", "magnitude", "--sparsity", "0"], "--sparsity: must be a positive number < 1"),
         (["--method", "heads", "--heads", "8"], "--heads 8: the model has 4 query heads"),
         (["--method", "heads", "--heads", "1"], "give a multiple of 2"),
         (["--method", "channels", "--channels", "500"], "has 192 MLP channels"),
