@@ -50,7 +50,8 @@ def test_task_filters_and_templates_run_under_the_budget():
                            "t.yaml: filter strict: the regex")
     template = "{{ q | regex_replace('" + EVIL + "', '') }}"
     _refused_within_budget(lambda: render(template, {"q": TEXT}, "docs.jsonl:1"),
-                           "docs.jsonl:1: a task template's regex_replace: the regex")
+                           r"docs.jsonl:1: the template .* does not render: regex_replace: the regex "
+                           r"'\(x\+x\+\)\+y' ran past its 1 s budget")
     assert render("{{ q | regex_replace('a+', 'b') }}", {"q": "caat"}, "w") == "cbt"
 
 
@@ -73,3 +74,22 @@ def test_exact_match_regexes_are_checked_at_load_and_budgeted_when_run(tmp_path)
 def test_peft_target_modules_from_a_file_run_under_the_budget():
     assert _peft_matches("model.layers.0.self_attn.q_proj", r".*\.(q_proj|v_proj)")
     _refused_within_budget(lambda: _peft_matches("x" * 5000, r"(x|xx)+(?!x)\d"), "target_modules")
+
+
+@pytest.mark.parametrize("template, why", [
+    ("{% for i in range(9999) %}{% for j in range(9999) %}{% endfor %}{% endfor %}", "did not finish within"),
+    ("{% for i in range(10**6) %}{% endfor %}", "'range' would make 1,000,000 numbers"),
+    ("{{ 'x' * 10**10 }}", "would make 10,000,000,000 characters"),
+    ("{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+     "{{ ns.s|length }}", "more memory"),
+    ("{{ '%99999999999s' % 'x' }}", "characters"),
+])
+def test_a_task_file_template_that_loops_or_grows_is_refused_in_seconds(template, why):
+    """doc_to_text and the other templates of a task file are someone else's code: they render in the
+    template worker, with a deadline and a memory bound, and the refusal names the document."""
+    t0 = time.perf_counter()
+    match = rf"docs.jsonl:7: the template .* does not render: .*{re.escape(why)}"
+    with pytest.raises(TaskError, match=match):
+        render(template, {"q": "x"}, "docs.jsonl:7")
+    assert time.perf_counter() - t0 < 5
+    assert render("{{ q }} and {{ q|upper }}\n", {"q": "x"}, "w") == "x and X\n"  # the worker still serves

@@ -24,7 +24,8 @@ Protocol (one JSON line each way, UTF-8 with surrogates passed through): the wor
 then for each request {"source", "specials", "seconds", "jobs": [job, ...]} answers one line per job,
 in order, as each finishes: {"text", "spans", "complete"} or {"error", "kind"}; a "spans" job that
 renders prefixes also writes PROGRESS after each, and `seconds` bound each render, not the job. A job is
-{"op": "compile"}, {"op": "render", "messages", "gen", "limit"} or {"op": "spans", "messages", "limit"}.
+{"op": "compile", "kind"}, {"op": "render", "messages", "gen", "limit"}, {"op": "spans", "messages",
+"limit"} or {"op": "task", "context", "limit"} (a task file's template with a document's fields).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ MAX_BUILT = 1 << 20  # characters one repetition, padding or format width may bu
 MAX_INT_BITS = 1 << 16  # bits of an integer a power or product may make
 RANGE_FLOOR = 10_000  # numbers a range may hold, plus two per message
 MAX_DATE_FORMAT = 256  # characters of a strftime_now format
+REGEX_SECONDS = 1.0  # one regex_replace call in a task template (utils/safe_regex.py's budget)
 MEMORY_BUDGET = 1 << 30  # bytes of address space a worker may add, beyond 8x its request
 PROGRESS = b"0"  # the line a worker writes after each prefix render of a long conversation
 _MARKER = re.compile("\x00gen(\\d+)\x00")
@@ -154,21 +156,26 @@ def _range(limit: int):
     return bounded
 
 
-@lru_cache(maxsize=8)
-def compile_template(source: str):
-    """The compiled template (CompileFailure with the template's line when it does not compile)."""
+@lru_cache(maxsize=64)
+def compile_template(source: str, kind: str = "chat"):
+    """The compiled template (CompileFailure with the template's line when it does not compile). kind:
+    "chat" (a chat template, as transformers renders it) or "task" (an eval task file's doc_to_text and
+    the like, as lm-evaluation-harness renders them: undefined names are errors, trailing newlines kept,
+    its `regex_replace` filter)."""
     import jinja2
 
     try:
-        return _environment().from_string(source)
+        return _environment(kind).from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise CompileFailure(f"{e.message} (template line {e.lineno})") from None
     except RecursionError:
         raise CompileFailure("it is nested too deeply") from None
 
 
-@lru_cache(maxsize=1)
-def _environment():
+@lru_cache(maxsize=2)
+def _environment(kind: str = "chat"):
+    import re
+
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.filters import do_center, do_format, do_indent, do_replace
@@ -243,9 +250,32 @@ def _environment():
         _check_replace(str(s), old, new, -1 if count is None else count)
         return do_replace(eval_ctx, s, old, new, count)
 
+    def regex_replace(s, pattern, repl, count=0):
+        """The harness's filter, under REGEX_SECONDS a call where the `regex` package is installed (it
+        reads Python's patterns and can stop a match); the worker's deadline bounds it anyway."""
+        if not (isinstance(s, str) and isinstance(pattern, str) and isinstance(repl, str)):
+            raise BudgetExceeded("regex_replace takes a text, a pattern and a replacement, all strings")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise BudgetExceeded(f"regex_replace's count must be a whole number >= 0, got {count!r}")
+        try:
+            import regex
+        except ImportError:
+            return re.sub(pattern, repl, s, count=count)
+        try:
+            return regex.sub(pattern, repl, s, count=count, timeout=REGEX_SECONDS)
+        except TimeoutError:
+            raise BudgetExceeded(f"regex_replace: the regex {pattern[:100]!r} ran past its "
+                                 f"{REGEX_SECONDS:g} s budget on a {len(s):,}-character text") from None
+
     replace.jinja_pass_arg = do_replace.jinja_pass_arg  # it takes the eval context, as Jinja's does
+    budgeted = dict(format=format_filter, center=center, indent=indent, replace=replace)
+    if kind == "task":
+        env = Budgeted(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        env.filters.update(regex_replace=regex_replace, **budgeted)
+        env.globals["range"] = _range(RANGE_FLOOR)
+        return env
     env = Budgeted(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
-    env.filters.update(tojson=tojson, format=format_filter, center=center, indent=indent, replace=replace)
+    env.filters.update(tojson=tojson, **budgeted)
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     return env
 
@@ -295,6 +325,34 @@ def render(source: str, specials: dict[str, str], messages: list[dict], add_gene
         text = text[:limit]
         spans = [(a, min(b, limit)) for a, b in spans if a < limit]
     return text, spans, complete
+
+
+def render_task(source: str, context: dict[str, Any], limit: int) -> tuple[str, bool]:
+    """(text, complete): the first `limit` characters of a task template rendered with `context` (a
+    document's fields)."""
+    import jinja2
+
+    out: list[str] = []
+    length, complete = 0, True
+    stream = compile_template(source, "task").generate(**context)
+    try:
+        for piece in stream:
+            out.append(piece)
+            length += len(piece)
+            if length > limit:
+                complete = False
+                break
+    except RenderFailure:
+        raise
+    except jinja2.exceptions.TemplateError as e:
+        raise RenderFailure(str(e)) from None
+    except MemoryError:
+        raise
+    except Exception as e:  # a template is code: any error in it is the template's, reported as such
+        raise RenderFailure(f"{type(e).__name__}: {e}") from None
+    finally:
+        stream.close()
+    return "".join(out)[:limit], complete
 
 
 def _swap_markers(piece: str, bodies: list[str], at: int, spans: list[tuple[int, int]]) -> str:
@@ -350,8 +408,11 @@ def run_job(source: str, specials: dict[str, str], job: dict, progress=lambda: N
     """One job of the protocol above, answered as a dict (errors included)."""
     try:
         if job["op"] == "compile":
-            compile_template(source)
+            compile_template(source, job.get("kind", "chat"))
             return {"text": "", "spans": [], "complete": True}
+        if job["op"] == "task":
+            text, complete = render_task(source, job["context"], job["limit"])
+            return {"text": text, "spans": [], "complete": complete}
         if job["op"] == "spans":
             text, spans, complete = assistant_spans(source, specials, job["messages"], job["limit"],
                                                     progress)

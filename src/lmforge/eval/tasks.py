@@ -37,7 +37,6 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -142,33 +141,54 @@ _TaskLoader.add_constructor("!function", lambda loader, node: _Function(loader.c
 # ------------------------------------------------------------------------------------------- templates
 
 
-@lru_cache(maxsize=256)
-def _template(source: str):
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-    env.filters["regex_replace"] = _regex_replace
-    return env.from_string(source)
-
-
-def _regex_replace(s: Any, pattern: Any, repl: Any, count: Any = 0) -> str:
-    """The harness's `regex_replace` Jinja filter, with the pattern under the regex time budget."""
-    if not all(isinstance(x, str) for x in (s, pattern, repl)):
-        raise TaskError("regex_replace takes a text, a pattern and a replacement, all strings")
-    count = whole(0, 1 << 30).check(count, "regex_replace's count", TaskError)
-    return compile_regex(pattern, "a task template's regex_replace", TaskError).sub(repl, s, count=count)
+TEMPLATE_SECONDS = 2.0  # wall clock one render of a task file's template may take
+TEMPLATE_CHARS = 1 << 22  # characters one render may make (a prompt is a few thousand)
 
 
 def render(source: str, doc: dict, where: str) -> str:
-    import jinja2
+    """A task file's Jinja template (doc_to_text, doc_to_target, ...) rendered with the document's fields
+    as lm-evaluation-harness renders it, in the template worker (data/template_sandbox.py): a task file
+    is someone else's code, so its render has a deadline, a memory bound and an output bound."""
+    from lmforge.data.template_pool import JOB_SECONDS, pool
+
+    job = {"op": "task", "context": _jsonable(doc), "limit": TEMPLATE_CHARS}
+    with pool().worker() as w:
+        answer = w.run(source, {}, [job], TEMPLATE_SECONDS)[0]
+    if "error" not in answer:
+        if not answer["complete"]:
+            raise TaskError(f"{where}: the template {source[:200]!r} renders more than {TEMPLATE_CHARS:,} "
+                            "characters; a prompt is far shorter")
+        return answer["text"]
+    kind, error = answer["kind"], answer["error"]
+    if kind == "timeout":
+        within = f"{JOB_SECONDS:g}" if error == "job" else f"{TEMPLATE_SECONDS:g}"
+        error = f"it did not finish within {within} s (a loop that does not end, or too much work)"
+    elif kind == "memory":
+        error = "it needed more memory than a render may use"
+    elif kind == "died":
+        error = f"it crashed the process rendering it ({error})"
+    raise TaskError(f"{where}: the template {source[:200]!r} does not render: {error}")
+
+
+def _jsonable(doc: Any) -> Any:
+    """The document as JSON values (what the worker reads): numpy scalars as numbers, anything else that
+    JSON has no type for (bytes, dates) as its text, as Jinja would print it."""
+    import json
+
+    def plain(o: Any) -> Any:
+        item = getattr(o, "item", None)
+        if callable(item):
+            try:
+                return item()
+            except (TypeError, ValueError):
+                pass
+        tolist = getattr(o, "tolist", None)
+        return tolist() if callable(tolist) else str(o)
 
     try:
-        return _template(source).render(**doc)
-    except jinja2.TemplateError as e:
-        raise TaskError(f"{where}: the template {source!r} does not render: {e}") from None
-    except LmforgeError as e:  # a filter's own refusal (regex_replace over its time budget)
-        raise TaskError(f"{where}: {e}") from None
+        return json.loads(json.dumps(doc, default=plain))
+    except (ValueError, RecursionError) as e:
+        raise TaskError(f"a document cannot be passed to its template: {e}") from None
 
 
 # ----------------------------------------------------------------------------------------------- spec
