@@ -120,7 +120,7 @@ CASES: list[Case] = [
     Case("answers: prune of an int8 run, whole heads", PRUNE("q8", "--method", "heads", "--heads", "2"),
          _quantized, match="prune the run it was quantized from"),
     Case("answers: prune to sparsity 0", PRUNE("run", "--method", "magnitude", "--sparsity", "0"),
-         match="--sparsity in (0, 1)"),
+         match="argument --sparsity: must be a positive number < 1"),
     # -- a fine-tuning run from an adapter run ----------------------------------------------------------
     Case("answers: dpo from a LoRA run", lambda ws: ["dpo", *common(ws, "dpo"), *S(
         f"model.init_from={ws / 'lora'}", f"preference.data=[{ws / 'pairs.jsonl'}]", "data.dir=null",

@@ -76,10 +76,10 @@ def test_limit_on_the_red_team_and_on_data(run_dir, tmp_path):
     (["--tasks", "{tasks}", "--data", "{tasks}"], "different evaluations"),
     (["--redteam", "--tasks", "{tasks}"], "different evaluations"),
     (["--tasks", "{tasks}", "--limit", "2.5"], "--limit 2.5: give a whole number"),
-    (["--tasks", "{tasks}", "--limit", "nan"], "--limit nan"),
-    (["--tasks", "{tasks}", "--limit", "inf"], "--limit inf"),
-    (["--tasks", "{tasks}", "--limit", "-1"], "--limit -1"),
-    (["--tasks", "{tasks}", "--limit", "0"], "--limit 0"),
+    (["--tasks", "{tasks}", "--limit", "nan"], "argument --limit: must be a positive number"),
+    (["--tasks", "{tasks}", "--limit", "inf"], "argument --limit: must be a positive number"),
+    (["--tasks", "{tasks}", "--limit", "-1"], "argument --limit: must be a positive number"),
+    (["--tasks", "{tasks}", "--limit", "0"], "argument --limit: must be a positive number"),
 ])
 def test_an_option_the_mode_would_ignore_is_refused(run_dir, tmp_path, capsys, argv, words):
     tasks = tmp_path / "tasks.jsonl"
@@ -87,5 +87,5 @@ def test_an_option_the_mode_would_ignore_is_refused(run_dir, tmp_path, capsys, a
     before = sorted(p.name for p in run_dir.iterdir())
     assert main(["eval", str(run_dir), *(a.format(tasks=tasks) for a in argv)]) == 2
     err = capsys.readouterr().err
-    assert words in err and err.startswith("lmforge eval: error: ") and "Traceback" not in err
+    assert words in err and "lmforge eval: error: " in err and "Traceback" not in err
     assert sorted(p.name for p in run_dir.iterdir()) == before  # refused before any evaluation
