@@ -69,6 +69,7 @@ def test_stated_derived_keys_are_checked_not_ignored(world, tmp_path, capsys):
                         ("model.value_head=true", "objective sft has no value head")):
         assert main(["sft", "-c", str(saved), "--set", f"run.dir={tmp_path / 'new'}", "--set", pair]) == 2
         assert words in capsys.readouterr().err, pair
+        assert not (tmp_path / "new").exists(), pair  # nothing of the refused command is left
     # a pretraining run from init_from still may not contradict its source's vocabulary
     assert main(["train", *_args(tmp_path / "t", f"model.init_from={world / 'base'}",
                                  "model.vocab_size=1024")]) == 2
