@@ -281,62 +281,17 @@ def _environment(kind: str = "chat"):
 
 
 # -- renders ----------------------------------------------------------------------------------------
-def render(source: str, specials: dict[str, str], messages: list[dict], add_generation_prompt: bool,
-           limit: int, track: bool = False) -> tuple[str, list[tuple[int, int]], bool]:
-    """(text, spans, complete): the first `limit` characters of the conversation rendered by `source`;
-    `complete` is False when there was more. track: the (start, end) spans of its generation blocks."""
-    import jinja2
-
-    template = compile_template(source)
-    bodies: list[str] = []
-    variables: dict[str, Any] = {
-        **specials,
-        "messages": [dict(m) for m in messages],
-        "add_generation_prompt": add_generation_prompt,
-        "range": _range(RANGE_FLOOR + 2 * len(messages)),
-    }
-    if track:
-        variables["__spans__"] = bodies
-    out: list[str] = []
-    spans: list[tuple[int, int]] = []
-    length, complete = 0, True
-    stream = template.generate(**variables)
-    try:
-        for piece in stream:
-            if track and "\x00" in piece:
-                piece = _swap_markers(piece, bodies, length, spans)
-            out.append(piece)
-            length += len(piece)
-            if length > limit:
-                complete = False
-                break
-    except RenderFailure:
-        raise
-    except jinja2.exceptions.TemplateError as e:
-        raise RenderFailure(str(e)) from None
-    except MemoryError:
-        raise
-    except Exception as e:  # a template is code: any error in it is the template's, reported as such
-        raise RenderFailure(f"{type(e).__name__}: {e}") from None
-    finally:
-        stream.close()
-    text = "".join(out)
-    if not complete:
-        text = text[:limit]
-        spans = [(a, min(b, limit)) for a, b in spans if a < limit]
-    return text, spans, complete
-
-
-def render_task(source: str, context: dict[str, Any], limit: int) -> tuple[str, bool]:
-    """(text, complete): the first `limit` characters of a task template rendered with `context` (a
-    document's fields)."""
+def _collect(stream, limit: int, edit=None) -> tuple[str, bool]:
+    """(text, complete): a template's output stream read until it ends or passes `limit` characters;
+    `edit(piece, length so far)` may rewrite each piece. Any error of the template's is a RenderFailure."""
     import jinja2
 
     out: list[str] = []
     length, complete = 0, True
-    stream = compile_template(source, "task").generate(**context)
     try:
         for piece in stream:
+            if edit is not None:
+                piece = edit(piece, length)
             out.append(piece)
             length += len(piece)
             if length > limit:
@@ -353,6 +308,35 @@ def render_task(source: str, context: dict[str, Any], limit: int) -> tuple[str, 
     finally:
         stream.close()
     return "".join(out)[:limit], complete
+
+
+def render(source: str, specials: dict[str, str], messages: list[dict], add_generation_prompt: bool,
+           limit: int, track: bool = False) -> tuple[str, list[tuple[int, int]], bool]:
+    """(text, spans, complete): the first `limit` characters of the conversation rendered by `source`;
+    `complete` is False when there was more. track: the (start, end) spans of its generation blocks."""
+    template = compile_template(source)
+    bodies: list[str] = []
+    variables: dict[str, Any] = {
+        **specials,
+        "messages": [dict(m) for m in messages],
+        "add_generation_prompt": add_generation_prompt,
+        "range": _range(RANGE_FLOOR + 2 * len(messages)),
+    }
+    spans: list[tuple[int, int]] = []
+    edit = None
+    if track:
+        variables["__spans__"] = bodies
+        edit = lambda piece, at: _swap_markers(piece, bodies, at, spans) if "\x00" in piece else piece  # noqa: E731
+    text, complete = _collect(template.generate(**variables), limit, edit)
+    if not complete:
+        spans = [(a, min(b, limit)) for a, b in spans if a < limit]
+    return text, spans, complete
+
+
+def render_task(source: str, context: dict[str, Any], limit: int) -> tuple[str, bool]:
+    """(text, complete): the first `limit` characters of a task template rendered with `context` (a
+    document's fields)."""
+    return _collect(compile_template(source, "task").generate(**context), limit)
 
 
 def _swap_markers(piece: str, bodies: list[str], at: int, spans: list[tuple[int, int]]) -> str:
