@@ -19,10 +19,17 @@ if [ "${#_lmforge_missing[@]}" -gt 0 ]; then
   if [ "${#_lmforge_apt[@]}" -gt 0 ]; then
     echo "[lmforge] installing ${_lmforge_missing[*]} (apt-get) for the tests that need them"
     export DEBIAN_FRONTEND=noninteractive
-    "${_lmforge_apt[@]}" install -y -qq "${_lmforge_missing[@]}" >/dev/null 2>&1 \
-      || { "${_lmforge_apt[@]}" update -qq >/dev/null 2>&1 \
-           && "${_lmforge_apt[@]}" install -y -qq "${_lmforge_missing[@]}" >/dev/null 2>&1; } \
-      || echo "[lmforge] could not install ${_lmforge_missing[*]}: the tests that need them are skipped" >&2
+    _lmforge_updated=0
+    for _lmforge_pkg in "${_lmforge_missing[@]}"; do  # one at a time: one that fails leaves the other
+      "${_lmforge_apt[@]}" install -y -qq "$_lmforge_pkg" >/dev/null 2>&1 && continue
+      if [ "$_lmforge_updated" -eq 0 ]; then  # stale package lists: read them once, then try again
+        "${_lmforge_apt[@]}" update -qq >/dev/null 2>&1
+        _lmforge_updated=1
+        "${_lmforge_apt[@]}" install -y -qq "$_lmforge_pkg" >/dev/null 2>&1 && continue
+      fi
+      echo "[lmforge] could not install $_lmforge_pkg: the tests that need it are skipped" >&2
+    done
+    unset _lmforge_updated _lmforge_pkg
   else
     echo "[lmforge] ${_lmforge_missing[*]} missing and no root or passwordless sudo with apt-get to install" \
          "them: the tests that need them are skipped (install: apt-get install ${_lmforge_missing[*]})" >&2
