@@ -200,7 +200,9 @@ def test_dashboard_drives_a_run_in_chromium(browser, served, tmp_path):
             for r in page.locator("#diff-table tbody tr").all()}
     assert diff["train.max_steps"] == [str(MAX_STEPS), "3"] and diff["optim.lr"] == ["0.003", "0.001"]
     assert diff["run.dir"][0] != diff["run.dir"][1]
-    assert set(diff) == {"train.max_steps", "optim.lr", "run.dir"}, sorted(diff)  # only what changed
+    # only what changed: the two edits, and the outputs the server puts in each job's own dir
+    assert set(diff) == {"train.max_steps", "optim.lr", "run.dir", "curate.output_dir"}, sorted(diff)
+    assert all(job in v for job, v in zip((job_id, second), diff["curate.output_dir"]))
 
     # Server text is shown as text: an unknown key with markup comes back in the 422 message verbatim.
     page.fill("#sets", "")
