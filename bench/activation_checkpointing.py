@@ -101,7 +101,8 @@ def worker(args) -> int:
     n = shape["batch"] * shape["seq"]
     ids = np.random.default_rng(0).integers(0, shape["vocab"], size=n * (args.warmup + args.steps + 4) + 1)
     run = build_run(cfg, "experiment", train_data=[ids], say=lambda *_: None)
-    batches = [run.train_loader.next_batch() for _ in range(args.warmup + args.steps + 2)]
+    device = next(run.model.parameters()).device  # the Trainer moves each batch; so does this bench
+    batches = [run.train_loader.next_batch().to(device) for _ in range(args.warmup + args.steps + 2)]
 
     def step(batch) -> float:
         result = run.parallel.step([batch], run.optimizer, run.precision, grad_clip=1.0)

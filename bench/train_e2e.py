@@ -62,6 +62,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="steps per block and side")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=RESULTS, help="where to write the results")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         sets = [f"run.dir={tmp}/run", "train.max_time=null", "schedule.unit=steps", "schedule.name=cosine",
@@ -111,8 +112,8 @@ def main() -> None:
     print(f"bare step {mb * 1e3:.2f} ms ({tokens / mb:,.0f} tok/s); lmforge train loop {ml * 1e3:.2f} ms "
           f"({tokens / ml:,.0f} tok/s): the loop takes {100 * (ml / mb - 1):+.1f}% per step "
           f"({len(t_bare)} steps each, medians)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=2) + "\n")
 
 
 if __name__ == "__main__":

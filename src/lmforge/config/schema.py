@@ -241,6 +241,11 @@ class ModelConfig(Section):
         None, description="Mixture of experts in place of the MLPs (None: dense); not with pipeline "
         "parallelism."
     )
+    # [issue-34 area: qwen3-granite-smollm3]
+    # [issue-34 area: gemma-olmo2]
+    # [issue-34 area: phi3-rope]
+    # [issue-34 area: deepseek-mla]
+    # [issue-34 area: gpt-oss]
 
     @model_validator(mode="before")
     @classmethod
