@@ -7,8 +7,8 @@ what is left, runs in its own process under a deadline (a crash or a hang costs 
 leaves its JSON beside the others. The rows are the existing benches, each with its competitor in the
 same process where there is one; this file only orders, bounds and reports them.
 
-    bash bench/gpu_suite.sh                            # CUDA: every row, 540 s budget, results in bench/results/gpu_suite/
-    bash bench/gpu_suite.sh --tiny --out /tmp/suite    # CPU, tiny shapes: checks the suite itself (a test)
+    bash bench/gpu_suite.sh                          # CUDA: every row, 540 s, into bench/results/gpu_suite/
+    bash bench/gpu_suite.sh --tiny --out /tmp/suite  # CPU, tiny shapes: checks the suite itself (a test)
     python bench/gpu_suite.py --only gpt2,lora --budget 300
 
 Writes OUT/suite.json (every row: status, seconds, the bench's JSON) and OUT/suite.md (a table and each
@@ -48,8 +48,8 @@ class Row:
 def _throughput(row: str, est: float, what: str) -> Row:
     return Row(row, what, est,
                ["gpu_throughput.py", "--rows", row, "--rounds", "20", "--out", "{json}", "{nanogpt}"],
-               ["gpu_throughput.py", "--rows", row, "--tiny", "--device", "cpu", "--no-compile", "--rounds", "3",
-                "--warmup", "1", "--out", "{json}", "{nanogpt}"],
+               ["gpu_throughput.py", "--rows", row, "--tiny", "--device", "cpu", "--no-compile",
+                "--rounds", "3", "--warmup", "1", "--out", "{json}", "{nanogpt}"],
                needs=["transformers"], needs_nanogpt=row == "gpt2")
 
 
@@ -59,8 +59,8 @@ ROWS: list[Row] = [
     _throughput("llama", 120, "train step, Llama 12L d768 vs transformers (bf16, compiled)"),
     _throughput("llama1b", 130, "train step, Llama 1.1B vs transformers (bf16, compiled)"),
     Row("e2e", "`lmforge train` loop vs its bare step, 124M Llama shape, bf16, compiled", 90,
-        ["train_e2e.py", "-c", "configs/debug/tiny.yaml", "--blocks", "4", "--steps", "20", "--json", "{json}",
-         "--set", "model.d_model=768", "--set", "model.n_layers=12",
+        ["train_e2e.py", "-c", "configs/debug/tiny.yaml", "--blocks", "4", "--steps", "20",
+         "--json", "{json}", "--set", "model.d_model=768", "--set", "model.n_layers=12",
          "--set", "model.n_heads=12", "--set", "model.n_kv_heads=12", "--set", "model.max_seq_len=1024",
          "--set", "data.tokenizer.vocab_size=4096", "--set", "data.dir=data/cache/gpu-suite-e2e",
          "--set", "train.micro_batch_size=16", "--set", "train.grad_accum_steps=1",
@@ -75,8 +75,8 @@ ROWS: list[Row] = [
         ["gpu_suite.py", "--resume-row", "{json}", "--device", "cuda"],
         ["gpu_suite.py", "--resume-row", "{json}", "--device", "cpu"]),
     Row("ac", "activation checkpointing none/full/selective: step time and peak memory", 100,
-        ["activation_checkpointing.py", "--device", "cuda", "--rounds", "1", "--variants", "none,full,selective",
-         "--out", "{json}"],
+        ["activation_checkpointing.py", "--device", "cuda", "--rounds", "1",
+         "--variants", "none,full,selective", "--out", "{json}"],
         ["activation_checkpointing.py", "--device", "cpu", "--rounds", "1", "--variants", "none,selective",
          "--d-model", "64", "--layers", "2", "--heads", "4", "--vocab", "256", "--seq", "64", "--batch", "2",
          "--steps", "1", "--out", "{json}"]),
@@ -155,8 +155,9 @@ def resume_row(path: Path, device: str) -> int:
     loss curves must be identical (bit for bit, as the JSON's floats print them)."""
     with tempfile.TemporaryDirectory() as tmp:
         base = [sys.executable, "-m", "lmforge", "train", "-c", str(REPO / "configs/debug/tiny.yaml"),
-                "--set", f"train.device={device}", "--set", f"data.dir={tmp}/data", "--set", "train.max_steps=40",
-                "--set", "checkpoint.every=10", "--set", "checkpoint.keep_last=5", "--set", "train.eval_every=0"]
+                "--set", f"train.device={device}", "--set", f"data.dir={tmp}/data",
+                "--set", "train.max_steps=40", "--set", "checkpoint.every=10",
+                "--set", "checkpoint.keep_last=5", "--set", "train.eval_every=0"]
         if device == "cuda":
             base += ["--set", "train.precision=bf16"]
         straight, resumed = Path(tmp, "a"), Path(tmp, "b")
@@ -181,14 +182,23 @@ def resume_row(path: Path, device: str) -> int:
     return 0 if same else 1
 
 
+def merge(old: dict, new: dict) -> dict:
+    """`new`'s rows over `old`'s: rows that did not run this time keep their earlier result (each row says
+    when and on which device it ran)."""
+    rows = dict(old.get("rows", {}))
+    rows.update(new["rows"])
+    return dict(new, rows={**{n: rows[n] for n in old.get("rows", {})}, **rows},
+                seconds=round(sum(r.get("seconds") or 0 for r in rows.values()), 1))
+
+
 def markdown(report: dict) -> str:
     lines = [f"# GPU suite: {report['device']}", "",
              f"torch {report['torch']}, {report['when']}, budget {report['budget_s']} s, "
              f"took {report['seconds']} s{' (tiny shapes, CPU)' if report['tiny'] else ''}.", "",
-             "| row | what | status | seconds |", "|---|---|---|---|"]
+             "| row | what | status | seconds | ran |", "|---|---|---|---|---|"]
     for name, r in report["rows"].items():
         lines.append(f"| {name} | {r['what']} | {r['status']}{': ' + r['why'] if r.get('why') else ''} | "
-                     f"{r.get('seconds', '')} |")
+                     f"{r.get('seconds', '')} | {r.get('when', '')} |")
     for name, r in report["rows"].items():
         if r.get("summary"):
             lines += ["", f"## {name}", "", f"`{r['command']}`", "", "```", r["summary"], "```"]
@@ -201,8 +211,11 @@ def main(argv: list[str] | None = None) -> int:
                     "without CUDA)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for all rows together")
-    ap.add_argument("--only", default=None, help="comma-separated subset of: " + ",".join(r.name for r in ROWS))
+    ap.add_argument("--only", default=None,
+                    help="comma-separated subset of: " + ",".join(r.name for r in ROWS))
     ap.add_argument("--nanogpt", default=None, help="a nanoGPT checkout (default: $LMFORGE_NANOGPT)")
+    ap.add_argument("--update", action="store_true", help="keep the rows of OUT/suite.json that this call "
+                    "does not run (a rerun of failed or skipped rows)")
     ap.add_argument("--resume-row", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -224,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "src"), env.get("PYTHONPATH")) if p)
     t_start = time.monotonic()
+    old = {}
+    if args.update and (args.out / "suite.json").is_file():
+        old = json.loads((args.out / "suite.json").read_text())
     report = dict(device=torch.cuda.get_device_name(0) if not tiny else "cpu", torch=torch.__version__,
                   when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), tiny=tiny, budget_s=args.budget,
                   rows={})
@@ -237,10 +253,12 @@ def main(argv: list[str] | None = None) -> int:
             r = run_row(row, tiny=tiny, out=args.out, nanogpt=nanogpt, deadline_s=left, env=env)
             print(f"[gpu_suite] {row.name}: {r['status']} in {r.get('seconds', 0)} s "
                   f"{r.get('why', '')}\n{r.get('summary', '')}", flush=True)
-        report["rows"][row.name] = dict(what=row.what, **r)
+        report["rows"][row.name] = dict(what=row.what, when=time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                                        device=report["device"], **r)
         report["seconds"] = round(time.monotonic() - t_start, 1)
-        (args.out / "suite.json").write_text(json.dumps(report, indent=2) + "\n")  # after every row
-        (args.out / "suite.md").write_text(markdown(report))
+        whole = merge(old, report) if old else report
+        (args.out / "suite.json").write_text(json.dumps(whole, indent=2) + "\n")  # after every row
+        (args.out / "suite.md").write_text(markdown(whole))
     bad = [n for n, r in report["rows"].items() if r["status"] in ("failed", "timeout")]
     print(f"[gpu_suite] done in {report['seconds']} s; {args.out}/suite.md"
           + (f"; failed: {', '.join(bad)}" if bad else ""))

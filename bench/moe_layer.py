@@ -88,7 +88,11 @@ def main() -> None:
     b = run(hf, x, batched=True)
     gb = hf.gate.weight.grad.clone()
     out_diff, grad_diff = float((a - b).detach().abs().max()), float((ga - gb).abs().max())
-    print(f"check: max |out diff| {out_diff:.2e}, max |router grad diff| {grad_diff:.2e}")
+    # Relative to the largest entry: in bf16 an absolute difference alone says nothing (the router's
+    # gradient sums over every token).
+    out_rel, grad_rel = out_diff / float(b.detach().abs().max()), grad_diff / float(gb.abs().max())
+    print(f"check: max |out diff| {out_diff:.2e} ({out_rel:.1e} of the largest output), max |router grad "
+          f"diff| {grad_diff:.2e} ({grad_rel:.1e} of the largest gradient)")
     if p["dtype"] == torch.float32 and not max(out_diff, grad_diff) <= 1e-4:
         raise SystemExit("the two layers disagree: timing them is moot")
 
@@ -130,6 +134,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=info, median_ms=med, ratio=ratio, out_diff=out_diff, grad_diff=grad_diff,
+                           out_rel=out_rel, grad_rel=grad_rel,
                            samples_ms={k: [t * 1e3 for t in v] for k, v in times.items()}), f, indent=1)
 
 
