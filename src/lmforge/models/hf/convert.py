@@ -288,6 +288,10 @@ def from_hf(
     return model
 
 
+_NOT_ARCHITECTURE = {"preset", "n_kv_heads", "head_dim", "d_ff", "max_seq_len", "score_head", "value_head",
+                     "dropout", "init_std", "init", "init_from", "quant", "moe", "rope_scaling"}
+
+
 def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
     """Load the weights of a Hugging Face dir into an existing, materialised model (for
     `model.init_from`), after checking that its config.json describes the same architecture.
@@ -298,10 +302,11 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
     hf_cfg = read_hf_config(path)
     ours = model.cfg
     theirs = hf_to_model_config(hf_cfg)
-    fields = ["vocab_size", "d_model", "n_layers", "n_heads", "resolved_kv_heads", "resolved_head_dim",
-              "resolved_d_ff", "norm", "norm_eps", "pos_embedding", "mlp", "bias", "qkv_bias",
-              "tie_embeddings", "sliding_window", "rope_theta", "arch", "type_vocab_size", "position_offset",
-              "qk_norm"]
+    # Every architecture field, so that a block flag added later is compared too; not compared: what
+    # the run may choose itself (heads added on top, dropout, init, length, quantization) and what has
+    # its own signature below (moe, rope_scaling) or its resolved form (kv heads, head dim, d_ff).
+    fields = [f for f in type(ours).model_fields if f not in _NOT_ARCHITECTURE]
+    fields += ["resolved_kv_heads", "resolved_head_dim", "resolved_d_ff"]
     if ours.pos_embedding == "learned":
         fields.append("max_seq_len")  # the position table is a weight
     diffs = [
