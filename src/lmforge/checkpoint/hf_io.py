@@ -72,7 +72,13 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False, 
         raise LmforgeError(f"{hf_dir} is not a Hugging Face model dir (no config.json)")
     hf_cfg = read_hf_config(hf_dir)
     model_cfg = hf_to_model_config(hf_cfg)
-    model = from_hf(hf_dir)  # everything read and checked before the output is touched
+    # In the checkpoint's own floating dtype: a bf16 model needs its own size in memory, not twice
+    # that (the step-0 checkpoint keeps it; a run that loads it casts to its own precision).
+    import torch
+
+    stored = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        str(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype")), torch.float32)
+    model = from_hf(hf_dir, dtype=stored)  # everything read and checked before the output is touched
 
     def write(tmp: Path) -> None:
         for name in TOKENIZER_FILES:

@@ -30,6 +30,7 @@ from lmforge.errors import LmforgeError
 from lmforge.models.hf import bert, gpt2, llama, moe
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
+from lmforge.utils.tensorfile import SafetensorsFile
 
 if TYPE_CHECKING:  # the model module (torch blocks) loads only when a model is built
     from lmforge.models.transformer import Transformer
@@ -186,14 +187,15 @@ def weight_files(path: str | os.PathLike) -> dict[str, list[str]]:
 
 
 def iter_hf_tensors(files: dict[str, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) one at a time, read lazily (memory-mapped) from the safetensors files."""
+    """(name, tensor) one at a time, each read into its own buffer (not memory-mapped: a mapped shard's
+    pages would stay resident until it closes; see utils/tensorfile.py)."""
     for file, names in files.items():
-        with _safetensors(file) as f:
+        with SafetensorsFile(file) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
                     raise LmforgeError(f"{file} does not hold tensor {name!r} that its index lists")
-                yield name, f.get_tensor(name)
+                yield name, f.read(name)
 
 
 def _stream_into(model: Transformer, path: str | os.PathLike,
@@ -255,14 +257,15 @@ def from_hf(
 ) -> Transformer:
     """Build our model from a Hugging Face dir (config.json + safetensors, single or sharded).
 
-    The model is built on the meta device and each parameter is materialised once, directly from its
-    tensor in the file (memory: the model plus one tensor); then the RoPE tables are computed.
+    The model is built on the meta device and each parameter is materialised once, from its tensor in
+    the file (memory: the model plus one tensor); then the RoPE tables are computed.
     """
     from lmforge.models.transformer import build_model
 
     cfg = hf_to_model_config(read_hf_config(path), max_seq_len=max_seq_len)
     model = build_model(cfg, device="meta")  # the Transformer, or the Encoder for BERT / RoBERTa
     device = torch.device(device)
+    used: set[int] = set()
 
     def place(ours: str, t: torch.Tensor, row: int | None) -> None:
         module_name, _, attr = ours.rpartition(".")
@@ -274,9 +277,15 @@ def from_hf(
             with torch.no_grad():
                 getattr(module, attr)[row].copy_(t)
             return
-        # Exactly one copy: contiguous (GPT-2's split c_attn gives strided views), in the target
-        # dtype and device, and never aliasing the file's memory map.
-        value = torch.empty(t.shape, dtype=dtype, device=device).copy_(t)
+        # A tensor read whole (its own buffer: utils/tensorfile.py) already in the target dtype and
+        # device becomes the parameter as it is; anything else (GPT-2's split c_attn gives strided
+        # views, a cast, another device, a buffer already given away) is copied exactly once. No
+        # second buffer per weight: a freed read buffer between long-lived weights fragments the heap.
+        own = (t.dtype == dtype and t.device == device and t._base is None and t.is_contiguous()
+               and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+               and t.untyped_storage().data_ptr() not in used)
+        value = t if own else torch.empty(t.shape, dtype=dtype, device=device).copy_(t)
+        used.add(value.untyped_storage().data_ptr())
         setattr(module, attr, nn.Parameter(value))
 
     _stream_into(model, path, place)
