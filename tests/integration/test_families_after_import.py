@@ -1,7 +1,8 @@
 """Everything after import works on every family lmforge opens: for a tiny random checkpoint of each
 Hugging Face model type, saved by transformers with a tokenizer and a ChatML template, `lmforge import`,
-then LoRA SFT, QLoRA SFT, DPO (LoRA), `generate --chat`, export of the LoRA run's adapters to PEFT and of
-the merged model to Hugging Face (transformers loads it with logits equal to lmforge's within 1e-5).
+then LoRA SFT with its adapters exported to PEFT (PeftModel's logits equal lmforge's within 1e-5), QLoRA
+SFT, DPO (LoRA), `generate --chat`, full SFT exported to Hugging Face (transformers' logits equal within
+1e-5), GRPO, task evaluation, int8 quantization, and an OpenAI-compatible server answering a chat request.
 
 The README's families table cites this file for the columns after import. One family per parameter;
 the per-family parity of the model itself (logits, generation) lives in tests/parity/."""
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from lmforge.cli import main
-from lmforge.data.instruct_tasks import generate, pairs_of, write_jsonl
+from lmforge.data.instruct_tasks import generate, pairs_of, split_disjoint, write_jsonl
 from lmforge.data.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -46,6 +47,9 @@ def data(tmp_path_factory):
     tok.save(root / "tok.json")
     write_jsonl(records, root / "chat.jsonl")
     write_jsonl(pairs_of(records, 2), root / "pairs.jsonl")
+    split = split_disjoint(["compare"], 16, 8, seed=9)
+    write_jsonl(split.train, root / "prompts.jsonl")
+    write_jsonl(split.test, root / "tasks.jsonl")
     return root
 
 
@@ -72,8 +76,10 @@ def _train(verb: str, run, base, data, *extra: str) -> None:
     common = [f"run.dir={run}", f"model.init_from={base}", "train.seq_len=96", "train.max_steps=3",
               "train.micro_batch_size=4", "train.eval_every=0", "train.precision=fp32", "train.threads=1",
               "checkpoint.every=0", "logging.progress=none", "finetune.targets=[all-linear]"]
-    inputs = ([f"sft.data=[{data / 'chat.jsonl'}]"] if verb == "sft"
-              else [f"preference.data=[{data / 'pairs.jsonl'}]"])
+    inputs = {"sft": [f"sft.data=[{data / 'chat.jsonl'}]"],
+              "dpo": [f"preference.data=[{data / 'pairs.jsonl'}]"],
+              "rl": [f"rl.data=[{data / 'prompts.jsonl'}]", "rl.group_size=2", "rl.max_new_tokens=4",
+                     "train.micro_batch_size=2"]}[verb]
     assert main([verb, *_sets(*common, *inputs, *extra)]) == 0
 
 
@@ -102,3 +108,41 @@ def test_qlora_sft_dpo_and_chat_generation_run(family, data, tmp_path, capsys):
     assert main(["generate", str(tmp_path / "dpo"), "--chat", "--prompt", "What is 2 + 3?",
                  *_sets("generate.max_new_tokens=8", "generate.temperature=0")]) == 0
     assert capsys.readouterr().out.strip(), name
+
+
+def test_full_sft_exports_and_the_run_quantizes_evaluates_trains_with_grpo_and_serves(family, data, tmp_path,
+                                                                                     capsys):
+    name, root = family
+    run = tmp_path / "full"
+    _train("sft", run, root / "imported", data, "finetune.method=full")
+    out = tmp_path / "hf"
+    assert main(["export", str(run), str(out)]) == 0
+    from lmforge.eval.entry import load_run
+
+    ours = load_run(run).model
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    x = torch.randint(0, ours.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(ours(x), theirs(x).logits, atol=1e-5, rtol=0), name
+
+    _train("rl", tmp_path / "grpo", run, data, "finetune.method=lora", "rl.algorithm=grpo")
+    assert main(["eval", str(run), "--tasks", str(data / "tasks.jsonl"), "--limit", "4"]) == 0
+    assert main(["quantize", str(run), str(tmp_path / "int8"), "--bits", "8"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "int8"), "--prompt", "x",
+                 *_sets("generate.max_new_tokens=4", "generate.temperature=0")]) == 0
+    assert capsys.readouterr().out.strip(), name
+
+    import json
+    import urllib.request
+
+    from lmforge.serve import start_server
+
+    with start_server(run, api_keys=["k"], model_name=name, max_batch_size=2) as srv:
+        body = json.dumps({"model": name, "max_tokens": 4, "temperature": 0,
+                           "messages": [{"role": "user", "content": "What is 2 + 3?"}]}).encode()
+        headers = {"Authorization": "Bearer k", "Content-Type": "application/json"}
+        req = urllib.request.Request(srv.url + "/chat/completions", body, method="POST", headers=headers)
+        with urllib.request.urlopen(req, timeout=60) as r:
+            reply = json.loads(r.read())
+    assert reply["choices"][0]["message"]["role"] == "assistant" and reply["usage"]["completion_tokens"] >= 1

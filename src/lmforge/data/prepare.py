@@ -81,7 +81,12 @@ class PreparedData:
     def _split(self, split: str) -> dict:
         if split not in self.meta["splits"]:
             raise DataError(f"unknown split {split!r}; valid splits: {', '.join(self.meta['splits'])}")
-        return self.meta["splits"][split]
+        entry = self.meta["splits"][split]
+        if not isinstance(entry, dict) or not {"shards", "tokens"} <= set(entry):
+            # a fine-tuning run's data dir (examples, not token shards) has a meta.json of its own
+            raise DataError(f"{self.dir} holds no token shards of the {split} split (it is not a "
+                            "pretraining data dir)")
+        return entry
 
 
 def data_dir(cfg: Config) -> Path:
