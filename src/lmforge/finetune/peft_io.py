@@ -24,6 +24,7 @@ from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
 from lmforge.models.hf import llama
+from lmforge.models.hf.convert import _export_family
 from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
 from lmforge.utils.safe_regex import compile_regex
 
@@ -56,7 +57,8 @@ def _check_layout(cfg: ModelConfig) -> None:
             "this model has GPT-2's layout, whose fused Conv1D c_attn cannot hold our per-q/k/v adapters. "
             "Save the adapters with adapter_state_dict, or merge_lora and export the full model"
         )
-    llama.model_type_for(cfg)  # raises a clear LmforgeError for any other non-Llama layout
+    # The family the base model exports as: a clear LmforgeError for a layout none of them holds.
+    _export_family(cfg, None).model_type_for(cfg)
 
 
 def _hf_module(our_module: str) -> str:

@@ -27,7 +27,7 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import bert, gpt2, llama, moe
+from lmforge.models.hf import bert, gpt2, granite, llama, moe, qwen3, smollm3, variants
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 
@@ -40,7 +40,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    return {t: fam for fam in (llama, gpt2, bert, moe) for t in fam.MODEL_TYPES}
+    return {t: fam for fam in (llama, gpt2, bert, moe, qwen3, granite, smollm3) for t in fam.MODEL_TYPES}
 
 
 def _family(model_type: Any) -> ModuleType:
@@ -144,6 +144,8 @@ def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
         return moe
     if cfg.arch == "encoder":
         return bert
+    if (variant := variants.dense_model_type(cfg)) is not None:  # Qwen3, Granite, SmolLM3: by their flags
+        return _family(variant)
     # GPT-2 is the one supported decoder family with learned positions; everything else is RoPE.
     return _family("gpt2" if cfg.pos_embedding == "learned" else "llama")
 
@@ -301,7 +303,7 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
     fields = ["vocab_size", "d_model", "n_layers", "n_heads", "resolved_kv_heads", "resolved_head_dim",
               "resolved_d_ff", "norm", "norm_eps", "pos_embedding", "mlp", "bias", "qkv_bias",
               "tie_embeddings", "sliding_window", "rope_theta", "arch", "type_vocab_size", "position_offset",
-              "qk_norm"]
+              "qk_norm", *variants.AREA_FLAGS]
     if ours.pos_embedding == "learned":
         fields.append("max_seq_len")  # the position table is a weight
     diffs = [
