@@ -6,6 +6,7 @@ wrong types and out-of-range values are errors raised before any work starts.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -645,6 +646,36 @@ class SFTConfig(Section):
     on_bad_record: Literal["skip", "fail"] = Field(
         "skip", description="A malformed record: skip and count it, or stop with its file and line."
     )
+    template_kwargs: dict[str, str | bool | int | float | None] = Field(
+        default_factory=dict, description="Extra variables the chat template is rendered with, as "
+        "transformers' apply_chat_template(**kwargs) passes them (Qwen3: {enable_thinking: false}); "
+        "honoured by sft, generate --chat and serve."
+    )
+
+    @field_validator("template_kwargs", mode="before")
+    @classmethod
+    def _simple_template_kwargs(cls, v: Any) -> Any:
+        # One clear message rather than one per member of the value union.
+        if not isinstance(v, dict):
+            raise ValueError(f"must be a mapping of variable names to values, got {type(v).__name__}")
+        for name, value in v.items():
+            if value is not None and not isinstance(value, (str, bool, int, float)):
+                raise ValueError(f"{name!r} is {type(value).__name__}; a template variable here is a string, "
+                                 "number, boolean or null")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name!r} is {value}; a number here must be a finite number")
+        return v
+
+    @field_validator("template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v: dict) -> dict:
+        reserved = {"messages", "add_generation_prompt", "range"}
+        for name in v:
+            if not name.isidentifier() or name in reserved or name.startswith("_"):
+                raise ValueError(f"sft.template_kwargs has {name!r}, which cannot be a template variable: "
+                                 "give identifiers other than messages, add_generation_prompt, range and "
+                                 "names starting with _")
+        return v
 
 
 class PreferenceConfig(Section):
