@@ -153,3 +153,19 @@ def test_nope_layers_without_rope_anywhere_ignore_positions():
 def test_impossible_flag_values_are_refused(over, needle):
     with pytest.raises(ValueError, match=needle):
         ModelConfig(**{**BASE, **over})
+
+
+@pytest.mark.parametrize("kernel", ["mask", "flex"])
+def test_packed_rows_with_every_flag_equal_each_sequence_alone(kernel):
+    """Packed rows (segments, positions restarting) through either packed-attention kernel carry the
+    attention scale, per-head q/k norm and NoPE layers: each sequence's logits equal its own forward."""
+    m = model(qk_norm=True, qk_norm_scope="head", attention_multiplier=0.2, nope_layers=[1],
+              embedding_multiplier=1.5, residual_multiplier=0.6, logits_scaling=2.0)
+    m.packed_attention = kernel
+    x = ids(7)[:1]
+    segments = torch.tensor([[0] * 4 + [1] * (T - 4)])
+    positions = torch.tensor([list(range(4)) + list(range(T - 4))])
+    with torch.no_grad():
+        packed = m(x, position_ids=positions, segment_ids=segments)
+        torch.testing.assert_close(packed[:, :4], m(x[:, :4]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(packed[:, 4:], m(x[:, 4:]), atol=1e-5, rtol=0)

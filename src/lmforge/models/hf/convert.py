@@ -5,7 +5,8 @@ Only config.json dicts and safetensors files are touched: `transformers` itself 
 Weights are never unpickled: a directory with only `pytorch_model.bin` is refused.
 
 Per-family knowledge (key maps, fused/transposed tensors, config keys) lives in the family modules
-(`llama.py` for Llama/Mistral/Qwen2, `gpt2.py`); each provides MODEL_TYPES, config_from_hf,
+(`llama.py` for Llama/Mistral/Qwen2, `qwen3.py`, `granite.py`, `smollm3.py`, `moe.py`, `gpt2.py`,
+`bert.py`; `variants.py` picks the dense family by its flags); each provides MODEL_TYPES, config_from_hf,
 config_to_hf, model_type_for, import_names, import_tensor, hf_name and export_tensors. An imported name
 is ours, or (ours, j): row j of a stacked parameter (one expert of a mixture of experts, `moe.py`).
 """
