@@ -249,3 +249,64 @@ def test_export_as_a_family_that_would_drop_a_setting_is_refused(name, model_typ
     with pytest.raises(LmforgeError, match=needle):
         to_hf(build_model(cfg), tmp_path, model_type=model_type)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_cli_import_refuses_what_it_cannot_build_in_one_line(tmp_path, capsys):
+    from lmforge.cli import main
+
+    src = tmp_path / "src"
+    transformers.Qwen3MoeForCausalLM(FAMILIES["qwen3_moe"]()).save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, "mlp_only_layers": [0]}))
+    capsys.readouterr()  # transformers' own progress output
+    assert main(["import", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lmforge import: error:") and "mlp_only_layers=[0]" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_lora_sft_on_qwen3_exports_an_adapter_peft_loads(tmp_path):
+    """`lmforge sft` with LoRA on a Hub-style Qwen3 dir (model.init_from, its own chat template), then
+    `lmforge export --adapter`: PEFT on the exported base gives our logits."""
+    peft = pytest.importorskip("peft")
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.cli import main
+    from lmforge.data.instruct_tasks import generate, write_jsonl
+    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.finetune.setup import load_finetuned
+
+    records = generate(None, 40, seed=1)
+    text = " ".join(m["content"] for r in records for m in r["messages"])
+    tok = Tokenizer.train([text * 2], 300, 2)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(tmp_path / "tok.json")
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok.json"),
+                                                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf_tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    config = FAMILIES["qwen3_bias_tied"]()
+    config.vocab_size, config.max_position_embeddings = len(hf_tok), 128
+    torch.manual_seed(0)
+    hf = transformers.Qwen3ForCausalLM(config)
+    randomize(hf)
+    hf.save_pretrained(tmp_path / "model")
+    hf_tok.save_pretrained(tmp_path / "model")
+    write_jsonl(records, tmp_path / "chat.jsonl")
+    run = tmp_path / "run"
+    sets = [f"run.dir={run}", f"model.init_from={tmp_path / 'model'}",
+            f"sft.data=[{tmp_path / 'chat.jsonl'}]", "train.seq_len=96", "train.max_steps=3",
+            "train.micro_batch_size=4", "train.eval_every=0", "train.precision=fp32", "finetune.method=lora",
+            "optim.lr=1e-2", "schedule.warmup_steps=0", "logging.progress=none"]
+    assert main(["sft", *[a for s in sets for a in ("--set", s)]]) == 0
+    out = tmp_path / "export"
+    assert main(["export", str(run), str(out), "--adapter"]) == 0
+    assert json.loads((out / "base" / "config.json").read_text())["model_type"] == "qwen3"
+    ours, _ = load_finetuned(*run_config(run))
+    base = transformers.AutoModelForCausalLM.from_pretrained(out / "base")
+    ref = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    x = ids(6)
+    with torch.no_grad():
+        got = ours.eval()(x)
+        assert (got - hf(x).logits).abs().amax() > 1e-3  # the adapters trained
+        torch.testing.assert_close(got, ref(input_ids=x).logits, atol=ATOL, rtol=0)
