@@ -71,7 +71,9 @@ def _hf_module(our_module: str) -> str:
 def _target_modules(model: nn.Module, wrapped: list[str]) -> list[str]:
     """PEFT target_modules naming exactly the wrapped layers: leaf names ("q_proj") where every layer
     of that kind is wrapped, full module names otherwise (PEFT matches both as name suffixes)."""
-    all_hf = [_hf_module(n) for n in linear_names(model)]
+    # A mixture of experts' router has no PEFT name (transformers 5's is no Linear layer): an adapter
+    # there is refused (by _hf_module) but an unadapted router is no reason to refuse the others.
+    all_hf = [_hf_module(n) for n in linear_names(model) if not n.endswith(".moe.router.gate")]
     wrapped_hf = [_hf_module(n) for n in wrapped]
     out: list[str] = []
     for leaf in dict.fromkeys(h.rpartition(".")[2] for h in wrapped_hf):  # in module order
