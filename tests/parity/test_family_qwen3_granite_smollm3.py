@@ -125,6 +125,12 @@ def test_export_loads_in_transformers_with_equal_logits(family, tmp_path):
     load_pretrained(tmp_path, again)
     theirs = again.state_dict()
     assert all(torch.equal(v, theirs[k]) for k, v in ours.state_dict().items())
+    # A model section whose flags differ from the checkpoint's is refused, naming the flag.
+    for flag, value in (("logits_scaling", 7.0), ("nope_layers", [0, 1]), ("qk_norm_scope", "all")):
+        other = ours.cfg.model_copy(update={flag: value, "qk_norm": True})
+        if getattr(other, flag) != getattr(ours.cfg, flag):
+            with pytest.raises(LmforgeError, match=flag):
+                load_pretrained(tmp_path, build_model(other))
 
 
 def greedy(model: Transformer, x: torch.Tensor, mask: torch.Tensor, steps: int):
