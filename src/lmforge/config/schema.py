@@ -6,6 +6,7 @@ wrong types and out-of-range values are errors raised before any work starts.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -242,6 +243,23 @@ class ModelConfig(Section):
         "parallelism."
     )
     # [issue-34 area: qwen3-granite-smollm3]
+    qk_norm_scope: Literal["all", "head"] = Field(
+        "all", description="With qk_norm: all normalises the whole q and k projections (OLMoE / OLMo 2); "
+        "head normalises each head's q and k with one shared weight of head_dim (Qwen3). Needs qk_norm=true.")
+    attn_out_bias: bool = Field(False, description="A bias on the attention output projection wo (with "
+                                "qkv_bias: Qwen3's attention_bias on q/k/v/o; bias=true already has it).")
+    embedding_multiplier: float = Field(1.0, gt=0.0, description="Scale of the token embeddings before the "
+                                        "first block (Granite's embedding_multiplier).")
+    residual_multiplier: float = Field(1.0, gt=0.0, description="Scale of each attention and MLP output "
+                                       "before its residual add (Granite's residual_multiplier).")
+    attention_multiplier: float | None = Field(
+        None, gt=0.0, description="Softmax scale of the attention scores (None: 1/sqrt(head_dim); Granite's "
+        "attention_multiplier).")
+    logits_scaling: float = Field(1.0, gt=0.0, description="The logits are divided by this (Granite's "
+                                  "logits_scaling).")
+    nope_layers: list[int] = Field(
+        default_factory=list, description="Indices of the layers that apply no RoPE (NoPE; SmolLM3's "
+        "no_rope_layers); the other layers rotate q and k as usual. Needs pos_embedding=rope.")
     # [issue-34 area: gemma-olmo2]
     # [issue-34 area: phi3-rope]
     # [issue-34 area: deepseek-mla]
@@ -276,11 +294,26 @@ class ModelConfig(Section):
         if self.arch == "encoder" and (self.pos_embedding != "learned" or not self.tie_embeddings):
             raise ValueError("model.arch=encoder needs pos_embedding=learned and tie_embeddings=true (the "
                              "BERT / RoBERTa layout)")
+        self._check_qwen3_granite_smollm3()
         if self.quant is not None and self.quant.head and self.tie_embeddings:
             raise ValueError("quant.head=true quantizes an untied output head; this model ties it to the "
                              "embeddings (tie_embeddings=true), which stay in full precision: set "
                              "quant.head=false")
         return self
+
+    def _check_qwen3_granite_smollm3(self) -> None:
+        if self.qk_norm_scope != "all" and not self.qk_norm:
+            raise ValueError(f"model.qk_norm_scope={self.qk_norm_scope} chooses how q and k are normalised, "
+                             "but model.qk_norm=false; set qk_norm=true or leave qk_norm_scope at all")
+        bad = [i for i in self.nope_layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise ValueError(f"model.nope_layers has {bad}, which are no layers of this model: indices run "
+                             f"from 0 to n_layers-1={self.n_layers - 1}")
+        if len(set(self.nope_layers)) != len(self.nope_layers):
+            raise ValueError(f"model.nope_layers={self.nope_layers} lists a layer twice; list each once")
+        if self.nope_layers and self.pos_embedding != "rope":
+            raise ValueError("model.nope_layers turns RoPE off on some layers, but pos_embedding="
+                             f"{self.pos_embedding}; set pos_embedding=rope or nope_layers=[]")
 
     @property
     def resolved_kv_heads(self) -> int:
@@ -613,6 +646,36 @@ class SFTConfig(Section):
     on_bad_record: Literal["skip", "fail"] = Field(
         "skip", description="A malformed record: skip and count it, or stop with its file and line."
     )
+    template_kwargs: dict[str, str | bool | int | float | None] = Field(
+        default_factory=dict, description="Extra variables the chat template is rendered with, as "
+        "transformers' apply_chat_template(**kwargs) passes them (Qwen3: {enable_thinking: false}); "
+        "honoured by sft, generate --chat and serve."
+    )
+
+    @field_validator("template_kwargs", mode="before")
+    @classmethod
+    def _simple_template_kwargs(cls, v: Any) -> Any:
+        # One clear message rather than one per member of the value union.
+        if not isinstance(v, dict):
+            raise ValueError(f"must be a mapping of variable names to values, got {type(v).__name__}")
+        for name, value in v.items():
+            if value is not None and not isinstance(value, (str, bool, int, float)):
+                raise ValueError(f"{name!r} is {type(value).__name__}; a template variable here is a string, "
+                                 "number, boolean or null")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name!r} is {value}; a number here must be a finite number")
+        return v
+
+    @field_validator("template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v: dict) -> dict:
+        reserved = {"messages", "add_generation_prompt", "range"}
+        for name in v:
+            if not name.isidentifier() or name in reserved or name.startswith("_"):
+                raise ValueError(f"sft.template_kwargs has {name!r}, which cannot be a template variable: "
+                                 "give identifiers other than messages, add_generation_prompt, range and "
+                                 "names starting with _")
+        return v
 
 
 class PreferenceConfig(Section):

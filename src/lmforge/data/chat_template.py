@@ -33,6 +33,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lmforge.data import template_sandbox as sandbox
 from lmforge.errors import DataError
@@ -88,6 +89,7 @@ class ChatTemplate:
         special_tokens: dict[str, str] | None = None,
         name: str = "chat template",
         end_of_turn: str | None = None,
+        variables: dict[str, Any] | None = None,
     ) -> None:
         if not isinstance(source, str) or not source.strip():
             raise TemplateError(f"{name} is empty")
@@ -98,13 +100,22 @@ class ChatTemplate:
         self.name = name
         self.special_tokens = dict(special_tokens or {})
         self.end_of_turn = end_of_turn  # the token a reply ends with (what generation stops at)
+        # Extra variables of every render (sft.template_kwargs: Qwen3's enable_thinking, ...).
+        self.variables = dict(variables or {})
         self.trusted = source in TRUSTED
         self.tracks_generation = sandbox.has_generation_tag(source)
         self._run([{"op": "compile"}])  # fail now, not on the first conversation
 
     @classmethod
-    def chatml(cls) -> ChatTemplate:
-        return cls(CHATML, {}, name="lmforge's ChatML template", end_of_turn=CHATML_END)
+    def chatml(cls, variables: dict[str, Any] | None = None) -> ChatTemplate:
+        return cls(CHATML, {}, name="lmforge's ChatML template", end_of_turn=CHATML_END, variables=variables)
+
+    def with_variables(self, variables: dict[str, Any]) -> ChatTemplate:
+        """This template rendering with `variables` instead of its own."""
+        if variables == self.variables:
+            return self
+        return ChatTemplate(self.source, self.special_tokens, name=self.name, end_of_turn=self.end_of_turn,
+                            variables=variables)
 
     def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
         return self._whole(self.render_batch([messages], add_generation_prompt=add_generation_prompt)[0]).text
@@ -134,18 +145,22 @@ class ChatTemplate:
         if self.trusted:
             answers = []
             for job in jobs:
-                answers.append(sandbox.run_job(self.source, self.special_tokens, job))
+                answers.append(sandbox.run_job(self.source, self._context(), job))
                 if "error" in answers[-1]:
                     break
         else:
             from lmforge.data.template_pool import pool
 
             with pool().worker() as w:
-                answers = w.run(self.source, self.special_tokens, jobs, RENDER_SECONDS)
+                answers = w.run(self.source, self._context(), jobs, RENDER_SECONDS)
         for i, answer in enumerate(answers):
             if "error" in answer:
                 raise TemplateError(self._why(answer), index=None if len(jobs) == 1 else i)
         return answers
+
+    def _context(self) -> dict[str, Any]:
+        """The variables of every render besides the conversation: special tokens, then template_kwargs."""
+        return {**self.special_tokens, **self.variables}
 
     def _why(self, answer: dict) -> str:
         kind, error = answer["kind"], answer["error"]
@@ -177,7 +192,8 @@ def stop_ids(template: ChatTemplate, tokenizer) -> set[int]:
 
 
 # -- the template that ships with a tokenizer ---------------------------------------------------------
-def tokenizer_template(tok_file: Path | None, tok) -> ChatTemplate | None:
+def tokenizer_template(tok_file: Path | None, tok, variables: dict[str, Any] | None = None
+                       ) -> ChatTemplate | None:
     """The chat template that ships with the tokenizer file `tok_file` (a Hugging Face model dir's),
     with the special tokens of its tokenizer_config.json; None when it has none."""
     config = tokenizer_config(tok_file)
@@ -185,7 +201,8 @@ def tokenizer_template(tok_file: Path | None, tok) -> ChatTemplate | None:
     if own is None:
         return None
     specials = template_specials(config, tok)
-    return ChatTemplate(own[0], specials, name=own[1], end_of_turn=specials.get("eos_token"))
+    return ChatTemplate(own[0], specials, name=own[1], end_of_turn=specials.get("eos_token"),
+                        variables=variables)
 
 
 def template_specials(config: dict, tok) -> dict[str, str]:

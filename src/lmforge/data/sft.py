@@ -144,6 +144,7 @@ def load_template(dir: Path, meta: dict) -> ChatTemplate:
         t.get("special_tokens") or {},
         name=t.get("name", "chat template"),
         end_of_turn=t.get("end_of_turn"),
+        variables=t.get("variables") or {},
     )
 
 
@@ -162,14 +163,14 @@ def load_prepared_sft(dir: str | Path) -> PreparedSFT:
 def resolve_template(cfg: Config, tok_path: Path | None, tok: Tokenizer) -> ChatTemplate:
     """The template `sft.template` names, with the special tokens it may use; adds ChatML's control
     tokens to `tok` when it is chosen."""
-    choice = cfg.sft.template
+    choice, variables = cfg.sft.template, cfg.sft.template_kwargs
     config = tokenizer_config(tok_path)
     own = shipped_template(tok_path, config)
     if choice == "auto":
         choice = "tokenizer" if own is not None else "chatml"
     if choice == "chatml":
         tok.add_special_tokens(CHATML_TOKENS)
-        return ChatTemplate.chatml()
+        return ChatTemplate.chatml(variables)
     specials = template_specials(config, tok)
     if choice == "tokenizer":
         if own is None:
@@ -181,7 +182,8 @@ def resolve_template(cfg: Config, tok_path: Path | None, tok: Tokenizer) -> Chat
         if not path.is_file():
             raise DataError(f"sft.template={choice!r}: no such file; give auto, chatml or a .jinja file")
         source, name = read_text(path), f"the chat template {path}"
-    return ChatTemplate(source, specials, name=name, end_of_turn=specials.get("eos_token"))
+    return ChatTemplate(source, specials, name=name, end_of_turn=specials.get("eos_token"),
+                        variables=variables)
 
 
 def _settings(cfg: Config, tok_file: Path) -> dict:
@@ -205,6 +207,7 @@ def _settings(cfg: Config, tok_file: Path) -> dict:
         "record_format": s.format,
         "template": s.template,
         "template_hash": hashlib.sha256(template.read_bytes()).hexdigest() if template.is_file() else None,
+        "template_kwargs": s.template_kwargs,
         "loss_on": s.loss_on,
         "overlong": s.overlong,
         "on_bad_record": s.on_bad_record,
@@ -430,6 +433,7 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
             "name": template.name,
             "special_tokens": template.special_tokens,
             "end_of_turn": template.end_of_turn,
+            "variables": template.variables,
         },
         "splits": splits,
         "stats": {

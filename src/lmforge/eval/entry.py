@@ -138,11 +138,12 @@ def _speculative_samples(run: Run, draft_path: str | Path, k: int, prompt_ids: l
 def chat_template_of(run: Run) -> ChatTemplate:
     """The template a run was fine-tuned with; for one that was not, the template its tokenizer ships
     with (a Hugging Face model dir's `chat_template` or chat_template.jinja, as transformers applies it),
-    else lmforge's ChatML."""
+    else lmforge's ChatML; rendered with the run config's sft.template_kwargs."""
+    variables = run.cfg.sft.template_kwargs  # the run's, or a --set at generation time
     if run.template is not None:
-        return run.template
-    own = tokenizer_template(run_tokenizer_file(run.cfg), run.tokenizer)
-    return own if own is not None else ChatTemplate.chatml()
+        return run.template.with_variables(variables)
+    own = tokenizer_template(run_tokenizer_file(run.cfg), run.tokenizer, variables)
+    return own if own is not None else ChatTemplate.chatml(variables)
 
 
 def eval_tasks(path: str | Path, tasks_file: str | Path, overrides: list[str] | tuple[str, ...] = (),

@@ -409,7 +409,9 @@ def linear_names(model: nn.Module) -> list[str]:
 
 def _matches(name: str, pattern: str) -> bool:
     if pattern == ALL_LINEAR:
-        return name.startswith("layers.")  # every block linear; the output head is left out
+        # Every block linear, as PEFT's all-linear: the output head is left out, and so is a mixture of
+        # experts' router (no Linear layer in transformers 5, so no PEFT adapter can hold it).
+        return name.startswith("layers.") and not name.endswith(".moe.router.gate")
     pattern = HF_TARGETS.get(pattern, pattern)
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(name, pattern)

@@ -23,7 +23,8 @@ from torch import nn
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
-from lmforge.models.hf import llama, moe
+from lmforge.models.hf import llama
+from lmforge.models.hf.convert import _export_family
 from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
 from lmforge.utils.safe_regex import compile_regex
 
@@ -56,23 +57,24 @@ def _check_layout(cfg: ModelConfig) -> None:
             "this model has GPT-2's layout, whose fused Conv1D c_attn cannot hold our per-q/k/v adapters. "
             "Save the adapters with adapter_state_dict, or merge_lora and export the full model"
         )
-    llama.model_type_for(cfg)  # raises a clear LmforgeError for any other non-Llama layout
+    # The family the base model exports as: a clear LmforgeError for a layout none of them holds.
+    _export_family(cfg, None).model_type_for(cfg)
 
 
-def _hf_module(our_module: str, cfg: ModelConfig) -> str:
+def _hf_module(our_module: str) -> str:
     hf = llama.KEYS.to_hf(our_module + ".weight")
-    if hf is not None:
-        return hf.removesuffix(".weight")
-    if cfg.moe is not None and (name := moe.hf_module(our_module, cfg)) is not None:
-        return name
-    raise LmforgeError(f"{our_module} has no Hugging Face name, so its adapter has no PEFT name")
+    if hf is None:
+        raise LmforgeError(f"{our_module} has no Hugging Face name, so its adapter has no PEFT name")
+    return hf.removesuffix(".weight")
 
 
 def _target_modules(model: nn.Module, wrapped: list[str]) -> list[str]:
     """PEFT target_modules naming exactly the wrapped layers: leaf names ("q_proj") where every layer
     of that kind is wrapped, full module names otherwise (PEFT matches both as name suffixes)."""
-    all_hf = [_hf_module(n, model.cfg) for n in linear_names(model)]
-    wrapped_hf = [_hf_module(n, model.cfg) for n in wrapped]
+    # A mixture of experts' router has no PEFT name (transformers 5's is no Linear layer): an adapter
+    # there is refused (by _hf_module) but an unadapted router is no reason to refuse the others.
+    all_hf = [_hf_module(n) for n in linear_names(model) if not n.endswith(".moe.router.gate")]
+    wrapped_hf = [_hf_module(n) for n in wrapped]
     out: list[str] = []
     for leaf in dict.fromkeys(h.rpartition(".")[2] for h in wrapped_hf):  # in module order
         kind = [h for h in all_hf if h.rpartition(".")[2] == leaf]
@@ -93,7 +95,7 @@ def save_peft_adapter(
     for name, layer in layers.items():
         if layer.merged:
             raise LmforgeError(f"{name} is merged into its base weight; unmerge_lora(model) before saving")
-        prefix = PREFIX + _hf_module(name, model_cfg) + "."
+        prefix = PREFIX + _hf_module(name) + "."
         for pname, p in layer.named_parameters(recurse=False):
             tensors[prefix + SUFFIXES[pname]] = p.detach().to("cpu").contiguous()
     config = {
@@ -207,7 +209,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
     _check_layout(model.cfg)
     settings = read_adapter_config(adapter_dir)
     file = Path(adapter_dir) / WEIGHTS
-    hf_names = {n: _hf_module(n, model.cfg) for n in linear_names(model)}
+    hf_names = {n: _hf_module(n) for n in linear_names(model)}
     wrapped = [n for n, h in hf_names.items() if _peft_matches(h, settings["targets"])]
     if not wrapped:
         kinds = ", ".join(dict.fromkeys(h.rpartition(".")[2] for h in hf_names.values()))

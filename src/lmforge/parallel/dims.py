@@ -166,7 +166,8 @@ class ParallelDims:
             )
         if self.tp > 1 and (moe is not None or model.qk_norm):
             what = "model.moe (the tensor-parallel plan splits a dense MLP)" if moe is not None else \
-                "model.qk_norm (one RMSNorm over the whole q/k projection, which tp would split)"
+                "model.qk_norm (not in the tensor-parallel plan: an RMSNorm over the whole q/k projection, " \
+                "which tp would split, or per head)"
             raise ConfigError(f"parallel.tp={self.tp} with {what}; set parallel.tp=1")
         if self.pp > 1:
             stages = self.pp * self.cfg.pp_stages_per_rank

@@ -103,18 +103,20 @@ def document_block_mask(segment_ids: torch.Tensor, window: int | None = None):
     return create_block_mask(mask_mod, B, None, T, T, device=segment_ids.device, _compile=compile_it)
 
 
-def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, enable_gqa: bool) -> torch.Tensor:
-    """flex_attention over (B, H, T, D) tensors; compiled where the caller is not (on CUDA)."""
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, enable_gqa: bool,
+         scale: float | None = None) -> torch.Tensor:
+    """flex_attention over (B, H, T, D) tensors; compiled where the caller is not (on CUDA). scale:
+    of the scores (None: 1/sqrt(D))."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
     if q.device.type == "cuda":
-        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
     # Elsewhere (tests of this path on a CPU) the reference implementation, which warns that it is one.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
 
 
 class Attention(nn.Module):
@@ -131,12 +133,17 @@ class Attention(nn.Module):
         self.wq = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=qkv_bias)
         self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias or cfg.attn_out_bias)
+        # "all" (OLMoE / OLMo-2): one RMSNorm over the whole q (and k) projection; "head" (Qwen3): each
+        # head's q and k normalised on their own, one weight of head_dim shared by the heads.
+        self.qk_norm = cfg.qk_norm and cfg.qk_norm_scope == "all"
+        self.qk_head_norm = cfg.qk_norm and cfg.qk_norm_scope == "head"
         if cfg.qk_norm:
-            # OLMoE / OLMo-2: one RMSNorm over the whole q (and k) projection, not per head.
-            self.q_norm = RMSNorm(self.n_heads * self.head_dim, eps=cfg.norm_eps)
-            self.k_norm = RMSNorm(self.n_kv_heads * self.head_dim, eps=cfg.norm_eps)
-        self.qk_norm = cfg.qk_norm
+            per_head = self.qk_head_norm
+            self.q_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_heads), eps=cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_kv_heads), eps=cfg.norm_eps)
+        # None: SDPA's default 1/sqrt(head_dim).
+        self.scale = cfg.attention_multiplier
         self.dropout = cfg.dropout
         # An encoder (BERT) attends both ways: mask None then means "every key", not "causal".
         self.causal = cfg.arch != "encoder"
@@ -168,6 +175,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        if self.qk_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
@@ -177,7 +186,7 @@ class Attention(nn.Module):
             v_buf[:, :, pos : pos + T] = v
             k, v = k_buf[:, :, : pos + T], v_buf[:, :, : pos + T]  # (B, Hkv, S, D)
         if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask
-            out = flex(q, k, v, mask, self.gqa)
+            out = flex(q, k, v, mask, self.gqa, self.scale)
             out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
             return self.wo(out)
         out = F.scaled_dot_product_attention(
@@ -188,6 +197,7 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=self.causal and mask is None and T > 1,
             enable_gqa=self.gqa,
+            scale=self.scale,
         )  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.wo(out)

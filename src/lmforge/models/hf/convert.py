@@ -5,7 +5,8 @@ Only config.json dicts and safetensors files are touched: `transformers` itself 
 Weights are never unpickled: a directory with only `pytorch_model.bin` is refused.
 
 Per-family knowledge (key maps, fused/transposed tensors, config keys) lives in the family modules
-(`llama.py` for Llama/Mistral/Qwen2, `gpt2.py`); each provides MODEL_TYPES, config_from_hf,
+(`llama.py` for Llama/Mistral/Qwen2, `qwen3.py`, `granite.py`, `smollm3.py`, `moe.py`, `gpt2.py`,
+`bert.py`; `variants.py` picks the dense family by its flags); each provides MODEL_TYPES, config_from_hf,
 config_to_hf, model_type_for, import_names, import_tensor, hf_name and export_tensors. An imported name
 is ours, or (ours, j): row j of a stacked parameter (one expert of a mixture of experts, `moe.py`).
 """
@@ -27,7 +28,7 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import bert, gpt2, llama, moe
+from lmforge.models.hf import bert, gpt2, granite, llama, moe, qwen3, smollm3, variants
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 from lmforge.utils.tensorfile import SafetensorsFile
@@ -41,7 +42,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    return {t: fam for fam in (llama, gpt2, bert, moe) for t in fam.MODEL_TYPES}
+    return {t: fam for fam in (llama, gpt2, bert, moe, qwen3, granite, smollm3) for t in fam.MODEL_TYPES}
 
 
 def _family(model_type: Any) -> ModuleType:
@@ -145,6 +146,8 @@ def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
         return moe
     if cfg.arch == "encoder":
         return bert
+    if (variant := variants.dense_model_type(cfg)) is not None:  # Qwen3, Granite, SmolLM3: by their flags
+        return _family(variant)
     # GPT-2 is the one supported decoder family with learned positions; everything else is RoPE.
     return _family("gpt2" if cfg.pos_embedding == "learned" else "llama")
 

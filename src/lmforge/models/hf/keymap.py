@@ -19,7 +19,12 @@ class KeyMap:
     _FIELDS = {"i": r"(?P<i>\d+)", "p": r"(?P<p>weight|bias)"}
 
     def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        self.pairs = list(pairs)
         self._pairs = [(self._compile(a), b, self._compile(b), a) for a, b in pairs]
+
+    def extended(self, pairs: list[tuple[str, str]]) -> KeyMap:
+        """This table plus `pairs` (a family that adds tensors to another's layout)."""
+        return KeyMap([*self.pairs, *pairs])
 
     @classmethod
     def _compile(cls, template: str) -> re.Pattern:

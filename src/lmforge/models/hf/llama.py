@@ -189,6 +189,11 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
         problems.append("bias/qkv_bias is set (Mistral has no biases)")
     if requested == "qwen2" and (cfg.bias or not cfg.qkv_bias):
         problems.append("Qwen2 has q/k/v biases only: needs qkv_bias=true and bias=false")
+    from lmforge.models.hf.variants import extra_flags  # (variants' families import this module)
+
+    problems += [f"{f} (a setting of qwen3, granite or smollm3)" for f in extra_flags(cfg)]
+    if cfg.qk_norm:
+        problems.append("qk_norm (Llama, Mistral and Qwen2 do not normalise q and k)")
     if problems:
         raise LmforgeError(
             f"this model cannot be exported as Hugging Face {requested!r}: " + "; ".join(problems)

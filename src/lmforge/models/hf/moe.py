@@ -9,6 +9,8 @@ in the sparse MLP:
              q/k/v biases (qkv_bias).
   olmoe      the Qwen2-MoE expert names without a shared expert; RMSNorm over the whole q and k
              projections (`self_attn.q_norm` / `k_norm`, our qk_norm); norm_topk_prob flag.
+  qwen3_moe  OLMoE's expert names; Qwen3's attention: RMSNorm over each head's q and k
+             (qk_norm_scope=head), attention_bias on q/k/v/o; a sliding window on every layer or none.
 transformers 5 keeps the experts as fused 3-D parameters `mlp.experts.gate_up_proj` (E, 2*d_ff, d) and
 `mlp.experts.down_proj` (E, d, d_ff) in memory and converts to the per-expert names above when it saves;
 both layouts are read here, the per-expert one is written (what 4.x and 5.x both load). Every router
@@ -25,12 +27,13 @@ import torch
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import llama
+from lmforge.models.hf import llama, qwen3
 from lmforge.models.hf.keymap import KeyMap, unsupported
+from lmforge.models.hf.variants import extra_flags
 
-MODEL_TYPES = ("mixtral", "qwen2_moe", "olmoe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "olmoe", "qwen3_moe")
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                 "olmoe": "OlmoeForCausalLM"}
+                 "olmoe": "OlmoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 # transformers' class defaults for keys a config.json may leave out (5.x).
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -40,14 +43,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                   "rms_norm_eps": 1e-6, "router_aux_loss_coef": 0.001},
     "olmoe": {"max_position_embeddings": 4096, "num_key_value_heads": None, "rope_theta": 10000.0,
               "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.01},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4, "rope_theta": 10000.0,
+                  "rms_norm_eps": 1e-6, "router_aux_loss_coef": 0.001},
 }
 
-_MOE = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "olmoe": "mlp"}
+_MOE = {"mixtral": "block_sparse_moe", "qwen2_moe": "mlp", "olmoe": "mlp", "qwen3_moe": "mlp"}
 # Per-expert projection names: ours -> HF's, per family.
 _PROJ = {
     "mixtral": {"w_gate": "w1", "w_up": "w3", "w_down": "w2"},
     "qwen2_moe": {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"},
     "olmoe": {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"},
+    "qwen3_moe": {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"},
 }
 
 _COMMON = KeyMap([  # (ours, HF) of the non-expert tensors all three share
@@ -85,6 +91,8 @@ def _window(hf: dict[str, Any], n_layers: int) -> int | None:
         return None
     if model_type == "mixtral":
         return hf.get("sliding_window")
+    if model_type == "qwen3_moe":  # the window (when used) is on every layer
+        return hf.get("sliding_window", 4096) if hf.get("use_sliding_window", False) else None
     if not hf.get("use_sliding_window", False):
         return None
     # Qwen2-MoE's own default pattern slides on every other layer below max_window_layers.
@@ -100,6 +108,16 @@ def _window(hf: dict[str, Any], n_layers: int) -> int | None:
     return None  # unreachable
 
 
+def _check_every_layer_sparse(hf: dict[str, Any]) -> None:
+    """Qwen3-MoE puts a dense MLP on the layers in mlp_only_layers and on those decoder_sparse_step
+    skips: our blocks are all MoE or all dense, so only configs where every layer is sparse import."""
+    step, dense = int(hf.get("decoder_sparse_step", 1)), hf.get("mlp_only_layers") or []
+    if dense:
+        unsupported("mlp_only_layers", dense, "[] (an MoE layer in every block)")
+    if step != 1:
+        unsupported("decoder_sparse_step", step, "1 (an MoE layer in every block)")
+
+
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig keyword arguments for a Mixtral / Qwen2-MoE / OLMoE config.json dict."""
     model_type = hf["model_type"]
@@ -111,6 +129,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         unsupported("router_jitter_noise", hf["router_jitter_noise"], "0.0 (no router noise)")
     if hf.get("clip_qkv") is not None:
         unsupported("clip_qkv", hf["clip_qkv"], "null (unclipped q/k/v)")
+    if model_type == "qwen3_moe":
+        _check_every_layer_sparse(hf)
     if model_type == "qwen2_moe":
         if int(hf.get("decoder_sparse_step", 1)) != 1:
             unsupported("decoder_sparse_step", hf["decoder_sparse_step"], "1 (an MoE layer in every block)")
@@ -126,7 +146,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     rope_hf = dict(hf)
     rope_hf.setdefault("rope_theta", _DEFAULTS[model_type]["rope_theta"])
     theta, scaling, long_len = llama._rope_from_hf(rope_hf, max_pos)
-    n_experts = int(hf["num_local_experts"] if model_type == "mixtral" else hf["num_experts"])
+    # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (its attribute_map): read both.
+    n_experts = int(hf["num_local_experts"] if model_type == "mixtral" or "num_experts" not in hf
+                    else hf["num_experts"])
     if n_experts < 1:
         unsupported("num_experts", n_experts, "at least 1 (a dense model is a llama / qwen2 model_type)")
     moe: dict[str, Any] = dict(
@@ -142,16 +164,23 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if model_type == "qwen2_moe":
         moe.update(d_ff_expert=int(hf["moe_intermediate_size"]), n_shared_experts=1,
                    shared_d_ff=int(hf["shared_expert_intermediate_size"]), shared_gate=True)
+    if model_type == "qwen3_moe":  # intermediate_size is the width of mlp_only layers (refused above)
+        moe.update(d_ff_expert=int(hf["moe_intermediate_size"]))
     bias = model_type == "olmoe" and bool(hf.get("attention_bias", False))
-    return dict(
+    out = dict(
         vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
         n_kv_heads=int(n_kv) if n_kv != n_heads else None, head_dim=head_dim, d_ff=d_ff,
         max_seq_len=long_len or max_pos, norm="rmsnorm", norm_eps=float(_get(hf, "rms_norm_eps")),
         pos_embedding="rope", rope_theta=theta, rope_scaling=scaling, mlp="swiglu", bias=bias,
         qkv_bias=model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
-        qk_norm=model_type == "olmoe", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        dropout=0.0, sliding_window=_window(hf, n_layers), moe=moe,
+        qk_norm=model_type in ("olmoe", "qwen3_moe"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0,
+        sliding_window=_window(hf, n_layers), moe=moe,
     )
+    if model_type == "qwen3_moe":  # Qwen3's attention: per-head q/k norm, attention_bias on q/k/v/o
+        attn_bias = bool(hf.get("attention_bias", False))
+        out.update(qk_norm_scope="head", qkv_bias=attn_bias, attn_out_bias=attn_bias)
+    return out
 
 
 def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
@@ -159,9 +188,12 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
     m = cfg.moe
     if m is None:
         raise LmforgeError("a dense model (model.moe unset) exports as llama, mistral, qwen2 or gpt2")
+    per_head = cfg.qk_norm and cfg.qk_norm_scope == "head"
     if requested is None:
-        requested = "olmoe" if cfg.qk_norm else ("qwen2_moe" if m.n_shared_experts else "mixtral")
-    problems = []
+        requested = "qwen3_moe" if per_head else "olmoe" if cfg.qk_norm else (
+            "qwen2_moe" if m.n_shared_experts else "mixtral")
+    problems = [f"{f} (a setting {requested} does not have)"
+                for f in extra_flags(cfg, qwen3.FLAGS if requested == "qwen3_moe" else ())]
     for key, value, want in (("norm", cfg.norm, "rmsnorm"), ("mlp", cfg.mlp, "swiglu"),
                              ("pos_embedding", cfg.pos_embedding, "rope"), ("moe.router_score",
                                                                            m.router_score, "softmax")):
@@ -172,8 +204,8 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
                         f"{requested} has no place for")
     if cfg.score_head:
         problems.append("score_head (a mixture-of-experts reward model has no transformers class here)")
-    if requested != "olmoe" and cfg.qk_norm:
-        problems.append("qk_norm (only olmoe normalises q and k)")
+    if requested not in ("olmoe", "qwen3_moe") and cfg.qk_norm:
+        problems.append("qk_norm (only olmoe and qwen3_moe normalise q and k)")
     if requested != "qwen2_moe" and m.n_shared_experts:
         problems.append("shared experts (only qwen2_moe has one)")
     if requested == "mixtral":
@@ -198,6 +230,13 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
             problems.append("sliding_window (OLMoE has none)")
         if cfg.n_heads * cfg.resolved_head_dim != cfg.d_model:
             problems.append("n_heads * head_dim != d_model (OLMoE's q_norm has d_model weights)")
+    elif requested == "qwen3_moe":
+        if not per_head:
+            problems.append("Qwen3-MoE normalises each head's q and k: needs qk_norm=true and "
+                            "qk_norm_scope=head")
+        if cfg.bias or cfg.qkv_bias != cfg.attn_out_bias:
+            problems.append("Qwen3-MoE's attention_bias covers q/k/v/o: needs bias=false and qkv_bias = "
+                            "attn_out_bias")
     if problems:
         raise LmforgeError(f"this model cannot be exported as Hugging Face {requested!r}: "
                            + "; ".join(problems))
@@ -221,6 +260,11 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
                    norm_topk_prob=m.norm_topk_prob, qkv_bias=cfg.qkv_bias, decoder_sparse_step=1,
                    mlp_only_layers=[], use_sliding_window=False, sliding_window=None,
                    max_window_layers=cfg.n_layers, layer_types=["full_attention"] * cfg.n_layers)
+    elif model_type == "qwen3_moe":  # intermediate_size sizes only mlp_only layers: none here
+        out.update(num_experts=m.n_experts, moe_intermediate_size=m.d_ff_expert or cfg.resolved_d_ff,
+                   intermediate_size=cfg.resolved_d_ff, norm_topk_prob=m.norm_topk_prob,
+                   attention_bias=cfg.qkv_bias, decoder_sparse_step=1, mlp_only_layers=[],
+                   use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window)
     else:
         out.update(num_experts=m.n_experts, intermediate_size=m.d_ff_expert or cfg.resolved_d_ff,
                    norm_topk_prob=m.norm_topk_prob, attention_bias=cfg.bias, clip_qkv=None)
@@ -271,14 +315,6 @@ def hf_name(our_name: str, cfg: ModelConfig) -> str:
     if m := re.fullmatch(r"layers\.(\d+)\.moe\.router\.gate\.weight", our_name):
         return f"model.layers.{m[1]}.<mlp>.gate.weight"
     return _COMMON.to_hf(our_name) or our_name
-
-
-def hf_module(our_module: str, cfg: ModelConfig) -> str | None:
-    """The HF module of one of our linear layers that only the mixture-of-experts families have (the
-    router's gate: an adapter on it needs its PEFT name); None for the rest."""
-    if m := re.fullmatch(r"layers\.(\d+)\.moe\.router\.gate", our_module):
-        return f"model.layers.{m[1]}.{_MOE[model_type_for(cfg)]}.gate"
-    return None
 
 
 def export_tensors(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
