@@ -34,6 +34,15 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=64)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_local_experts=4,
                                                             num_experts_per_tok=2)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=64, head_dim=16)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(intermediate_size=64, head_dim=16,
+                                                                moe_intermediate_size=24, num_experts=4,
+                                                                num_experts_per_tok=2)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(intermediate_size=64, embedding_multiplier=2.0,
+                                                            residual_multiplier=0.5, attention_multiplier=0.3,
+                                                            logits_scaling=2.0)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(intermediate_size=64, no_rope_layer_interval=2,
+                                                            pad_token_id=0)),
 }
 
 
