@@ -154,6 +154,17 @@ class MoEConfig(Section):
         "optimizer step.")
     bias_update_rate: float = Field(
         1e-3, gt=0.0, description="Step of the balancing bias per optimizer step (DeepSeek-V3's gamma).")
+    # [issue-34 area: deepseek-mla] routing and layout of DeepSeek-V3's MoE
+    n_group: int = Field(
+        1, ge=1, description="Expert groups for group-limited routing (DeepSeek-V3): a token picks its "
+        "top_k experts among the topk_group groups whose two best scores sum highest (1: no groups).")
+    topk_group: int = Field(1, ge=1, description="Groups a token may route to (with n_group > 1).")
+    routed_scaling: float = Field(
+        1.0, gt=0.0, description="Factor on the routed experts' weights after any renormalisation "
+        "(DeepSeek-V3's routed_scaling_factor, 2.5).")
+    dense_layers: int = Field(
+        0, ge=0, description="The first dense_layers blocks keep a dense SwiGLU MLP of model.d_ff instead of "
+        "the mixture (DeepSeek-V3's first_k_dense_replace).")
 
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
@@ -166,6 +177,43 @@ class MoEConfig(Section):
         if self.shared_d_ff is not None and self.n_shared_experts == 0:
             raise ValueError("moe.shared_d_ff is set but moe.n_shared_experts=0; set n_shared_experts >= 1 "
                              "or leave shared_d_ff unset")
+        if self.n_group > 1 or self.topk_group > 1:
+            per = self.n_experts // self.n_group
+            if self.n_experts % self.n_group or per < 2:
+                raise ValueError(f"moe.n_group={self.n_group} must divide moe.n_experts={self.n_experts} "
+                                 "into groups of at least 2 experts (a group's score: its two best experts)")
+            if self.topk_group > self.n_group or self.top_k > self.topk_group * per:
+                raise ValueError(f"moe.topk_group={self.topk_group} must be <= n_group={self.n_group} and "
+                                 f"leave at least top_k={self.top_k} experts ({per} per group)")
+        return self
+
+
+class MLAConfig(Section):
+    """Multi-head latent attention (DeepSeek-V2/V3, models/common/mla.py): keys and values are expanded
+    per head from one compressed latent per token, which is what the KV cache holds, plus a small key
+    part with decoupled RoPE shared by all heads."""
+
+    q_lora_rank: int | None = Field(
+        None, ge=1, description="Rank of the low-rank query projection d_model -> q_lora_rank (RMSNorm) -> "
+        "heads (None: one plain query projection).")
+    kv_lora_rank: int = Field(512, ge=1, description="Size of the compressed key/value latent per token.")
+    qk_nope_head_dim: int = Field(128, ge=1, description="Per-head query/key size without RoPE.")
+    qk_rope_head_dim: int = Field(64, ge=2, description="Per-head query/key size with RoPE (the key part "
+                                  "is shared by all heads); even.")
+    v_head_dim: int = Field(128, ge=1, description="Per-head value size.")
+    rope_interleave: bool = Field(
+        False, description="RoPE over interleaved pairs (x0, x1), (x2, x3), ... of the rotary part "
+        "(DeepSeek's checkpoints, HF rope_interleave) instead of the two halves.")
+    attention_bias: bool = Field(
+        False, description="Biases on the q_a, kv_a and output projections (HF attention_bias).")
+    latent_norm_eps: float = Field(
+        1e-6, gt=0.0, description="Epsilon of the RMSNorms over the q and kv latents.")
+
+    @model_validator(mode="after")
+    def _check(self) -> MLAConfig:
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates "
+                             "pairs)")
         return self
 
 
@@ -245,6 +293,9 @@ class ModelConfig(Section):
     # [issue-34 area: gemma-olmo2]
     # [issue-34 area: phi3-rope]
     # [issue-34 area: deepseek-mla]
+    mla: MLAConfig | None = Field(
+        None, description="Multi-head latent attention in place of every block's attention (None: "
+        "grouped-query attention); n_kv_heads and head_dim then stay unset.")
     # [issue-34 area: gpt-oss]
 
     @model_validator(mode="before")
@@ -262,12 +313,13 @@ class ModelConfig(Section):
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")
-        if self.head_dim is None and self.d_model % self.n_heads:
+        self._check_mla()
+        if self.head_dim is None and self.mla is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 "change one of them or set head_dim"
             )
-        if self.pos_embedding == "rope" and self.resolved_head_dim % 2:
+        if self.pos_embedding == "rope" and self.mla is None and self.resolved_head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.resolved_head_dim}")
         rs = self.rope_scaling
         if rs is not None and rs.type == "llama3" and rs.original_max_position_embeddings is None:
@@ -282,12 +334,36 @@ class ModelConfig(Section):
                              "quant.head=false")
         return self
 
+    def _check_mla(self) -> None:
+        if self.moe is not None and self.moe.dense_layers > self.n_layers:
+            raise ValueError(f"moe.dense_layers={self.moe.dense_layers} exceeds n_layers={self.n_layers}")
+        if self.mla is None:
+            return
+        kv = None if self.n_kv_heads == self.n_heads else self.n_kv_heads  # = n_heads is no clash
+        clashes = [f"{key}={value}" for key, value, off in (
+            ("n_kv_heads", kv, None), ("head_dim", self.head_dim, None),
+            ("pos_embedding", self.pos_embedding, "rope"), ("bias", self.bias, False),
+            ("qkv_bias", self.qkv_bias, False), ("qk_norm", self.qk_norm, False),
+            ("sliding_window", self.sliding_window, None), ("arch", self.arch, "decoder")) if value != off]
+        if clashes:
+            raise ValueError("model.mla (multi-head latent attention) sizes its heads with "
+                             "mla.qk_nope_head_dim, qk_rope_head_dim and v_head_dim, uses RoPE, has biases "
+                             "only through mla.attention_bias and no sliding window or q/k norm; unset: "
+                             + ", ".join(clashes))
+
+    @property
+    def resolved_rope_dim(self) -> int:
+        """Size of the rotated part of a query/key head (the RoPE tables' width)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.resolved_head_dim
+
     @property
     def resolved_kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     @property
     def resolved_head_dim(self) -> int:
+        if self.mla is not None:  # the query/key head size (values have mla.v_head_dim)
+            return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
         return self.head_dim or self.d_model // self.n_heads
 
     @property

@@ -33,7 +33,7 @@ from torch import nn
 
 from lmforge.errors import ConfigError, LmforgeError
 
-# Hugging Face (Llama / Mistral / Qwen2) module names accepted as targets, as suffixes of ours.
+# Hugging Face (Llama / Mistral / Qwen2, DeepSeek-V3) module names accepted as targets, as suffixes of ours.
 HF_TARGETS = {
     "q_proj": "attn.wq",
     "k_proj": "attn.wk",
@@ -43,6 +43,11 @@ HF_TARGETS = {
     "up_proj": "mlp.w_up",
     "down_proj": "mlp.w_down",
     "lm_head": "output",
+    # DeepSeek-V3's multi-head latent attention (models/common/mla.py)
+    "q_a_proj": "attn.wq_a",
+    "q_b_proj": "attn.wq_b",
+    "kv_a_proj_with_mqa": "attn.wkv_a",
+    "kv_b_proj": "attn.wkv_b",
 }
 ALL_LINEAR = "all-linear"
 ADAPTER_PARAMS = ("lora_A", "lora_B", "lora_magnitude")

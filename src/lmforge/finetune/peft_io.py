@@ -2,10 +2,12 @@
 `adapter_model.safetensors`, as `PeftModel.save_pretrained` writes and `PeftModel.from_pretrained` reads.
 
 Tensor names are PEFT's: `base_model.model.` + the Hugging Face module name + `.lora_A.weight`,
-`.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. Only the Llama / Mistral / Qwen2 layout is
-covered: their q/k/v/o and MLP projections are separate linear layers named one-to-one with ours, and
-our RoPE uses the same "rotate_half" convention, so q/k rows (and hence B's rows) map without any
-permutation. GPT-2's fused Conv1D `c_attn` has no per-q/k/v adapter, so it is refused.
+`.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. The Llama / Mistral / Qwen2 layout and
+DeepSeek-V3's (model.mla) are covered: their projections are separate linear layers named one-to-one with
+ours, and our RoPE uses their convention (halves, or DeepSeek's interleaved pairs), so q/k rows (and hence
+B's rows) map without any permutation. DeepSeek-V3's router and stacked routed experts are no linear
+layers in transformers: adapters on them have no PEFT form and are refused. GPT-2's fused Conv1D
+`c_attn` has no per-q/k/v adapter, so it is refused.
 
 Files from elsewhere are untrusted: the config is checked key by key and tensors are read with
 safetensors (never pickle) and checked against the model before the model is touched.
@@ -23,7 +25,8 @@ from torch import nn
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
-from lmforge.models.hf import llama
+from lmforge.models.hf import deepseek, llama
+from lmforge.models.hf.keymap import KeyMap
 from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
 from lmforge.utils.safe_regex import compile_regex
 
@@ -56,21 +59,41 @@ def _check_layout(cfg: ModelConfig) -> None:
             "this model has GPT-2's layout, whose fused Conv1D c_attn cannot hold our per-q/k/v adapters. "
             "Save the adapters with adapter_state_dict, or merge_lora and export the full model"
         )
+    if cfg.mla is not None:
+        deepseek.model_type_for(cfg)  # multi-head latent attention: DeepSeek-V3's layout
+        return
     llama.model_type_for(cfg)  # raises a clear LmforgeError for any other non-Llama layout
 
 
-def _hf_module(our_module: str) -> str:
+def _keys(cfg: ModelConfig) -> KeyMap:
+    """Our names -> transformers' for the model's layout (MLA has projections of its own)."""
+    return deepseek.KEYS if cfg.mla is not None else llama.KEYS
+
+
+def _hf_module(our_module: str, cfg: ModelConfig) -> str:
+    if cfg.mla is not None:
+        return deepseek.adapter_module(our_module)
     hf = llama.KEYS.to_hf(our_module + ".weight")
     if hf is None:
         raise LmforgeError(f"{our_module} has no Hugging Face name, so its adapter has no PEFT name")
     return hf.removesuffix(".weight")
 
 
+def _has_peft_name(our_module: str, model: nn.Module) -> bool:
+    try:
+        _hf_module(our_module, model.cfg)
+    except LmforgeError:
+        return False
+    return True
+
+
 def _target_modules(model: nn.Module, wrapped: list[str]) -> list[str]:
     """PEFT target_modules naming exactly the wrapped layers: leaf names ("q_proj") where every layer
     of that kind is wrapped, full module names otherwise (PEFT matches both as name suffixes)."""
-    all_hf = [_hf_module(n) for n in linear_names(model)]
-    wrapped_hf = [_hf_module(n) for n in wrapped]
+    # Layers that are not wrapped and have no PEFT name (a router) cannot be confused with wrapped ones.
+    all_hf = [_hf_module(n, model.cfg) for n in linear_names(model)
+              if n in wrapped or _has_peft_name(n, model)]
+    wrapped_hf = [_hf_module(n, model.cfg) for n in wrapped]
     out: list[str] = []
     for leaf in dict.fromkeys(h.rpartition(".")[2] for h in wrapped_hf):  # in module order
         kind = [h for h in all_hf if h.rpartition(".")[2] == leaf]
@@ -91,7 +114,7 @@ def save_peft_adapter(
     for name, layer in layers.items():
         if layer.merged:
             raise LmforgeError(f"{name} is merged into its base weight; unmerge_lora(model) before saving")
-        prefix = PREFIX + _hf_module(name) + "."
+        prefix = PREFIX + _hf_module(name, model_cfg) + "."
         for pname, p in layer.named_parameters(recurse=False):
             tensors[prefix + SUFFIXES[pname]] = p.detach().to("cpu").contiguous()
     config = {
@@ -205,7 +228,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
     _check_layout(model.cfg)
     settings = read_adapter_config(adapter_dir)
     file = Path(adapter_dir) / WEIGHTS
-    hf_names = {n: _hf_module(n) for n in linear_names(model)}
+    hf_names = {n: _hf_module(n, model.cfg) for n in linear_names(model) if _has_peft_name(n, model)}
     wrapped = [n for n, h in hf_names.items() if _peft_matches(h, settings["targets"])]
     if not wrapped:
         kinds = ", ".join(dict.fromkeys(h.rpartition(".")[2] for h in hf_names.values()))
@@ -228,7 +251,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
         if key in expected:
             continue
         # A base weight saved with the adapter: `...lm_head.base_layer.weight` or `...embed_tokens.weight`.
-        ours = llama.KEYS.to_ours(key.removeprefix(PREFIX).replace(".base_layer.", "."))
+        ours = _keys(model.cfg).to_ours(key.removeprefix(PREFIX).replace(".base_layer.", "."))
         if not key.startswith(PREFIX) or ours is None:
             raise LmforgeError(
                 f"{file}: tensor {key!r} is no adapter of the layers target_modules names "

@@ -6,7 +6,9 @@ Parameter names are the checkpoint format (HF key maps build on them):
     layers.{i}.attn_norm, layers.{i}.attn.{wq,wk,wv,wo}, layers.{i}.mlp_norm,
     layers.{i}.mlp.{w_gate (swiglu only), w_up, w_down}, norm, output.weight (untied only)
 
-With model.moe every block has `layers.{i}.moe` (models/moe.py) in place of `layers.{i}.mlp`.
+With model.moe every block has `layers.{i}.moe` (models/moe.py) in place of `layers.{i}.mlp` (except the
+first moe.dense_layers blocks). With model.mla, `layers.{i}.attn` is multi-head latent attention
+(models/common/mla.py) with its own projections.
 
 With tied embeddings there is no `output` module: the logits use `tok_embeddings.weight`.
 """
@@ -23,6 +25,7 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.models.common.attention import Attention, KVCache, LayerKV, document_block_mask, packed_kernel
+from lmforge.models.common.mla import MLA
 from lmforge.models.common.mlp import MLP
 from lmforge.models.common.norm import RMSNorm, build_norm
 from lmforge.models.common.rope import dynamic_inv_frequencies, rope_angles, rope_tables
@@ -57,12 +60,13 @@ class Block(nn.Module):
     checkpointing, FSDP, pipeline stages) can forward the arguments unchanged.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = build_norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg) if cfg.mla is None else MLA(cfg)
         self.mlp_norm = build_norm(cfg)
-        self.is_moe = cfg.moe is not None
+        # layer: this block's index, for models whose first blocks stay dense (moe.dense_layers)
+        self.is_moe = cfg.moe is not None and layer >= cfg.moe.dense_layers
         if self.is_moe:
             self.moe = MoE(cfg)
         else:
@@ -110,7 +114,7 @@ class Transformer(nn.Module):
             if cfg.pos_embedding == "learned":
                 self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model)
             self.drop = _dropout(cfg.dropout)
-            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = build_norm(cfg)
             if not cfg.tie_embeddings:
                 self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -120,7 +124,7 @@ class Transformer(nn.Module):
                 self.value = nn.Linear(cfg.d_model, 1, bias=False)
             if cfg.pos_embedding == "rope":
                 # Non-persistent: derived from the config, never part of a checkpoint.
-                shape = (cfg.max_seq_len, cfg.resolved_head_dim)
+                shape = (cfg.max_seq_len, cfg.resolved_rope_dim)
                 self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
                 self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
         # to_empty() leaves buffers uninitialised too; refilling them after every load_state_dict
@@ -177,7 +181,7 @@ class Transformer(nn.Module):
             return
         cfg = self.cfg
         cos, sin = rope_tables(
-            cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device,
+            cfg.resolved_rope_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device,
             scaling=cfg.rope_scaling, original=self._rope_original(),
         )
         self.rope_cos.copy_(cos)
@@ -203,7 +207,7 @@ class Transformer(nn.Module):
             # (it reuses the largest base seen until a forward falls back below the original length).
             device = self.rope_cos.device
             inv_freq = dynamic_inv_frequencies(
-                self.cfg.resolved_head_dim, self.cfg.rope_theta, scaling.factor, original, seq_len, device
+                self.cfg.resolved_rope_dim, self.cfg.rope_theta, scaling.factor, original, seq_len, device
             )
             pos = position_ids if position_ids is not None else torch.arange(start, end, device=device)
             return rope_angles(pos, inv_freq)

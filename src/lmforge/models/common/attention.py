@@ -22,7 +22,9 @@ LayerKV = tuple[torch.Tensor, torch.Tensor, int]
 
 class KVCache:
     """Per-layer key/value buffers, each (batch_size, n_kv_heads, max_len, head_dim), and `pos`,
-    the number of positions already written.
+    the number of positions already written. With model.mla the two buffers of a layer hold the
+    compressed latent (batch_size, 1, max_len, kv_lora_rank) and the shared rotated key part
+    (batch_size, 1, max_len, qk_rope_head_dim) instead.
 
     `model(ids, cache=cache)` writes the keys/values of `ids` at pos..pos+T-1 and advances `pos`.
     `model_or_cfg` is a Transformer (anything with a `.cfg`) or a ModelConfig.
@@ -42,10 +44,13 @@ class KVCache:
                 f"KVCache max_len={max_len} exceeds model.max_seq_len={cfg.max_seq_len}; "
                 "use a shorter cache or raise model.max_seq_len"
             )
-        shape = (batch_size, cfg.resolved_kv_heads, max_len, cfg.resolved_head_dim)
+        k_shape = v_shape = (batch_size, cfg.resolved_kv_heads, max_len, cfg.resolved_head_dim)
+        if cfg.mla is not None:  # the compressed latent and the shared rotated key (models/common/mla.py)
+            k_shape = (batch_size, 1, max_len, cfg.mla.kv_lora_rank)
+            v_shape = (batch_size, 1, max_len, cfg.mla.qk_rope_head_dim)
         self.batch_size, self.max_len, self.pos = batch_size, max_len, 0
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.k = [torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
 
     def layer(self, i: int) -> LayerKV:
         """Layer i's buffers and the current position, as the attention module takes them."""
@@ -103,18 +108,19 @@ def document_block_mask(segment_ids: torch.Tensor, window: int | None = None):
     return create_block_mask(mask_mod, B, None, T, T, device=segment_ids.device, _compile=compile_it)
 
 
-def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, enable_gqa: bool) -> torch.Tensor:
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, enable_gqa: bool,
+         scale: float | None = None) -> torch.Tensor:
     """flex_attention over (B, H, T, D) tensors; compiled where the caller is not (on CUDA)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
     if q.device.type == "cuda":
-        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
     # Elsewhere (tests of this path on a CPU) the reference implementation, which warns that it is one.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
 
 
 class Attention(nn.Module):
