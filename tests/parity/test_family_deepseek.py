@@ -237,3 +237,40 @@ def test_dense_layers_keep_an_mlp_of_d_ff():
     assert [b.is_moe for b in model.layers] == [False, False, True]
     assert model.layers[1].mlp.w_up.weight.shape == (24, 16)
     assert model.layers[2].moe.experts.w_up.shape == (4, 8, 16)
+
+
+def test_serving_engine_batches_an_mla_model_as_generate_does(pair):
+    from lmforge.eval.generate import generate
+    from lmforge.serve.engine import Engine, SamplingParams
+
+    _, _, _, ours = pair
+    text = lambda ids: "".join(chr(0x100 + t) for t in ids)  # noqa: E731  one character per token
+    engine = Engine(ours, text, max_batch_size=2)
+    prompts = [[5, 17, 42], [8, 9, 10, 11, 12, 13], [7]]  # three requests for two slots
+    got: list[list[str]] = [[] for _ in prompts]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    for p, sink in zip(prompts, got):
+        engine.submit([p], greedy, lambda ev, s=sink: s.append(ev.text))
+    while engine.step():
+        pass
+    for p, sink in zip(prompts, got):
+        assert "".join(sink) == text(generate(ours, p, 6, temperature=0.0)[0])
+
+
+@pytest.mark.parametrize("mla, moe", [
+    ({"q_lora_rank": None}, None),
+    ({"q_lora_rank": 12, "attention_bias": True}, {"n_experts": 4, "top_k": 2, "n_shared_experts": 1,
+                                                   "d_ff_expert": 8, "dense_layers": 1}),
+])
+def test_parameter_and_flop_counts_cover_mla_and_dense_layers(mla, moe):
+    from lmforge.api.limits import model_params
+    from lmforge.models.flops import count_params, flops_per_token
+
+    sizes = {"kv_lora_rank": 10, "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5}
+    cfg = ModelConfig(vocab_size=V, d_model=24, n_layers=3, n_heads=3, d_ff=40, mla={**sizes, **mla}, moe=moe,
+                      bias=False)
+    model = build_model(cfg)
+    assert count_params(cfg) == sum(p.numel() for p in model.parameters())
+    assert model_params(cfg, V) == count_params(cfg)
+    # attention term: 3 * L * H * (qk + v) * T on top of 6 per matmul weight
+    assert flops_per_token(cfg, 32) - flops_per_token(cfg, 16) == 3 * 3 * 3 * (10 + 5) * 16
