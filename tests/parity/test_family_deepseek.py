@@ -274,3 +274,21 @@ def test_parameter_and_flop_counts_cover_mla_and_dense_layers(mla, moe):
     assert model_params(cfg, V) == count_params(cfg)
     # attention term: 3 * L * H * (qk + v) * T on top of 6 per matmul weight
     assert flops_per_token(cfg, 32) - flops_per_token(cfg, 16) == 3 * 3 * 3 * (10 + 5) * 16
+
+
+def test_tools_that_do_not_model_latent_attention_refuse_it(capsys):
+    from lmforge.compress.prune import PruneSpec, units_to_remove
+    from lmforge.config.schema import ParallelConfig
+    from lmforge.parallel.dims import ParallelDims
+
+    cfg = ModelConfig(vocab_size=V, d_model=24, n_heads=4, mla={"kv_lora_rank": 8, "qk_nope_head_dim": 4,
+                                                                 "qk_rope_head_dim": 4, "v_head_dim": 4})
+    dims = ParallelDims.resolve(ParallelConfig(tp=2, dp_shard=1), 2)
+    with pytest.raises(ConfigError, match="parallel.tp=2 with model.mla"):
+        dims.check_model(cfg)
+    with pytest.raises(LmforgeError, match=r"--method heads .*model\.mla"):
+        units_to_remove(PruneSpec("heads", heads=1), cfg)
+    argv = ["estimate", "--set", "model.vocab_size=512", "--set", "model.mla.kv_lora_rank=8"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "multi-head latent attention (model.mla)" in err and "Traceback" not in err
