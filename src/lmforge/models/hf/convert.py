@@ -27,7 +27,7 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import bert, gpt2, llama, moe
+from lmforge.models.hf import bert, gpt2, llama, moe, phi3
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 
@@ -40,7 +40,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    return {t: fam for fam in (llama, gpt2, bert, moe) for t in fam.MODEL_TYPES}
+    return {t: fam for fam in (llama, gpt2, bert, moe, phi3) for t in fam.MODEL_TYPES}
 
 
 def _family(model_type: Any) -> ModuleType:
@@ -144,6 +144,8 @@ def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
         return moe
     if cfg.arch == "encoder":
         return bert
+    if phi3.is_default_for(cfg):
+        return phi3
     # GPT-2 is the one supported decoder family with learned positions; everything else is RoPE.
     return _family("gpt2" if cfg.pos_embedding == "learned" else "llama")
 
