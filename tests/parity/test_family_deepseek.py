@@ -4,7 +4,8 @@ scores, group-limited top-k, the routing bias, routed scaling, shared experts, d
 Tiny random DeepseekV3ForCausalLM saved by transformers (odd shapes: d_model 40 over 3 heads of q/k
 size 20 and value size 10; randomized norms and routing bias) import with equal float32 logits (1e-5),
 export to a dir transformers loads with equal logits, and greedy decoding through our compressed KV cache
-equals transformers' generate for 16 tokens. LoRA on an imported model trains, saves as a PEFT adapter,
+equals transformers' generate for 16 tokens; one variant extends its RoPE with yarn as DeepSeek-V3
+does. LoRA on an imported model trains, saves as a PEFT adapter,
 and PeftModel.from_pretrained gives our logits. The new block flags are tested on their own below.
 """
 
@@ -40,8 +41,11 @@ VARIANTS = {
     # Plain q projection, DeepSeek's interleaved RoPE, 4 groups of which 2 may be routed to, untied.
     "q_plain": dict(q_lora_rank=None, rope_interleave=True, n_group=4, topk_group=2, n_shared_experts=2,
                     routed_scaling_factor=2.5, tie_word_embeddings=False),
-    # Low-rank q with its norm, half-split RoPE, attention biases, tied, unnormalised top-k, no groups.
+    # Low-rank q with its norm, half-split yarn RoPE (DeepSeek-V3's mscale ratio and its softmax factor),
+    # attention biases, tied, unnormalised top-k, no groups.
     "q_lora": dict(q_lora_rank=12, rope_interleave=False, attention_bias=True, n_group=1, topk_group=1,
+                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 0.9, "mscale_all_dim": 0.7,
+                                    "original_max_position_embeddings": 16, "rope_theta": 10000.0},
                    n_shared_experts=1, norm_topk_prob=False, routed_scaling_factor=1.5,
                    tie_word_embeddings=True),
 }
@@ -181,8 +185,7 @@ def test_lora_on_the_router_or_the_stacked_experts_is_refused_by_name(pair, tmp_
 
 
 @pytest.mark.parametrize("update, needle", [
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0,
-                          "original_max_position_embeddings": 4096, "mscale_all_dim": 1.0}}, "yarn"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}, "default or yarn"),
     ({"num_key_value_heads": 1}, "num_key_value_heads"),
     ({"scoring_func": "softmax"}, "scoring_func"),
     ({"hidden_act": "gelu"}, "hidden_act"),

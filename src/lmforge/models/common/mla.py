@@ -6,6 +6,7 @@ compressed latent per token, and a small key part carrying RoPE is shared by all
     k, v     = split(wkv_b(c)) per head; k = [k_nope, rope(k_pe)]   (B, H, S, nope + rope), (B, H, S, v)
     out      = wo(softmax(q k^T * scale) v)
 
+softmax scale = (nope + rope)^-0.5, times mscale(factor, mscale_all_dim)^2 with yarn RoPE scaling.
 The KV cache holds what MLA is for: the normalised latent c and the rotated k_pe, kv_lora_rank +
 qk_rope_head_dim numbers per token and layer, whatever the head count; keys and values are expanded
 from them on every forward (transformers' DeepseekV3Attention caches the same two tensors).
@@ -14,6 +15,8 @@ Parameter names are the checkpoint format: `wq` or `wq_a`, `q_a_norm`, `wq_b`; `
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +56,16 @@ def expanded_kv_bytes_per_token(cfg: ModelConfig, itemsize: int = 2) -> int:
     return cfg.n_layers * cfg.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * itemsize
 
 
+def yarn_softmax_factor(cfg: ModelConfig) -> float:
+    """DeepSeek's MLA also scales the softmax when its RoPE is yarn-extended with mscale_all_dim:
+    by mscale(factor, mscale_all_dim)^2, mscale(s, m) = 0.1 m ln(s) + 1 (1 for s <= 1)."""
+    sc = cfg.rope_scaling
+    if sc is None or sc.type != "yarn" or not sc.mscale_all_dim or sc.factor <= 1:
+        return 1.0
+    m = 0.1 * sc.mscale_all_dim * math.log(sc.factor) + 1.0
+    return m * m
+
+
 class MLA(nn.Module):
     """Causal multi-head latent attention; `forward` takes the arguments of `Attention.forward`, with
     rope the (cos, sin) of width qk_rope_head_dim and kv a cache view of (latent, k_pe) buffers."""
@@ -77,7 +90,7 @@ class MLA(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.v_dim, d, bias=bias)
         self.low_rank_q = m.q_lora_rank is not None
         self.rotate = apply_rope_interleaved if m.rope_interleave else apply_rope
-        self.scale = qk_dim**-0.5
+        self.scale = qk_dim**-0.5 * yarn_softmax_factor(cfg)
         self.dropout = cfg.dropout
 
     def forward(

@@ -27,7 +27,7 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import bert, deepseek, gpt2, llama, moe
+from lmforge.models.hf import bert, deepseek, gpt2, llama, moe, phi3
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 
@@ -40,7 +40,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    return {t: fam for fam in (llama, gpt2, bert, moe, deepseek) for t in fam.MODEL_TYPES}
+    return {t: fam for fam in (llama, gpt2, bert, moe, phi3, deepseek) for t in fam.MODEL_TYPES}
 
 
 def _family(model_type: Any) -> ModuleType:
@@ -146,6 +146,8 @@ def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
         return moe
     if cfg.arch == "encoder":
         return bert
+    if phi3.is_default_for(cfg):
+        return phi3
     # GPT-2 is the one supported decoder family with learned positions; everything else is RoPE.
     return _family("gpt2" if cfg.pos_embedding == "learned" else "llama")
 
@@ -310,7 +312,7 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
     fields = ["vocab_size", "d_model", "n_layers", "n_heads", "resolved_kv_heads", "resolved_head_dim",
               "resolved_d_ff", "norm", "norm_eps", "pos_embedding", "mlp", "bias", "qkv_bias",
               "tie_embeddings", "sliding_window", "rope_theta", "arch", "type_vocab_size", "position_offset",
-              "qk_norm", "mla"]
+              "qk_norm", "rotary_fraction", "mla"]
     if ours.pos_embedding == "learned":
         fields.append("max_seq_len")  # the position table is a weight
     diffs = [
@@ -360,6 +362,10 @@ def _rope_signature(cfg: ModelConfig) -> dict[str, Any] | None:
         out["original_max_position_embeddings"] = sc.original_max_position_embeddings or cfg.max_seq_len
     if sc.type == "llama3":
         out.update(low_freq_factor=sc.low_freq_factor, high_freq_factor=sc.high_freq_factor)
+    if sc.type in ("yarn", "longrope"):
+        keys = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor")
+        keys = keys if sc.type == "yarn" else ("short_factor", "long_factor", "attention_factor")
+        out.update({k: getattr(sc, k) for k in keys})
     return out
 
 

@@ -25,7 +25,7 @@ import torch
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import llama
+from lmforge.models.hf import llama, rope
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("deepseek_v3",)
@@ -95,12 +95,11 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         unsupported("num_key_value_heads", n_kv, f"num_attention_heads={n_heads} (multi-head latent "
                     "attention expands keys and values for every head)")
     max_pos = int(_get(hf, "max_position_embeddings"))
-    theta, scaling, _ = llama._rope_from_hf(hf, max_pos)
-    if scaling is not None:
-        # DeepSeek-V3 extends its context with yarn (and an mscale on the softmax scale), which lmforge's
-        # RoPE does not implement yet; other scalings on MLA's rotary part are untested against transformers.
-        unsupported("rope_scaling", scaling["type"], "no RoPE scaling for deepseek_v3 (yarn is not "
-                    "implemented yet)")
+    theta, scaling, long_len = llama._rope_from_hf(hf, max_pos)
+    if scaling is not None and scaling["type"] != "yarn":
+        # DeepSeek-V3 extends its context with yarn; transformers' MLA would also rescale its softmax by
+        # another type's mscale_all_dim, which our RopeScalingConfig keeps for yarn only.
+        unsupported("rope_scaling.rope_type", scaling["type"], "default or yarn for deepseek_v3")
     n_shared = int(_get(hf, "n_shared_experts") or 0)
     if n_shared < 1:
         unsupported("n_shared_experts", n_shared, "at least 1 (transformers always builds shared experts)")
@@ -126,8 +125,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     )
     return dict(
         vocab_size=int(hf["vocab_size"]), d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-        d_ff=int(_get(hf, "intermediate_size")), max_seq_len=max_pos, norm="rmsnorm",
-        norm_eps=float(_get(hf, "rms_norm_eps")), pos_embedding="rope", rope_theta=theta, mlp="swiglu",
+        d_ff=int(_get(hf, "intermediate_size")), max_seq_len=long_len or max_pos, norm="rmsnorm",
+        norm_eps=float(_get(hf, "rms_norm_eps")), pos_embedding="rope", rope_theta=theta,
+        rope_scaling=scaling, mlp="swiglu",
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0, mla=mla, moe=moe,
     )
 
@@ -150,10 +150,11 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
         if m.n_shared_experts < 1 or m.shared_gate or m.shared_d_ff not in (None, m.d_ff_expert):
             problems.append("DeepSeek-V3's shared experts are n_shared_experts >= 1 ungated experts as wide "
                             "as the routed ones (moe.shared_gate=false, shared_d_ff unset)")
-    for key, value, want in (("norm", cfg.norm, "rmsnorm"), ("mlp", cfg.mlp, "swiglu"),
-                             ("rope_scaling", cfg.rope_scaling, None)):
+    for key, value, want in (("norm", cfg.norm, "rmsnorm"), ("mlp", cfg.mlp, "swiglu")):
         if value != want:
             problems.append(f"{key}={value} (needs {want})")
+    if cfg.rope_scaling is not None and cfg.rope_scaling.type != "yarn":
+        problems.append(f"rope_scaling.type={cfg.rope_scaling.type} (DeepSeek-V3 takes yarn or none)")
     if cfg.score_head:
         problems.append("score_head (no DeepSeek-V3 reward model class here)")
     if requested not in MODEL_TYPES:
@@ -169,6 +170,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     from lmforge.models.moe import expert_d_ff
 
     m, a = cfg.moe, cfg.mla
+    rope_dict, max_pos = rope.scaling_to_hf(cfg)
     return {
         "architectures": [ARCHITECTURE], "model_type": model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "intermediate_size": cfg.resolved_d_ff,
@@ -180,10 +182,10 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim,
         "qk_nope_head_dim": a.qk_nope_head_dim, "n_group": m.n_group, "topk_group": m.topk_group,
         "num_experts_per_tok": m.top_k, "first_k_dense_replace": m.dense_layers,
-        "norm_topk_prob": m.norm_topk_prob, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
+        "norm_topk_prob": m.norm_topk_prob, "hidden_act": "silu", "max_position_embeddings": max_pos,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": {**rope_dict, "rope_theta": cfg.rope_theta},
         "rope_interleave": a.rope_interleave, "attention_bias": a.attention_bias, "attention_dropout": 0.0,
         # No multi-token-prediction module: the causal LM alone.
         "num_nextn_predict_layers": 0,

@@ -1,0 +1,192 @@
+"""Phi-3 / Phi-4 (model_type phi3) against transformers on tiny random models it saved: import with
+equal float32 logits (1e-5), export that transformers loads with equal logits (fused qkv_proj and
+gate_up_proj), greedy generation through our KV cache equal to transformers' generate, including a
+longrope model whose generation crosses original_max_position_embeddings, and refusals by name."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from lmforge.config.schema import RopeScalingConfig
+from lmforge.errors import LmforgeError
+from lmforge.models import KVCache, generation
+from lmforge.models.hf import from_hf, hf_to_model_config, model_config_to_hf, to_hf
+
+transformers = pytest.importorskip("transformers")
+
+V, ATOL, NEW = 96, 1e-5, 16
+COMMON = dict(vocab_size=V, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+ORIGINAL = 24
+FAMILIES = {
+    # GQA 4/2, half of each head rotated, untied.
+    "gqa_partial": lambda: transformers.Phi3Config(
+        **COMMON, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, partial_rotary_factor=0.5, rope_theta=5000.0,
+        tie_word_embeddings=False),
+    # MHA (GQA ratio 1), head_dim 12 != 48/6, tied, a sliding window shorter than the sequences.
+    "head_dim_window_tied": lambda: transformers.Phi3Config(
+        **COMMON, hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6,
+        head_dim=12, max_position_embeddings=64, sliding_window=7, tie_word_embeddings=True),
+    # Phi-4-mini style: longrope with three quarters of each head rotated, tied, GQA 4/1.
+    "longrope": lambda: transformers.Phi3Config(
+        **COMMON, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, max_position_embeddings=96, original_max_position_embeddings=ORIGINAL,
+        partial_rotary_factor=0.75, tie_word_embeddings=True,
+        rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                      "long_factor": [1.5 + 0.8 * i for i in range(6)]}),
+}
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights everywhere, norms around 1 (HF inits norms to 1, which would hide bugs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.15 * noise)
+
+
+class HFLog:
+    """Collects transformers' warnings (its logger does not propagate to the root logger)."""
+
+    def __enter__(self):
+        self.messages: list[str] = []
+        self.handler = logging.Handler(logging.WARNING)
+        self.handler.emit = lambda record: self.messages.append(record.getMessage())
+        logging.getLogger("transformers").addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("transformers").removeHandler(self.handler)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def phi3(request, tmp_path_factory):
+    """(name, HF Phi3ForCausalLM, its save_pretrained dir, our import)."""
+    torch.manual_seed(0)
+    hf = transformers.Phi3ForCausalLM(FAMILIES[request.param]()).float().eval()
+    randomize(hf)
+    hf.generation_config.eos_token_id = None  # generate exactly NEW tokens
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return request.param, hf, path, from_hf(path).eval()
+
+
+def _ids(T: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, V, (2, T), generator=torch.Generator().manual_seed(seed))
+
+
+def test_import_gives_equal_logits(phi3):
+    name, hf, _, ours = phi3
+    lengths = (16, 40) if name == "longrope" else (20,)  # longrope: the short and the long factors
+    with torch.no_grad():
+        for T in lengths:
+            torch.testing.assert_close(ours(_ids(T)), hf(_ids(T)).logits, rtol=0, atol=ATOL)
+
+
+def test_config_maps_onto_our_flags(phi3):
+    name, hf, _, ours = phi3
+    cfg = ours.cfg
+    assert cfg.rotary_dim == int(cfg.resolved_head_dim * hf.config.rope_parameters["partial_rotary_factor"])
+    if name == "longrope":
+        sc = cfg.rope_scaling
+        assert (sc.type, sc.original_max_position_embeddings, sc.factor) == ("longrope", ORIGINAL, 4.0)
+    if name == "head_dim_window_tied":
+        assert (cfg.sliding_window, cfg.resolved_head_dim, cfg.tie_embeddings) == (7, 12, True)
+
+
+def test_export_loads_in_transformers_with_equal_logits(phi3, tmp_path):
+    name, hf, _, ours = phi3
+    to_hf(ours, tmp_path, model_type="phi3")
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["model_type"] == "phi3"
+    with HFLog() as log:
+        back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).float().eval()
+    assert not log.messages, log.messages
+    assert type(back).__name__ == "Phi3ForCausalLM"
+    ref_sd = hf.state_dict()
+    for key, value in back.state_dict().items():  # the fused tensors concatenated back exactly
+        assert torch.equal(value, ref_sd[key]), key
+    with torch.no_grad():
+        torch.testing.assert_close(back(_ids(40)).logits, hf(_ids(40)).logits, rtol=0, atol=0)
+    assert from_hf(tmp_path).cfg == ours.cfg
+
+
+def test_greedy_generation_equals_transformers_generate(phi3, monkeypatch):
+    """16 new tokens; the longrope prompt (12 tokens) grows past original_max_position_embeddings (24),
+    where transformers' Phi-3 recomputes the cache with the long factors, and so do we."""
+    name, hf, _, ours = phi3
+    prompt = torch.randint(3, V, (1, 12), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        ref = hf.generate(prompt, do_sample=False, max_new_tokens=NEW, pad_token_id=0,
+                          return_dict_in_generate=True, output_logits=True)
+    seen, sample = [], generation.sample_next  # the logits of each step, as our loop hands them over
+
+    def spy(logits, *args, **kwargs):
+        seen.append(logits)
+        return sample(logits, *args, **kwargs)
+
+    monkeypatch.setattr(generation, "sample_next", spy, raising=True)
+    got = generation.sample_replies(ours, [prompt[0].tolist()], NEW, frozenset(), temperature=0.0)
+    assert got[0] == ref.sequences[0, 12:].tolist()
+    # Tiny random models often repeat a token: the logits of every step are the sharper check.
+    torch.testing.assert_close(torch.cat(seen), torch.cat(ref.logits), rtol=0, atol=ATOL)
+
+
+def test_longrope_cache_is_recomputed_where_the_factors_switch(phi3):
+    """Without the recompute, keys cached with the short factors meet queries rotated with the long
+    ones: the step that crosses the original length gives other logits than a fresh forward."""
+    name, hf, _, ours = phi3
+    if name != "longrope":
+        pytest.skip("longrope only")
+    seq = torch.randint(3, V, (1, ORIGINAL + 1), generator=torch.Generator().manual_seed(8))
+    cache = KVCache(ours, 1, ORIGINAL + 1)
+    with torch.no_grad():
+        ours(seq[:, :ORIGINAL], cache=cache)
+        stale = ours(seq[:, ORIGINAL:], cache=cache)[0, -1]
+        fresh = ours(seq)[0, -1]
+        assert not torch.allclose(stale, fresh, atol=1e-3)  # so the generation test above can fail
+        torch.testing.assert_close(fresh, hf(seq).logits[0, -1], rtol=0, atol=ATOL)
+
+
+def _phi3(**change) -> dict:
+    return {**FAMILIES["gqa_partial"]().to_dict(), **change}
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"resid_pdrop": 0.1}, "resid_pdrop"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_type.*linear"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3,
+                       "shrink": 2}}, "unknown key.*shrink"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1.0] * 3}},
+     "long_factor must list one factor per rotary frequency"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.1}}, "rotary_fraction"),
+])
+def test_what_phi3_cannot_express_is_refused_by_name(change, match):
+    with pytest.raises(LmforgeError, match=match):
+        hf_to_model_config(_phi3(**change))
+
+
+@pytest.mark.parametrize("alias", ["su", "yarn"])
+def test_old_longrope_names_are_read_as_longrope(alias):
+    """Phi3Config reads the 4.x names "su" and "yarn" as longrope; the top-level original length wins."""
+    hf = _phi3(original_max_position_embeddings=16, max_position_embeddings=64,
+               rope_scaling={"type": alias, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4,
+                             "original_max_position_embeddings": 8})
+    hf.pop("rope_parameters")
+    sc = hf_to_model_config(hf).rope_scaling
+    assert (sc.type, sc.original_max_position_embeddings, sc.factor, sc.long_factor) == ("longrope", 16, 4.0,
+                                                                                        [2.0] * 4)
+
+
+def test_export_refuses_what_phi3_cannot_hold(phi3):
+    name, hf, _, ours = phi3
+    for update, match in (({"qkv_bias": True}, "qkv_bias"), ({"norm": "layernorm"}, "norm"),
+                          ({"rope_scaling": RopeScalingConfig(type="linear", factor=2.0)}, "longrope only")):
+        with pytest.raises(LmforgeError, match=match):
+            model_config_to_hf(ours.cfg.model_copy(update=update), model_type="phi3")
