@@ -295,3 +295,53 @@ def test_tools_that_do_not_model_latent_attention_refuse_it(capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "multi-head latent attention (model.mla)" in err and "Traceback" not in err
+
+
+def test_lora_sft_run_on_a_deepseek_checkpoint_exports_a_peft_adapter(tmp_path):
+    """`lmforge sft` with LoRA on the attention of an imported DeepSeek-V3, then `lmforge export --adapter`:
+    transformers + PEFT give the fine-tuned run's logits."""
+    peft = pytest.importorskip("peft")
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.data.instruct_tasks import generate, write_jsonl
+    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.finetune.setup import load_finetuned
+
+    records = generate(None, 64, seed=1)
+    tok = Tokenizer.train([" ".join(m["content"] for r in records for m in r["messages"]) * 2], 300, 2)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(tmp_path / "tok.json")
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok.json"),
+                                                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf_tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                            "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                            "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    shape = {**SHAPE, **VARIANTS["q_lora"], "vocab_size": len(hf_tok), "max_position_embeddings": 128}
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**shape))
+    randomize(hf)
+    hf.save_pretrained(tmp_path / "model")
+    hf_tok.save_pretrained(tmp_path / "model")
+    write_jsonl(records, tmp_path / "chat.jsonl")
+    run = tmp_path / "run"
+    sets = [f"run.dir={run}", f"model.init_from={tmp_path / 'model'}",
+            f"sft.data=[{tmp_path / 'chat.jsonl'}]",
+            "train.seq_len=96", "train.max_steps=3", "train.micro_batch_size=4", "train.eval_every=0",
+            "train.precision=fp32", "finetune.method=lora", "optim.lr=1e-2", "schedule.warmup_steps=0",
+            "logging.progress=none",
+            "finetune.targets=[q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]"]
+    assert main(["sft", *[a for s in sets for a in ("--set", s)]]) == 0
+    out = tmp_path / "out"
+    assert main(["export", str(run), str(out), "--adapter"]) == 0
+    cfg, ckpt = run_config(run)
+    ours, _ = load_finetuned(cfg, ckpt)
+    # The routing bias is part of the frozen base: it did not move, so the adapter fits the hub checkpoint.
+    bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+    assert bias.abs().sum() > 0 and torch.equal(ours.layers[1].moe.router.expert_bias, bias)
+    x = torch.randint(3, len(hf_tok), (1, 24), generator=torch.Generator().manual_seed(4))
+    for base_dir in (out / "base", tmp_path / "model"):
+        base = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
+        theirs = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours.eval()(x), theirs(x).logits, rtol=0, atol=ATOL)
+    with torch.no_grad():
+        assert not torch.allclose(ours(x), hf(x).logits, atol=1e-3)  # the adapters trained

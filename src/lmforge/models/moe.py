@@ -37,7 +37,9 @@ class Router(nn.Module):
 
     Scores are softmax (or sigmoid) of the logits in float32, as transformers computes them; with
     bias balancing a per-expert bias is added to the scores for the choice of experts only, the
-    weights stay the unbiased scores (DeepSeek-V3)."""
+    weights stay the unbiased scores (DeepSeek-V3). With n_group > 1 a token chooses only among the
+    experts of its topk_group best groups (`limit_groups`); routed_scaling multiplies the weights
+    after any renormalisation (DeepSeek-V3's routed_scaling_factor)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
@@ -313,7 +315,7 @@ class ExpertBias:
     """Aux-loss-free balancing (DeepSeek-V3, torchtitan): the step observes each balancing router's
     load after every micro-batch's forward, and after an applied optimizer step moves its bias by
     rate * sign(mean load - load), with the load summed over the step and the data-parallel ranks
-    (so every replica makes the same update)."""
+    (so every replica makes the same update). Only routers whose gate weight trains move their bias."""
 
     def __init__(self, layers: list[MoE]) -> None:
         self.layers = layers
@@ -325,7 +327,10 @@ class ExpertBias:
         walk over the model's modules is done once per model."""
         layers = _BIASED_LAYERS.get(model)
         if layers is None:
-            layers = [m for m in moe_layers(model) if m.router.expert_bias is not None]
+            # A router whose gate does not train itself (frozen, or a frozen base under adapters) keeps its
+            # bias too: it is part of the base model that the adapters are trained against.
+            layers = [m for m in moe_layers(model) if m.router.expert_bias is not None
+                      and isinstance(m.router.gate, nn.Linear) and m.router.gate.weight.requires_grad]
             _BIASED_LAYERS[model] = layers
         return cls(layers) if layers else None
 
