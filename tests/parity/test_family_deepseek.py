@@ -12,6 +12,7 @@ and PeftModel.from_pretrained gives our logits. The new block flags are tested o
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -128,8 +129,34 @@ def test_cache_holds_the_latent_and_the_shared_rotated_key(pair):
     torch.testing.assert_close(step, full, rtol=0, atol=ATOL)
 
 
-def test_kv_cache_per_token_at_the_deepseek_v3_shape():
-    cfg = hf_to_model_config(transformers.DeepseekV3Config().to_dict())
+# DeepSeek-V3's own config.json (deepseek-ai/DeepSeek-V3, without its fp8 quantization_config): the keys
+# transformers ignores (aux_loss_alpha, seq_aux, ep_size) change nothing here either.
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+    "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
+}
+
+
+def test_deepseek_v3_config_sizes_and_kv_cache_per_token():
+    from lmforge.models.common.mla import yarn_softmax_factor
+    from lmforge.models.flops import count_params
+
+    cfg = hf_to_model_config(DEEPSEEK_V3)
+    assert cfg.max_seq_len == 163840 and cfg.rope_scaling.type == "yarn" and cfg.moe.dense_layers == 3
+    # 671B parameters, 37B active per token: the sizes DeepSeek gives (the MTP module not counted)
+    assert count_params(cfg) == 671_026_404_352 and count_params(cfg, active=True) == 37_552_282_624
+    assert yarn_softmax_factor(cfg) == pytest.approx((0.1 * math.log(40) + 1) ** 2)
     # 61 layers x (512 latent + 64 rotated key) numbers, bf16
     assert kv_cache_bytes_per_token(cfg) == 61 * 576 * 2 == 70_272
     # the expanded per-head keys (128 + 64) and values (128) of 128 heads the latent stands for
