@@ -372,3 +372,22 @@ def test_lora_sft_run_on_a_deepseek_checkpoint_exports_a_peft_adapter(tmp_path):
             torch.testing.assert_close(ours.eval()(x), theirs(x).logits, rtol=0, atol=ATOL)
     with torch.no_grad():
         assert not torch.allclose(ours(x), hf(x).logits, atol=1e-3)  # the adapters trained
+
+
+def test_packed_rows_through_flex_attention_equal_the_mask():
+    # yarn's mscale_all_dim makes the softmax scale differ from flex attention's default 1/sqrt(qk_dim)
+    cfg = ModelConfig(vocab_size=V, d_model=24, n_heads=3, n_layers=2, max_seq_len=32,
+                      rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8,
+                                    "mscale_all_dim": 1.0},
+                      mla={"kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 4})
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    ids = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(0))
+    segments = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    with torch.no_grad():
+        masked = model(ids, segment_ids=segments)
+        model.packed_attention = "flex"
+        flexed = model(ids, segment_ids=segments)
+        alone = model(ids[:1, :5])
+    torch.testing.assert_close(flexed, masked, rtol=0, atol=ATOL)
+    torch.testing.assert_close(masked[:1, :5], alone, rtol=0, atol=ATOL)
