@@ -391,3 +391,16 @@ def test_packed_rows_through_flex_attention_equal_the_mask():
         alone = model(ids[:1, :5])
     torch.testing.assert_close(flexed, masked, rtol=0, atol=ATOL)
     torch.testing.assert_close(masked[:1, :5], alone, rtol=0, atol=ATOL)
+
+
+def test_deepseek_settings_are_refused_by_the_other_exports(pair, tmp_path):
+    _, _, _, ours = pair
+    with pytest.raises(LmforgeError, match=r"'qwen2_moe'.*model\.mla is set.*moe\.dense_layers is set"):
+        to_hf(ours, tmp_path / "q", model_type="qwen2_moe")
+    with pytest.raises(LmforgeError, match=r"'llama'.*model\.mla"):
+        to_hf(ours, tmp_path / "l", model_type="llama")
+    softmax = ours.cfg.moe.model_copy(update={"router_score": "softmax", "bias_balancing": False})
+    grouped = build_model(ModelConfig(vocab_size=V, d_model=16, n_heads=2, n_layers=1, moe=softmax))
+    with pytest.raises(LmforgeError, match=r"moe\.routed_scaling is set"):
+        to_hf(grouped, tmp_path / "m", model_type="qwen2_moe")
+    assert not any((tmp_path / d).exists() for d in ("q", "l", "m"))

@@ -153,6 +153,8 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
         problems.append(f"pos_embedding={cfg.pos_embedding} (needs rope)")
     if cfg.rotary_fraction != 1.0:
         problems.append(f"rotary_fraction={cfg.rotary_fraction} (its attention rotates whole heads)")
+    if cfg.mla is not None:  # [issue-34 area: deepseek-mla]
+        problems.append("model.mla (multi-head latent attention exports as deepseek_v3)")
     if requested is None:
         if cfg.qkv_bias and not cfg.bias:
             requested = "qwen2"

@@ -171,6 +171,12 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
     if m.bias_balancing:
         problems.append("moe.bias_balancing routes with a learned per-expert bias that transformers' "
                         f"{requested} has no place for")
+    # [issue-34 area: deepseek-mla] DeepSeek-V3's attention and routing (export as deepseek_v3)
+    for key, value, off in (("model.mla", cfg.mla, None), ("moe.n_group", m.n_group, 1),
+                            ("moe.routed_scaling", m.routed_scaling, 1.0),
+                            ("moe.dense_layers", m.dense_layers, 0)):
+        if value != off:
+            problems.append(f"{key} is set ({requested} has no such setting; deepseek_v3 has)")
     if cfg.score_head:
         problems.append("score_head (a mixture-of-experts reward model has no transformers class here)")
     if requested != "olmoe" and cfg.qk_norm:
