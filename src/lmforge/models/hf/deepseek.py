@@ -9,7 +9,9 @@ and a sigmoid-scored, group-limited mixture of experts with shared experts after
                 mlp.experts.{j}.{gate,up,down}_proj (or transformers 5's fused gate_up_proj / down_proj),
                 mlp.shared_experts.{gate,up,down}_proj (n_shared_experts * moe_intermediate_size wide)
 
-Names are the same with and without rope_interleave: the flag becomes mla.rope_interleave, which rotates
+RoPE is plain or yarn-extended (DeepSeek-V3's own config: factor 40 over 4096 positions); with yarn's
+mscale_all_dim, MLA also scales its softmax (models/common/mla.py). Names are the same with and without
+rope_interleave: the flag becomes mla.rope_interleave, which rotates
 interleaved pairs as the checkpoint expects, so no row is permuted. The multi-token-prediction layers a
 DeepSeek-V3 checkpoint carries past num_hidden_layers are not part of the causal LM: they are skipped on
 import, as transformers skips them.
