@@ -101,7 +101,7 @@ def test_config_maps_onto_our_flags(phi3):
 
 def test_export_loads_in_transformers_with_equal_logits(phi3, tmp_path):
     name, hf, _, ours = phi3
-    to_hf(ours, tmp_path, model_type="phi3")
+    to_hf(ours, tmp_path)  # phi3 by default: the import recorded its hf_model_type
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["model_type"] == "phi3"
     with HFLog() as log:
@@ -190,3 +190,70 @@ def test_export_refuses_what_phi3_cannot_hold(phi3):
                           ({"rope_scaling": RopeScalingConfig(type="linear", factor=2.0)}, "longrope only")):
         with pytest.raises(LmforgeError, match=match):
             model_config_to_hf(ours.cfg.model_copy(update=update), model_type="phi3")
+
+
+# ------------------------------------------------------------------------------------ LoRA -> PEFT
+
+LORA_CASES = {
+    # HF names of the fused modules: every projection they hold gets an adapter (rank 3r / 2r in PEFT).
+    "fused_targets": dict(targets=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], rslora=False,
+                          dora=False),
+    # Some parts of a fused module: zero blocks for k and for up; rsLoRA's alpha / sqrt(rank) rescaled.
+    "some_parts_rslora": dict(targets=["q_proj", "v_proj", "gate_proj"], rslora=True, dora=False),
+    # DoRA with every part of each fused module adapted: magnitudes concatenated.
+    "dora_all_linear": dict(targets="all-linear", rslora=False, dora=True),
+}
+
+
+@pytest.mark.parametrize("case", list(LORA_CASES))
+def test_lora_finetuned_phi3_exports_to_peft_with_equal_logits(phi3, case, tmp_path):
+    """LoRA on the imported model, a few AdamW steps, then our PEFT adapter on transformers' export of
+    the base: PeftModel.from_pretrained gives our logits (1e-5)."""
+    name, hf, path, _ = phi3
+    if name == "head_dim_window_tied" and case != "fused_targets":
+        pytest.skip("one case covers this shape")
+    peft = pytest.importorskip("peft")
+    from lmforge.finetune.lora import apply_lora
+    from lmforge.finetune.peft_io import save_peft_adapter
+
+    spec = LORA_CASES[case]
+    ours = from_hf(path)
+    apply_lora(ours, spec["targets"], r=4, alpha=8, rslora=spec["rslora"], dora=spec["dora"])
+    opt = torch.optim.AdamW([p for p in ours.parameters() if p.requires_grad], lr=1e-2)
+    ids = _ids(30, seed=9)
+    for _ in range(3):  # B starts at zero: training makes every block of the fused adapters nonzero
+        logits = ours(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ours.eval()
+    save_peft_adapter(ours, tmp_path / "adapter", None, ours.cfg)
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert set(saved["target_modules"]) <= {f"model.layers.{i}.{m}" for i in range(3) for m in
+                                            ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                             "mlp.down_proj")}
+    ranks = {k.replace("\\", "").rsplit(".", 1)[-1]: v for k, v in saved["rank_pattern"].items()}
+    assert ranks == ({"qkv_proj": 8} if case == "some_parts_rslora" else {"qkv_proj": 12, "gate_up_proj": 8})
+    base = transformers.Phi3ForCausalLM.from_pretrained(path).float().eval()
+    ref = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+    x = _ids(40, seed=10)
+    with torch.no_grad():
+        got, want = ours(x), ref(input_ids=x).logits
+        assert (got - hf(x).logits).abs().amax() > 1e-3  # the adapters did change the model
+        torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+
+
+def test_dora_on_part_of_a_fused_module_is_refused(phi3, tmp_path):
+    name, _, path, _ = phi3
+    if name != "gqa_partial":
+        pytest.skip("one shape is enough")
+    from lmforge.finetune.lora import apply_lora
+    from lmforge.finetune.peft_io import load_peft_adapter, save_peft_adapter
+
+    ours = from_hf(path)
+    apply_lora(ours, ["q_proj", "v_proj"], r=2, alpha=4, dora=True)
+    with pytest.raises(LmforgeError, match=r"DoRA adapter on .*qkv_proj.*missing: layers.0.attn.wk"):
+        save_peft_adapter(ours, tmp_path, None, ours.cfg)
+    with pytest.raises(LmforgeError, match="fused qkv_proj / gate_up_proj"):
+        load_peft_adapter(from_hf(path), tmp_path)

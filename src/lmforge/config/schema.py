@@ -274,6 +274,11 @@ class ModelConfig(Section):
         "each head and passes the rest through (Phi-3 / Phi-4's partial_rotary_factor); must give an even "
         "count."
     )
+    hf_model_type: str | None = Field(
+        None, description="The Hugging Face model_type that exports (and PEFT adapters) use when none is "
+        "asked for, where the flags alone do not decide the checkpoint layout: set by `lmforge import` for "
+        "phi3 (fused qkv_proj / gate_up_proj); None: inferred from the flags."
+    )
 
     @property
     def rotary_dim(self) -> int:

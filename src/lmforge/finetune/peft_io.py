@@ -2,10 +2,11 @@
 `adapter_model.safetensors`, as `PeftModel.save_pretrained` writes and `PeftModel.from_pretrained` reads.
 
 Tensor names are PEFT's: `base_model.model.` + the Hugging Face module name + `.lora_A.weight`,
-`.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. Only the Llama / Mistral / Qwen2 layout is
-covered: their q/k/v/o and MLP projections are separate linear layers named one-to-one with ours, and
-our RoPE uses the same "rotate_half" convention, so q/k rows (and hence B's rows) map without any
-permutation. GPT-2's fused Conv1D `c_attn` has no per-q/k/v adapter, so it is refused.
+`.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. The Llama / Mistral / Qwen2 layout: their
+q/k/v/o and MLP projections are separate linear layers named one-to-one with ours, and our RoPE uses the
+same "rotate_half" convention, so q/k rows (and hence B's rows) map without any permutation. Phi-3's
+fused qkv_proj / gate_up_proj get the exact block-diagonal union of our adapters (peft_fused.py; saving
+only). GPT-2's fused Conv1D `c_attn` has no per-q/k/v adapter, so it is refused.
 
 Files from elsewhere are untrusted: the config is checked key by key and tensors are read with
 safetensors (never pickle) and checked against the model before the model is touched.
@@ -23,7 +24,8 @@ from torch import nn
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
-from lmforge.models.hf import llama
+from lmforge.finetune.peft_fused import fused_adapter
+from lmforge.models.hf import llama, phi3
 from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
 from lmforge.utils.safe_regex import compile_regex
 
@@ -56,6 +58,9 @@ def _check_layout(cfg: ModelConfig) -> None:
             "this model has GPT-2's layout, whose fused Conv1D c_attn cannot hold our per-q/k/v adapters. "
             "Save the adapters with adapter_state_dict, or merge_lora and export the full model"
         )
+    if phi3.is_default_for(cfg):  # exported as Phi-3: fused qkv_proj / gate_up_proj (peft_fused.py)
+        phi3.model_type_for(cfg)
+        return
     llama.model_type_for(cfg)  # raises a clear LmforgeError for any other non-Llama layout
 
 
@@ -91,16 +96,24 @@ def save_peft_adapter(
     for name, layer in layers.items():
         if layer.merged:
             raise LmforgeError(f"{name} is merged into its base weight; unmerge_lora(model) before saving")
-        prefix = PREFIX + _hf_module(name) + "."
-        for pname, p in layer.named_parameters(recurse=False):
-            tensors[prefix + SUFFIXES[pname]] = p.detach().to("cpu").contiguous()
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    if phi3.is_default_for(model_cfg):
+        fused, targets, ranks, alphas = fused_adapter(model, layers, model_cfg, settings)
+        tensors = {PREFIX + k: v for k, v in fused.items()}
+    else:
+        targets = _target_modules(model, list(layers))
+        for name, layer in layers.items():
+            prefix = PREFIX + _hf_module(name) + "."
+            for pname, p in layer.named_parameters(recurse=False):
+                tensors[prefix + SUFFIXES[pname]] = p.detach().to("cpu").contiguous()
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": settings["r"],
         "lora_alpha": settings["alpha"],
         "lora_dropout": settings["dropout"],
-        "target_modules": _target_modules(model, list(layers)),
+        "target_modules": targets,
         "use_rslora": settings["rslora"],
         "use_dora": settings["dora"],
         "bias": "none",
@@ -112,8 +125,8 @@ def save_peft_adapter(
         "modules_to_save": None,
         "layers_to_transform": None,
         "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": ranks,  # only where fused modules hold several of our adapters
+        "alpha_pattern": alphas,
     }
     from safetensors.torch import save
 
@@ -203,6 +216,12 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
     weights that PEFT stores beside the adapters (it does so for `lm_head` and embeddings) are loaded too.
     """
     _check_layout(model.cfg)
+    if phi3.is_default_for(model.cfg):
+        raise LmforgeError(
+            "loading PEFT adapters of Phi-3's fused qkv_proj / gate_up_proj modules into lmforge's separate "
+            "projections is not supported; train fresh adapters, or merge the adapter into the base with "
+            "PEFT (merge_and_unload) and import the merged model"
+        )
     settings = read_adapter_config(adapter_dir)
     file = Path(adapter_dir) / WEIGHTS
     hf_names = {n: _hf_module(n) for n in linear_names(model)}

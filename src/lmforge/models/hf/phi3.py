@@ -75,13 +75,17 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dropout=0.0,
         sliding_window=hf.get("sliding_window"),
+        hf_model_type="phi3",  # the flags of Phi-4 (full rotary, no scaling) would export as Llama
     )
 
 
 def is_default_for(cfg: ModelConfig) -> bool:
-    """Whether an export without a model type picks Phi-3 for `cfg`: partial rotary (which the Llama
-    family lacks) or longrope (whose generation, ours included, recomputes the cache where it switches to
-    the long factors: transformers' Phi-3 generate does, its Llama generate does not)."""
+    """Whether an export without a model type picks Phi-3 for `cfg`: its hf_model_type says so, or, with
+    none, partial rotary (which the Llama family lacks) or longrope (whose generation, ours included,
+    recomputes the cache where it switches to the long factors: transformers' Phi-3 generate does, its
+    Llama generate does not)."""
+    if cfg.hf_model_type is not None:
+        return cfg.hf_model_type == "phi3"
     longrope = cfg.rope_scaling is not None and cfg.rope_scaling.type == "longrope"
     return cfg.rotary_fraction != 1.0 or longrope
 
