@@ -13,6 +13,7 @@ import torch
 
 from lmforge.config.schema import RopeScalingConfig
 from lmforge.errors import LmforgeError
+from lmforge.eval import generate as eval_generate
 from lmforge.models import KVCache, generation
 from lmforge.models.hf import from_hf, hf_to_model_config, model_config_to_hf, to_hf
 
@@ -124,17 +125,22 @@ def test_greedy_generation_equals_transformers_generate(phi3, monkeypatch):
     with torch.no_grad():
         ref = hf.generate(prompt, do_sample=False, max_new_tokens=NEW, pad_token_id=0,
                           return_dict_in_generate=True, output_logits=True)
-    seen, sample = [], generation.sample_next  # the logits of each step, as our loop hands them over
+    # Tiny random models often repeat a token: the logits of every step, as each of our generation
+    # loops hands them to its sampler, are the sharper check.
+    for module in (generation, eval_generate):  # sample_replies, and `lmforge generate`'s loop
+        seen, sample = [], module.sample_next
 
-    def spy(logits, *args, **kwargs):
-        seen.append(logits)
-        return sample(logits, *args, **kwargs)
+        def spy(logits, *args, seen=seen, sample=sample, **kwargs):
+            seen.append(logits)
+            return sample(logits, *args, **kwargs)
 
-    monkeypatch.setattr(generation, "sample_next", spy, raising=True)
-    got = generation.sample_replies(ours, [prompt[0].tolist()], NEW, frozenset(), temperature=0.0)
-    assert got[0] == ref.sequences[0, 12:].tolist()
-    # Tiny random models often repeat a token: the logits of every step are the sharper check.
-    torch.testing.assert_close(torch.cat(seen), torch.cat(ref.logits), rtol=0, atol=ATOL)
+        monkeypatch.setattr(module, "sample_next", spy, raising=True)
+        if module is generation:
+            got = generation.sample_replies(ours, [prompt[0].tolist()], NEW, frozenset(), temperature=0.0)
+        else:
+            got = eval_generate.generate(ours, prompt[0].tolist(), NEW, temperature=0.0)
+        assert got[0] == ref.sequences[0, 12:].tolist()
+        torch.testing.assert_close(torch.cat(seen), torch.cat(ref.logits), rtol=0, atol=ATOL)
 
 
 def test_longrope_cache_is_recomputed_where_the_factors_switch(phi3):
