@@ -263,3 +263,54 @@ def test_dora_on_part_of_a_fused_module_is_refused(phi3, tmp_path):
         save_peft_adapter(ours, tmp_path, None, ours.cfg)
     with pytest.raises(LmforgeError, match="fused qkv_proj / gate_up_proj"):
         load_peft_adapter(from_hf(path), tmp_path)
+
+
+def test_sft_lora_run_exports_a_peft_adapter_for_the_original_phi3(tmp_path):
+    """`lmforge sft` with LoRA on qkv_proj / gate_up_proj from a Phi-3 dir, `lmforge export --adapter`:
+    the adapter loads with PEFT onto the original checkpoint (not only onto our export of it) and gives
+    our logits; the base and the merged exports are phi3."""
+    peft = pytest.importorskip("peft")
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.cli import main
+    from lmforge.data.instruct_tasks import generate, write_jsonl
+    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.finetune.setup import load_finetuned
+
+    records = generate(None, 100, seed=1)
+    text = " ".join(m["content"] for r in records for m in r["messages"])
+    tok = Tokenizer.train([text * 2], 300, 2)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(tmp_path / "tok.json")
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok.json"),
+                                                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf_tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                            "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                            "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+    torch.manual_seed(0)
+    cfg = transformers.Phi3Config(vocab_size=len(hf_tok), hidden_size=32, intermediate_size=48,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128, partial_rotary_factor=1.0, pad_token_id=None,
+                                  bos_token_id=None, eos_token_id=None)
+    transformers.Phi3ForCausalLM(cfg).save_pretrained(tmp_path / "model")  # Phi-4 style: full rotary
+    hf_tok.save_pretrained(tmp_path / "model")
+    write_jsonl(records, tmp_path / "chat.jsonl")
+    run, out = tmp_path / "run", tmp_path / "out"
+    sets = [f"run.dir={run}", f"model.init_from={tmp_path / 'model'}",
+            f"sft.data=[{tmp_path / 'chat.jsonl'}]",
+            "train.seq_len=96", "train.max_steps=3", "train.micro_batch_size=4", "train.eval_every=0",
+            "train.precision=fp32", "finetune.method=lora", "finetune.targets=[qkv_proj,gate_up_proj]",
+            "optim.lr=1e-2", "schedule.warmup_steps=0", "logging.progress=none"]
+    assert main(["sft", *[a for s in sets for a in ("--set", s)]]) == 0
+    assert main(["export", str(run), str(out), "--adapter"]) == 0
+    assert json.loads((out / "base" / "config.json").read_text())["model_type"] == "phi3"
+    ours = load_finetuned(*run_config(run))[0].eval()
+    original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    x = torch.randint(0, len(hf_tok), (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = original(x).logits
+        ref = peft.PeftModel.from_pretrained(original, out / "adapter").eval()
+        got = ours(x)
+        assert (got - before).abs().amax() > 1e-3  # the adapters did change the model
+        torch.testing.assert_close(got, ref(x).logits, rtol=0, atol=ATOL)
+    assert main(["export", str(run), str(tmp_path / "merged")]) == 0
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "phi3"
