@@ -255,14 +255,43 @@ def test_dora_on_part_of_a_fused_module_is_refused(phi3, tmp_path):
     if name != "gqa_partial":
         pytest.skip("one shape is enough")
     from lmforge.finetune.lora import apply_lora
-    from lmforge.finetune.peft_io import load_peft_adapter, save_peft_adapter
+    from lmforge.finetune.peft_io import save_peft_adapter
 
     ours = from_hf(path)
     apply_lora(ours, ["q_proj", "v_proj"], r=2, alpha=4, dora=True)
     with pytest.raises(LmforgeError, match=r"DoRA adapter on .*qkv_proj.*missing: layers.0.attn.wk"):
         save_peft_adapter(ours, tmp_path, None, ours.cfg)
-    with pytest.raises(LmforgeError, match="fused qkv_proj / gate_up_proj"):
-        load_peft_adapter(from_hf(path), tmp_path)
+
+
+@pytest.mark.parametrize("dora,rslora", [(False, False), (True, True)])
+def test_peft_adapter_on_fused_modules_loads_into_ours(phi3, dora, rslora, tmp_path):
+    """A PEFT adapter trained on the original checkpoint (one LoRA per qkv_proj / gate_up_proj) loads as
+    adapters on each of our parts, sharing A and splitting B's (and DoRA's magnitude's) rows."""
+    name, hf, path, _ = phi3
+    if name == "head_dim_window_tied" and dora:
+        pytest.skip("one case covers this shape")
+    peft = pytest.importorskip("peft")
+    from lmforge.finetune.peft_io import load_peft_adapter
+
+    base = transformers.Phi3ForCausalLM.from_pretrained(path).float().eval()
+    torch.manual_seed(3)
+    config = peft.LoraConfig(r=4, lora_alpha=12, target_modules=["qkv_proj", "o_proj", "gate_up_proj"],
+                             init_lora_weights=False, use_dora=dora, use_rslora=rslora)
+    ref = peft.get_peft_model(base, config).eval()
+    with torch.no_grad():  # DoRA starts with m = ||W + sBA||, which hides how m's rows are split: move it
+        for pname, p in ref.named_parameters():
+            if "lora_magnitude" in pname:
+                p.mul_(1.0 + 0.2 * torch.randn(p.shape, generator=torch.Generator().manual_seed(4)))
+    ref.save_pretrained(tmp_path)
+    ours = from_hf(path).eval()
+    wrapped = load_peft_adapter(ours, tmp_path)
+    assert {"layers.0.attn.wq", "layers.0.attn.wk", "layers.0.attn.wv", "layers.1.mlp.w_up"} <= set(wrapped)
+    assert "layers.0.mlp.w_down" not in wrapped
+    x = _ids(30, seed=11)
+    with torch.no_grad():
+        got, want = ours(x), ref(input_ids=x).logits
+        assert (want - hf(x).logits).abs().amax() > 1e-2  # the adapter changes the model
+        torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
 
 
 def test_sft_lora_run_exports_a_peft_adapter_for_the_original_phi3(tmp_path):

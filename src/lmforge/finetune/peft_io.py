@@ -5,8 +5,9 @@ Tensor names are PEFT's: `base_model.model.` + the Hugging Face module name + `.
 `.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. The Llama / Mistral / Qwen2 layout: their
 q/k/v/o and MLP projections are separate linear layers named one-to-one with ours, and our RoPE uses the
 same "rotate_half" convention, so q/k rows (and hence B's rows) map without any permutation. Phi-3's
-fused qkv_proj / gate_up_proj get the exact block-diagonal union of our adapters (peft_fused.py; saving
-only). GPT-2's fused Conv1D `c_attn` has no per-q/k/v adapter, so it is refused.
+fused qkv_proj / gate_up_proj get the exact block-diagonal union of our adapters (peft_fused.py), and a
+fused module's adapter loads as adapters on each of its parts. GPT-2's fused Conv1D `c_attn` has no
+per-q/k/v adapter, so it is refused.
 
 Files from elsewhere are untrusted: the config is checked key by key and tensors are read with
 safetensors (never pickle) and checked against the model before the model is touched.
@@ -216,15 +217,12 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
     weights that PEFT stores beside the adapters (it does so for `lm_head` and embeddings) are loaded too.
     """
     _check_layout(model.cfg)
-    if phi3.is_default_for(model.cfg):
-        raise LmforgeError(
-            "loading PEFT adapters of Phi-3's fused qkv_proj / gate_up_proj modules into lmforge's separate "
-            "projections is not supported; train fresh adapters, or merge the adapter into the base with "
-            "PEFT (merge_and_unload) and import the merged model"
-        )
     settings = read_adapter_config(adapter_dir)
     file = Path(adapter_dir) / WEIGHTS
-    hf_names = {n: _hf_module(n) for n in linear_names(model)}
+    # Phi-3: one adapter on a fused module (qkv_proj) is, exactly, adapters on each of its parts sharing
+    # its A, each with its rows of B (and of DoRA's magnitudes, which are per row).
+    fused = phi3.is_default_for(model.cfg)
+    hf_names = {n: (fused and phi3.fused_module(n)) or _hf_module(n) for n in linear_names(model)}
     wrapped = [n for n, h in hf_names.items() if _peft_matches(h, settings["targets"])]
     if not wrapped:
         kinds = ", ".join(dict.fromkeys(h.rpartition(".")[2] for h in hf_names.values()))
@@ -234,15 +232,19 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
         )
     tensors = _read_tensors(file)
     r, params = settings["r"], dict(model.named_parameters())
-    expected: dict[str, tuple[str, tuple[int, ...]]] = {}  # PEFT key -> (our name, shape)
+    # PEFT key -> ([(our name, its rows of the tensor or None: all)], the tensor's shape)
+    expected: dict[str, tuple[list[tuple[str, slice | None]], tuple[int, ...]]] = {}
     for name in wrapped:
         base = model.get_submodule(name)
-        shapes = {"lora_A": (r, base.in_features), "lora_B": (base.out_features, r)}
+        rows, out = (fused and phi3.fused_rows(name, model.cfg)) or (None, base.out_features)
+        shapes = {"lora_A": (r, base.in_features), "lora_B": (out, r)}
         if settings["dora"]:
-            shapes["lora_magnitude"] = (base.out_features,)
+            shapes["lora_magnitude"] = (out,)
         for pname, shape in shapes.items():
-            expected[PREFIX + hf_names[name] + "." + SUFFIXES[pname]] = (f"{name}.{pname}", shape)
-    base_weights: dict[str, tuple[str, tuple[int, ...]]] = {}
+            key = PREFIX + hf_names[name] + "." + SUFFIXES[pname]
+            cut = None if pname == "lora_A" else rows
+            expected.setdefault(key, ([], shape))[0].append((f"{name}.{pname}", cut))
+    base_weights: dict[str, tuple[list[tuple[str, slice | None]], tuple[int, ...]]] = {}
     for key in tensors:
         if key in expected:
             continue
@@ -257,7 +259,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
             raise LmforgeError(f"{file}: tensor {key!r} would load into {ours!r}, which this model has not")
         module, _, leaf = ours.rpartition(".")
         after = f"{module}.base.{leaf}" if module in wrapped else ours  # its name once wrapped
-        base_weights[key] = (after, tuple(params[ours].shape))
+        base_weights[key] = ([(after, None)], tuple(params[ours].shape))
     missing = [k for k in expected if k not in tensors]
     if missing:
         raise LmforgeError(
@@ -273,6 +275,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
                 rslora=settings["rslora"], dora=settings["dora"], dtype=dtype, init=None)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for key, (ours, _) in {**expected, **base_weights}.items():
-            params[ours].copy_(tensors[key])
+        for key, (targets, _) in {**expected, **base_weights}.items():
+            for ours, rows in targets:
+                params[ours].copy_(tensors[key] if rows is None else tensors[key][rows])
     return wrapped

@@ -196,6 +196,19 @@ def fused_module(our_module: str) -> str | None:
     return None if fused is None else f"model.layers.{layer}.{fused}"
 
 
+def fused_rows(our_module: str, cfg: ModelConfig) -> tuple[slice, int] | None:
+    """(the rows of our linear layer `our_module` inside its fused HF module, that module's row count),
+    or None if it is not fused."""
+    fused = fused_module(our_module)
+    if fused is None:
+        return None
+    layer = ".".join(our_module.split(".", 2)[:2])  # layers.{i}
+    parts = [f"{layer}.{p}.weight" for p in FUSED[fused.split(".", 3)[3]]]
+    sizes = _sizes(parts, cfg)
+    i = parts.index(our_module + ".weight")
+    return slice(sum(sizes[:i]), sum(sizes[: i + 1])), sum(sizes)
+
+
 def export_tensors(
     state: Mapping[str, torch.Tensor], cfg: ModelConfig
 ) -> Iterator[tuple[str, torch.Tensor]]:
