@@ -196,6 +196,11 @@ def test_export_refuses_what_phi3_cannot_hold(phi3):
                           ({"rope_scaling": RopeScalingConfig(type="linear", factor=2.0)}, "longrope only")):
         with pytest.raises(LmforgeError, match=match):
             model_config_to_hf(ours.cfg.model_copy(update=update), model_type="phi3")
+    with pytest.raises(LmforgeError, match="set model.hf_model_type=null"):
+        model_config_to_hf(ours.cfg.model_copy(update={"qkv_bias": True}))  # phi3 from hf_model_type
+    if ours.cfg.rotary_fraction == 1.0:  # without the record, the flags pick a Llama-family export
+        plain = model_config_to_hf(ours.cfg.model_copy(update={"hf_model_type": None}))
+        assert plain["model_type"] in ("llama", "mistral")
 
 
 # ------------------------------------------------------------------------------------ LoRA -> PEFT

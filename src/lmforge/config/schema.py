@@ -287,6 +287,9 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _check_rope_area(self) -> ModelConfig:
+        if self.pos_embedding != "rope" and self.rotary_fraction != 1.0:
+            raise ValueError(f"rotary_fraction={self.rotary_fraction} needs pos_embedding=rope (this model "
+                             f"has {self.pos_embedding} positions): leave it at 1.0")
         if self.rotary_fraction != 1.0 and (self.rotary_dim % 2 or self.rotary_dim == 0):
             raise ValueError(
                 f"rotary_fraction={self.rotary_fraction} rotates {self.rotary_dim} of head_dim="

@@ -109,8 +109,10 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
         problems.append("longrope with head_dim != d_model / n_heads (transformers' Phi-3 sizes the factor "
                         "lists from hidden_size / num_attention_heads)")
     if problems:
+        hint = ("; it exports as phi3 because model.hf_model_type=phi3: set model.hf_model_type=null to "
+                "export by the flags" if cfg.hf_model_type == "phi3" else "")
         raise LmforgeError(f"this model cannot be exported as Hugging Face {requested!r}: "
-                           + "; ".join(problems))
+                           + "; ".join(problems) + hint)
     return requested
 
 
