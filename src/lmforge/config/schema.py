@@ -322,6 +322,11 @@ class ModelConfig(Section):
         "each head and passes the rest through (Phi-3 / Phi-4's partial_rotary_factor); must give an even "
         "count."
     )
+    hf_model_type: str | None = Field(
+        None, description="The Hugging Face model_type that exports (and PEFT adapters) use when none is "
+        "asked for, where the flags alone do not decide the checkpoint layout: set by `lmforge import` for "
+        "phi3 (fused qkv_proj / gate_up_proj); None: inferred from the flags."
+    )
 
     @property
     def rotary_dim(self) -> int:
@@ -332,6 +337,9 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _check_rope_area(self) -> ModelConfig:
+        if self.pos_embedding != "rope" and self.rotary_fraction != 1.0:
+            raise ValueError(f"rotary_fraction={self.rotary_fraction} needs pos_embedding=rope (this model "
+                             f"has {self.pos_embedding} positions): leave it at 1.0")
         if self.rotary_fraction != 1.0 and (self.rotary_dim % 2 or self.rotary_dim == 0):
             raise ValueError(
                 f"rotary_fraction={self.rotary_fraction} rotates {self.rotary_dim} of head_dim="

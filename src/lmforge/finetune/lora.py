@@ -43,6 +43,9 @@ HF_TARGETS = {
     "up_proj": "mlp.w_up",
     "down_proj": "mlp.w_down",
     "lm_head": "output",
+    # Phi-3's fused modules: every projection they hold (PEFT export fuses the adapters back).
+    "qkv_proj": ("attn.wq", "attn.wk", "attn.wv"),
+    "gate_up_proj": ("mlp.w_gate", "mlp.w_up"),
     # DeepSeek-V3's multi-head latent attention (models/common/mla.py)
     "q_a_proj": "attn.wq_a",
     "q_b_proj": "attn.wq_b",
@@ -416,6 +419,8 @@ def _matches(name: str, pattern: str) -> bool:
     if pattern == ALL_LINEAR:
         return name.startswith("layers.")  # every block linear; the output head is left out
     pattern = HF_TARGETS.get(pattern, pattern)
+    if isinstance(pattern, tuple):
+        return any(_matches(name, p) for p in pattern)
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(name, pattern)
     return name == pattern or name.endswith("." + pattern)

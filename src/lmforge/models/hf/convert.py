@@ -138,6 +138,7 @@ def model_config_to_hf(
 
 
 def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
+    model_type = model_type or cfg.hf_model_type
     if model_type is not None:
         return _family(model_type)
     if cfg.mla is not None:

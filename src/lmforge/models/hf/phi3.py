@@ -75,13 +75,17 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dropout=0.0,
         sliding_window=hf.get("sliding_window"),
+        hf_model_type="phi3",  # the flags of Phi-4 (full rotary, no scaling) would export as Llama
     )
 
 
 def is_default_for(cfg: ModelConfig) -> bool:
-    """Whether an export without a model type picks Phi-3 for `cfg`: partial rotary (which the Llama
-    family lacks) or longrope (whose generation, ours included, recomputes the cache where it switches to
-    the long factors: transformers' Phi-3 generate does, its Llama generate does not)."""
+    """Whether an export without a model type picks Phi-3 for `cfg`: its hf_model_type says so, or, with
+    none, partial rotary (which the Llama family lacks) or longrope (whose generation, ours included,
+    recomputes the cache where it switches to the long factors: transformers' Phi-3 generate does, its
+    Llama generate does not)."""
+    if cfg.hf_model_type is not None:
+        return cfg.hf_model_type == "phi3"
     longrope = cfg.rope_scaling is not None and cfg.rope_scaling.type == "longrope"
     return cfg.rotary_fraction != 1.0 or longrope
 
@@ -105,8 +109,10 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
         problems.append("longrope with head_dim != d_model / n_heads (transformers' Phi-3 sizes the factor "
                         "lists from hidden_size / num_attention_heads)")
     if problems:
+        hint = ("; it exports as phi3 because model.hf_model_type=phi3: set model.hf_model_type=null to "
+                "export by the flags" if cfg.hf_model_type == "phi3" else "")
         raise LmforgeError(f"this model cannot be exported as Hugging Face {requested!r}: "
-                           + "; ".join(problems))
+                           + "; ".join(problems) + hint)
     return requested
 
 
@@ -190,6 +196,19 @@ def fused_module(our_module: str) -> str | None:
     layer, _, part = our_module.partition(".")[2].partition(".")
     fused = _OURS_TO_FUSED.get(part)
     return None if fused is None else f"model.layers.{layer}.{fused}"
+
+
+def fused_rows(our_module: str, cfg: ModelConfig) -> tuple[slice, int] | None:
+    """(the rows of our linear layer `our_module` inside its fused HF module, that module's row count),
+    or None if it is not fused."""
+    fused = fused_module(our_module)
+    if fused is None:
+        return None
+    layer = ".".join(our_module.split(".", 2)[:2])  # layers.{i}
+    parts = [f"{layer}.{p}.weight" for p in FUSED[fused.split(".", 3)[3]]]
+    sizes = _sizes(parts, cfg)
+    i = parts.index(our_module + ".weight")
+    return slice(sum(sizes[:i]), sum(sizes[: i + 1])), sum(sizes)
 
 
 def export_tensors(
