@@ -38,6 +38,11 @@ FAMILIES = {
     "qwen3_window": lambda: transformers.Qwen3Config(
         **SMALL, num_key_value_heads=1, head_dim=8, intermediate_size=48, tie_word_embeddings=False,
         use_sliding_window=True, sliding_window=5, max_window_layers=0),
+    # YaRN past an original context of 8 positions (the tests run longer sequences).
+    "qwen3_yarn": lambda: transformers.Qwen3Config(
+        **SMALL, num_key_value_heads=2, head_dim=12, intermediate_size=48, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                         "original_max_position_embeddings": 8}),
     # Experts of width 24 (dense width 40 unused), renormalised top-2 of 5, attention biases, head_dim 12.
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
         **SMALL, num_key_value_heads=2, head_dim=12, intermediate_size=40, moe_intermediate_size=24,
@@ -207,7 +212,7 @@ def hf_dict(name: str, **over) -> dict:
     # A window on layers >= 1 only: some layers slide, some do not.
     ("qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, layer_types=None),
      "use_sliding_window/max_window_layers"),
-    ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}), "yarn"),
+    ("qwen3", dict(rope_parameters={"rope_type": "nonesuch", "factor": 2.0, "rope_theta": 1e4}), "nonesuch"),
     ("qwen3", dict(hidden_act="gelu"), "hidden_act"),
     ("qwen3_moe", dict(mlp_only_layers=[1]), "mlp_only_layers"),
     ("qwen3_moe", dict(decoder_sparse_step=2), "decoder_sparse_step"),

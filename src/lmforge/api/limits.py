@@ -196,6 +196,11 @@ _BYTES_PER_PARAM = {"full": 8.0, "lora": 2.0, "dora": 2.0, "qlora": 0.5}
 def model_params(m: Any, vocab: int) -> int:
     """Parameters of the matrices of a decoder described by a ModelConfig (norms and biases left out)."""
     d, layers = m.d_model, m.n_layers
+    if m.mla is not None or (m.moe is not None and m.moe.dense_layers):
+        # Latent attention and dense first blocks (DeepSeek-V3): the exact count (still a floor).
+        from lmforge.models.flops import count_params
+
+        return count_params(m.model_copy(update={"vocab_size": vocab}))
     heads, kv, hd = m.n_heads, m.resolved_kv_heads, m.resolved_head_dim
     attn = 2 * d * heads * hd + 2 * d * kv * hd
     mats = 3 if m.mlp == "swiglu" else 2

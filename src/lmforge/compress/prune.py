@@ -89,6 +89,10 @@ def units_to_remove(spec: PruneSpec, cfg: ModelConfig) -> int:
         raise LmforgeError("--method channels removes channels of each block's MLP, and this model's blocks "
                            "have mixture-of-experts layers (model.moe) instead; use --method heads, "
                            "magnitude or 2:4")
+    if cfg.mla is not None and spec.method == "heads":
+        raise LmforgeError("--method heads removes query/key/value heads of grouped-query attention, and "
+                           "this model's blocks have multi-head latent attention (model.mla), whose heads "
+                           "share a compressed latent; use --method magnitude or 2:4")
     if spec.score not in SCORES:
         raise LmforgeError(f"--score {spec.score!r}: valid scores are {', '.join(SCORES)}")
     if spec.scope not in SCOPES:

@@ -71,18 +71,43 @@ class DataConfig(Section):
 
 
 class RopeScalingConfig(Section):
-    """RoPE context extension, as in Hugging Face `rope_scaling` (linear, dynamic NTK, llama3)."""
+    """RoPE context extension, as in Hugging Face `rope_scaling` / `rope_parameters` (linear, dynamic NTK,
+    llama3, yarn, longrope)."""
 
-    type: Literal["linear", "dynamic", "llama3"] = Field(
+    type: Literal["linear", "dynamic", "llama3", "yarn", "longrope"] = Field(
         "linear", description="linear: positions / factor; dynamic: NTK base growth past the original "
-        "length; llama3: per-frequency interpolation (Llama 3.1)."
+        "length; llama3: per-frequency interpolation (Llama 3.1); yarn: NTK-by-parts interpolation with an "
+        "attention factor (Qwen, DeepSeek-V3, gpt-oss); longrope: per-frequency factors, short up to the "
+        "original length and long past it (Phi-3)."
     )
     factor: float = Field(1.0, ge=1.0, description="Context extension factor.")
     original_max_position_embeddings: int | None = Field(
-        None, ge=1, description="Context length the model was trained with (dynamic and llama3)."
+        None, ge=1, description="Context length the model was trained with (dynamic, llama3, yarn, longrope)."
     )
     low_freq_factor: float = Field(1.0, gt=0.0, description="llama3: low-frequency wavelength factor.")
     high_freq_factor: float = Field(4.0, gt=0.0, description="llama3: high-frequency wavelength factor.")
+    beta_fast: float = Field(32.0, gt=0.0, description="yarn: rotations past which a frequency is kept "
+                             "as is.")
+    beta_slow: float = Field(1.0, gt=0.0, description="yarn: rotations below which a frequency is divided "
+                             "by factor.")
+    mscale: float | None = Field(None, description="yarn: numerator scale of the attention factor "
+                                 "0.1*mscale*ln(factor)+1 (used with mscale_all_dim; DeepSeek-V3).")
+    mscale_all_dim: float | None = Field(None, description="yarn: denominator scale of the attention factor "
+                                         "(used with mscale).")
+    attention_factor: float | None = Field(
+        None, gt=0.0, description="yarn and longrope: the scale of cos and sin (None: derived from factor "
+        "as transformers does)."
+    )
+    truncate: bool = Field(True, description="yarn: round the correction range to whole dimensions "
+                           "(gpt-oss: false).")
+    short_factor: list[float] | None = Field(
+        None, description="longrope: one divisor per rotary frequency (rotary_dim/2 values) for sequences up "
+        "to original_max_position_embeddings."
+    )
+    long_factor: list[float] | None = Field(
+        None, description="longrope: one divisor per rotary frequency for sequences longer than "
+        "original_max_position_embeddings."
+    )
 
 
 class QuantConfig(Section):
@@ -155,6 +180,17 @@ class MoEConfig(Section):
         "optimizer step.")
     bias_update_rate: float = Field(
         1e-3, gt=0.0, description="Step of the balancing bias per optimizer step (DeepSeek-V3's gamma).")
+    # [issue-34 area: deepseek-mla] routing and layout of DeepSeek-V3's MoE
+    n_group: int = Field(
+        1, ge=1, description="Expert groups for group-limited routing (DeepSeek-V3): a token picks its "
+        "top_k experts among the topk_group groups whose two best scores sum highest (1: no groups).")
+    topk_group: int = Field(1, ge=1, description="Groups a token may route to (with n_group > 1).")
+    routed_scaling: float = Field(
+        1.0, gt=0.0, description="Factor on the routed experts' weights after any renormalisation "
+        "(DeepSeek-V3's routed_scaling_factor, 2.5).")
+    dense_layers: int = Field(
+        0, ge=0, description="The first dense_layers blocks keep a dense SwiGLU MLP of model.d_ff instead of "
+        "the mixture (DeepSeek-V3's first_k_dense_replace).")
 
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
@@ -167,6 +203,43 @@ class MoEConfig(Section):
         if self.shared_d_ff is not None and self.n_shared_experts == 0:
             raise ValueError("moe.shared_d_ff is set but moe.n_shared_experts=0; set n_shared_experts >= 1 "
                              "or leave shared_d_ff unset")
+        if self.n_group > 1 or self.topk_group > 1:
+            per = self.n_experts // self.n_group
+            if self.n_experts % self.n_group or per < 2:
+                raise ValueError(f"moe.n_group={self.n_group} must divide moe.n_experts={self.n_experts} "
+                                 "into groups of at least 2 experts (a group's score: its two best experts)")
+            if self.topk_group > self.n_group or self.top_k > self.topk_group * per:
+                raise ValueError(f"moe.topk_group={self.topk_group} must be <= n_group={self.n_group} and "
+                                 f"leave at least top_k={self.top_k} experts ({per} per group)")
+        return self
+
+
+class MLAConfig(Section):
+    """Multi-head latent attention (DeepSeek-V2/V3, models/common/mla.py): keys and values are expanded
+    per head from one compressed latent per token, which is what the KV cache holds, plus a small key
+    part with decoupled RoPE shared by all heads."""
+
+    q_lora_rank: int | None = Field(
+        None, ge=1, description="Rank of the low-rank query projection d_model -> q_lora_rank (RMSNorm) -> "
+        "heads (None: one plain query projection).")
+    kv_lora_rank: int = Field(512, ge=1, description="Size of the compressed key/value latent per token.")
+    qk_nope_head_dim: int = Field(128, ge=1, description="Per-head query/key size without RoPE.")
+    qk_rope_head_dim: int = Field(64, ge=2, description="Per-head query/key size with RoPE (the key part "
+                                  "is shared by all heads); even.")
+    v_head_dim: int = Field(128, ge=1, description="Per-head value size.")
+    rope_interleave: bool = Field(
+        False, description="RoPE over interleaved pairs (x0, x1), (x2, x3), ... of the rotary part "
+        "(DeepSeek's checkpoints, HF rope_interleave) instead of the two halves.")
+    attention_bias: bool = Field(
+        False, description="Biases on the q_a, kv_a and output projections (HF attention_bias).")
+    latent_norm_eps: float = Field(
+        1e-6, gt=0.0, description="Epsilon of the RMSNorms over the q and kv latents.")
+
+    @model_validator(mode="after")
+    def _check(self) -> MLAConfig:
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates "
+                             "pairs)")
         return self
 
 
@@ -262,7 +335,54 @@ class ModelConfig(Section):
         "no_rope_layers); the other layers rotate q and k as usual. Needs pos_embedding=rope.")
     # [issue-34 area: gemma-olmo2]
     # [issue-34 area: phi3-rope]
+    rotary_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="RoPE rotates the first int(head_dim * rotary_fraction) dims of "
+        "each head and passes the rest through (Phi-3 / Phi-4's partial_rotary_factor); must give an even "
+        "count."
+    )
+    hf_model_type: str | None = Field(
+        None, description="The Hugging Face model_type that exports (and PEFT adapters) use when none is "
+        "asked for, where the flags alone do not decide the checkpoint layout: set by `lmforge import` for "
+        "phi3 (fused qkv_proj / gate_up_proj); None: inferred from the flags."
+    )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones; with model.mla its rotary part)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return int(self.resolved_head_dim * self.rotary_fraction)
+
+    @model_validator(mode="after")
+    def _check_rope_area(self) -> ModelConfig:
+        if self.pos_embedding != "rope" and self.rotary_fraction != 1.0:
+            raise ValueError(f"rotary_fraction={self.rotary_fraction} needs pos_embedding=rope (this model "
+                             f"has {self.pos_embedding} positions): leave it at 1.0")
+        if self.rotary_fraction != 1.0 and (self.rotary_dim % 2 or self.rotary_dim == 0):
+            raise ValueError(
+                f"rotary_fraction={self.rotary_fraction} rotates {self.rotary_dim} of head_dim="
+                f"{self.resolved_head_dim} dims; RoPE needs an even, nonzero count: choose a fraction whose "
+                "product with head_dim is an even integer"
+            )
+        rs = self.rope_scaling
+        if rs is not None and rs.type == "longrope":
+            if rs.original_max_position_embeddings is None:
+                raise ValueError("rope_scaling.type=longrope needs rope_scaling."
+                                 "original_max_position_embeddings (the length past which the long factors "
+                                 "apply, e.g. 4096)")
+            half = self.rotary_dim // 2
+            for key in ("short_factor", "long_factor"):
+                got = getattr(rs, key)
+                if got is None or len(got) != half:
+                    raise ValueError(
+                        f"rope_scaling.{key} must list one factor per rotary frequency: {half} values "
+                        f"(rotary_dim {self.rotary_dim} / 2), got {'none' if got is None else len(got)}"
+                    )
+        return self
     # [issue-34 area: deepseek-mla]
+    mla: MLAConfig | None = Field(
+        None, description="Multi-head latent attention in place of every block's attention (None: "
+        "grouped-query attention); n_kv_heads and head_dim then stay unset.")
     # [issue-34 area: gpt-oss]
 
     @model_validator(mode="before")
@@ -280,12 +400,13 @@ class ModelConfig(Section):
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")
-        if self.head_dim is None and self.d_model % self.n_heads:
+        self._check_mla()
+        if self.head_dim is None and self.mla is None and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 "change one of them or set head_dim"
             )
-        if self.pos_embedding == "rope" and self.resolved_head_dim % 2:
+        if self.pos_embedding == "rope" and self.mla is None and self.resolved_head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.resolved_head_dim}")
         rs = self.rope_scaling
         if rs is not None and rs.type == "llama3" and rs.original_max_position_embeddings is None:
@@ -315,12 +436,32 @@ class ModelConfig(Section):
             raise ValueError("model.nope_layers turns RoPE off on some layers, but pos_embedding="
                              f"{self.pos_embedding}; set pos_embedding=rope or nope_layers=[]")
 
+    def _check_mla(self) -> None:
+        if self.moe is not None and self.moe.dense_layers > self.n_layers:
+            raise ValueError(f"moe.dense_layers={self.moe.dense_layers} exceeds n_layers={self.n_layers}")
+        if self.mla is None:
+            return
+        kv = None if self.n_kv_heads == self.n_heads else self.n_kv_heads  # = n_heads is no clash
+        clashes = [f"{key}={value}" for key, value, off in (
+            ("n_kv_heads", kv, None), ("head_dim", self.head_dim, None),
+            ("pos_embedding", self.pos_embedding, "rope"), ("bias", self.bias, False),
+            ("qkv_bias", self.qkv_bias, False), ("qk_norm", self.qk_norm, False),
+            ("sliding_window", self.sliding_window, None), ("arch", self.arch, "decoder"),
+            ("rotary_fraction", self.rotary_fraction, 1.0)) if value != off]
+        if clashes:
+            raise ValueError("model.mla (multi-head latent attention) sizes its heads with "
+                             "mla.qk_nope_head_dim, qk_rope_head_dim and v_head_dim, uses RoPE, has biases "
+                             "only through mla.attention_bias and no sliding window or q/k norm; unset: "
+                             + ", ".join(clashes))
+
     @property
     def resolved_kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     @property
     def resolved_head_dim(self) -> int:
+        if self.mla is not None:  # the query/key head size (values have mla.v_head_dim)
+            return self.mla.qk_nope_head_dim + self.mla.qk_rope_head_dim
         return self.head_dim or self.d_model // self.n_heads
 
     @property

@@ -7,6 +7,7 @@ from torch import nn
 
 from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache
+from lmforge.models.common.rope import stale_cache_length
 from lmforge.models.generation import filter_logits, sample_next
 
 __all__ = ["filter_logits", "generate", "sample_next"]
@@ -58,8 +59,15 @@ def generate(
         ids = torch.tensor([prompt_ids] * num_samples, dtype=torch.long, device=device)  # (N, P)
         out = torch.empty(num_samples, steps, dtype=torch.long, device=device)
         done = torch.zeros(num_samples, dtype=torch.bool, device=device)
+        prompt = ids
+        stale_at = stale_cache_length(model.cfg.rope_scaling)
         n = 0
         for n in range(1, steps + 1):
+            if stale_at is not None and cache.pos + ids.shape[1] > stale_at >= cache.pos > 0:
+                # longrope switches to its long factors here: recompute the keys cached with the short
+                # ones, as transformers' generate does (see models/generation.py).
+                cache.reset()
+                ids = torch.cat([prompt, out[:, : n - 1]], dim=1)
             logits = model(ids, cache=cache)[:, -1, :]  # (N, V)
             ids = sample_next(logits, temperature, top_k, top_p, gen)[:, None]  # (N, 1)
             out[:, n - 1] = ids[:, 0]

@@ -33,7 +33,7 @@ from torch import nn
 
 from lmforge.errors import ConfigError, LmforgeError
 
-# Hugging Face (Llama / Mistral / Qwen2) module names accepted as targets, as suffixes of ours.
+# Hugging Face (Llama / Mistral / Qwen2, DeepSeek-V3) module names accepted as targets, as suffixes of ours.
 HF_TARGETS = {
     "q_proj": "attn.wq",
     "k_proj": "attn.wk",
@@ -43,6 +43,14 @@ HF_TARGETS = {
     "up_proj": "mlp.w_up",
     "down_proj": "mlp.w_down",
     "lm_head": "output",
+    # Phi-3's fused modules: every projection they hold (PEFT export fuses the adapters back).
+    "qkv_proj": ("attn.wq", "attn.wk", "attn.wv"),
+    "gate_up_proj": ("mlp.w_gate", "mlp.w_up"),
+    # DeepSeek-V3's multi-head latent attention (models/common/mla.py)
+    "q_a_proj": "attn.wq_a",
+    "q_b_proj": "attn.wq_b",
+    "kv_a_proj_with_mqa": "attn.wkv_a",
+    "kv_b_proj": "attn.wkv_b",
 }
 ALL_LINEAR = "all-linear"
 ADAPTER_PARAMS = ("lora_A", "lora_B", "lora_magnitude")
@@ -413,6 +421,8 @@ def _matches(name: str, pattern: str) -> bool:
         # experts' router (no Linear layer in transformers 5, so no PEFT adapter can hold it).
         return name.startswith("layers.") and not name.endswith(".moe.router.gate")
     pattern = HF_TARGETS.get(pattern, pattern)
+    if isinstance(pattern, tuple):
+        return any(_matches(name, p) for p in pattern)
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(name, pattern)
     return name == pattern or name.endswith("." + pattern)

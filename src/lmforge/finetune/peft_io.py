@@ -2,10 +2,13 @@
 `adapter_model.safetensors`, as `PeftModel.save_pretrained` writes and `PeftModel.from_pretrained` reads.
 
 Tensor names are PEFT's: `base_model.model.` + the Hugging Face module name + `.lora_A.weight`,
-`.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. Only the Llama / Mistral / Qwen2 layout is
-covered: their q/k/v/o and MLP projections are separate linear layers named one-to-one with ours, and
-our RoPE uses the same "rotate_half" convention, so q/k rows (and hence B's rows) map without any
-permutation. GPT-2's fused Conv1D `c_attn` has no per-q/k/v adapter, so it is refused.
+`.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. The Llama / Mistral / Qwen2 layout and
+DeepSeek-V3's (model.mla): their projections are separate linear layers named one-to-one with ours, and
+our RoPE uses their convention (halves, or DeepSeek's interleaved pairs), so q/k rows (and hence B's rows)
+map without any permutation; DeepSeek-V3's router and stacked routed experts are no linear layers in
+transformers: adapters on them have no PEFT form and are refused. Phi-3's fused qkv_proj / gate_up_proj
+get the exact block-diagonal union of our adapters (peft_fused.py), and a fused module's adapter loads as
+adapters on each of its parts. GPT-2's fused Conv1D `c_attn` has no per-q/k/v adapter, so it is refused.
 
 Files from elsewhere are untrusted: the config is checked key by key and tensors are read with
 safetensors (never pickle) and checked against the model before the model is touched.
@@ -23,8 +26,10 @@ from torch import nn
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
-from lmforge.models.hf import llama
+from lmforge.finetune.peft_fused import fused_adapter
+from lmforge.models.hf import deepseek, llama, phi3
 from lmforge.models.hf.convert import _export_family
+from lmforge.models.hf.keymap import KeyMap
 from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
 from lmforge.utils.safe_regex import compile_regex
 
@@ -57,24 +62,45 @@ def _check_layout(cfg: ModelConfig) -> None:
             "this model has GPT-2's layout, whose fused Conv1D c_attn cannot hold our per-q/k/v adapters. "
             "Save the adapters with adapter_state_dict, or merge_lora and export the full model"
         )
+    if cfg.mla is not None:
+        deepseek.model_type_for(cfg)  # multi-head latent attention: DeepSeek-V3's layout
+        return
+    if phi3.is_default_for(cfg):  # exported as Phi-3: fused qkv_proj / gate_up_proj (peft_fused.py)
+        phi3.model_type_for(cfg)
+        return
     # The family the base model exports as: a clear LmforgeError for a layout none of them holds.
     _export_family(cfg, None).model_type_for(cfg)
 
 
-def _hf_module(our_module: str) -> str:
+def _keys(cfg: ModelConfig) -> KeyMap:
+    """Our names -> transformers' for the model's layout (MLA has projections of its own)."""
+    return deepseek.KEYS if cfg.mla is not None else llama.KEYS
+
+
+def _hf_module(our_module: str, cfg: ModelConfig) -> str:
+    if cfg.mla is not None:
+        return deepseek.adapter_module(our_module)
     hf = llama.KEYS.to_hf(our_module + ".weight")
     if hf is None:
         raise LmforgeError(f"{our_module} has no Hugging Face name, so its adapter has no PEFT name")
     return hf.removesuffix(".weight")
 
 
+def _has_peft_name(our_module: str, model: nn.Module) -> bool:
+    try:
+        _hf_module(our_module, model.cfg)
+    except LmforgeError:
+        return False
+    return True
+
+
 def _target_modules(model: nn.Module, wrapped: list[str]) -> list[str]:
     """PEFT target_modules naming exactly the wrapped layers: leaf names ("q_proj") where every layer
     of that kind is wrapped, full module names otherwise (PEFT matches both as name suffixes)."""
-    # A mixture of experts' router has no PEFT name (transformers 5's is no Linear layer): an adapter
-    # there is refused (by _hf_module) but an unadapted router is no reason to refuse the others.
-    all_hf = [_hf_module(n) for n in linear_names(model) if not n.endswith(".moe.router.gate")]
-    wrapped_hf = [_hf_module(n) for n in wrapped]
+    # Layers that are not wrapped and have no PEFT name (a router) cannot be confused with wrapped ones.
+    all_hf = [_hf_module(n, model.cfg) for n in linear_names(model)
+              if n in wrapped or _has_peft_name(n, model)]
+    wrapped_hf = [_hf_module(n, model.cfg) for n in wrapped]
     out: list[str] = []
     for leaf in dict.fromkeys(h.rpartition(".")[2] for h in wrapped_hf):  # in module order
         kind = [h for h in all_hf if h.rpartition(".")[2] == leaf]
@@ -95,16 +121,24 @@ def save_peft_adapter(
     for name, layer in layers.items():
         if layer.merged:
             raise LmforgeError(f"{name} is merged into its base weight; unmerge_lora(model) before saving")
-        prefix = PREFIX + _hf_module(name) + "."
-        for pname, p in layer.named_parameters(recurse=False):
-            tensors[prefix + SUFFIXES[pname]] = p.detach().to("cpu").contiguous()
+    ranks: dict[str, int] = {}
+    alphas: dict[str, float] = {}
+    if phi3.is_default_for(model_cfg):
+        fused, targets, ranks, alphas = fused_adapter(model, layers, model_cfg, settings)
+        tensors = {PREFIX + k: v for k, v in fused.items()}
+    else:
+        targets = _target_modules(model, list(layers))
+        for name, layer in layers.items():
+            prefix = PREFIX + _hf_module(name, model_cfg) + "."
+            for pname, p in layer.named_parameters(recurse=False):
+                tensors[prefix + SUFFIXES[pname]] = p.detach().to("cpu").contiguous()
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "r": settings["r"],
         "lora_alpha": settings["alpha"],
         "lora_dropout": settings["dropout"],
-        "target_modules": _target_modules(model, list(layers)),
+        "target_modules": targets,
         "use_rslora": settings["rslora"],
         "use_dora": settings["dora"],
         "bias": "none",
@@ -116,8 +150,8 @@ def save_peft_adapter(
         "modules_to_save": None,
         "layers_to_transform": None,
         "layers_pattern": None,
-        "rank_pattern": {},
-        "alpha_pattern": {},
+        "rank_pattern": ranks,  # only where fused modules hold several of our adapters
+        "alpha_pattern": alphas,
     }
     from safetensors.torch import save
 
@@ -209,7 +243,11 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
     _check_layout(model.cfg)
     settings = read_adapter_config(adapter_dir)
     file = Path(adapter_dir) / WEIGHTS
-    hf_names = {n: _hf_module(n) for n in linear_names(model)}
+    # Phi-3: one adapter on a fused module (qkv_proj) is, exactly, adapters on each of its parts sharing
+    # its A, each with its rows of B (and of DoRA's magnitudes, which are per row).
+    fused = phi3.is_default_for(model.cfg)
+    hf_names = {n: (fused and phi3.fused_module(n)) or _hf_module(n, model.cfg)
+                for n in linear_names(model) if _has_peft_name(n, model)}
     wrapped = [n for n, h in hf_names.items() if _peft_matches(h, settings["targets"])]
     if not wrapped:
         kinds = ", ".join(dict.fromkeys(h.rpartition(".")[2] for h in hf_names.values()))
@@ -219,20 +257,24 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
         )
     tensors = _read_tensors(file)
     r, params = settings["r"], dict(model.named_parameters())
-    expected: dict[str, tuple[str, tuple[int, ...]]] = {}  # PEFT key -> (our name, shape)
+    # PEFT key -> ([(our name, its rows of the tensor or None: all)], the tensor's shape)
+    expected: dict[str, tuple[list[tuple[str, slice | None]], tuple[int, ...]]] = {}
     for name in wrapped:
         base = model.get_submodule(name)
-        shapes = {"lora_A": (r, base.in_features), "lora_B": (base.out_features, r)}
+        rows, out = (fused and phi3.fused_rows(name, model.cfg)) or (None, base.out_features)
+        shapes = {"lora_A": (r, base.in_features), "lora_B": (out, r)}
         if settings["dora"]:
-            shapes["lora_magnitude"] = (base.out_features,)
+            shapes["lora_magnitude"] = (out,)
         for pname, shape in shapes.items():
-            expected[PREFIX + hf_names[name] + "." + SUFFIXES[pname]] = (f"{name}.{pname}", shape)
-    base_weights: dict[str, tuple[str, tuple[int, ...]]] = {}
+            key = PREFIX + hf_names[name] + "." + SUFFIXES[pname]
+            cut = None if pname == "lora_A" else rows
+            expected.setdefault(key, ([], shape))[0].append((f"{name}.{pname}", cut))
+    base_weights: dict[str, tuple[list[tuple[str, slice | None]], tuple[int, ...]]] = {}
     for key in tensors:
         if key in expected:
             continue
         # A base weight saved with the adapter: `...lm_head.base_layer.weight` or `...embed_tokens.weight`.
-        ours = llama.KEYS.to_ours(key.removeprefix(PREFIX).replace(".base_layer.", "."))
+        ours = _keys(model.cfg).to_ours(key.removeprefix(PREFIX).replace(".base_layer.", "."))
         if not key.startswith(PREFIX) or ours is None:
             raise LmforgeError(
                 f"{file}: tensor {key!r} is no adapter of the layers target_modules names "
@@ -242,7 +284,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
             raise LmforgeError(f"{file}: tensor {key!r} would load into {ours!r}, which this model has not")
         module, _, leaf = ours.rpartition(".")
         after = f"{module}.base.{leaf}" if module in wrapped else ours  # its name once wrapped
-        base_weights[key] = (after, tuple(params[ours].shape))
+        base_weights[key] = ([(after, None)], tuple(params[ours].shape))
     missing = [k for k in expected if k not in tensors]
     if missing:
         raise LmforgeError(
@@ -258,6 +300,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
                 rslora=settings["rslora"], dora=settings["dora"], dtype=dtype, init=None)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for key, (ours, _) in {**expected, **base_weights}.items():
-            params[ours].copy_(tensors[key])
+        for key, (targets, _) in {**expected, **base_weights}.items():
+            for ours, rows in targets:
+                params[ours].copy_(tensors[key] if rows is None else tensors[key][rows])
     return wrapped

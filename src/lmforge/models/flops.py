@@ -5,17 +5,37 @@ from __future__ import annotations
 from lmforge.config.schema import ModelConfig
 
 
-def _layer_matmul_params(cfg: ModelConfig, active: bool = False) -> int:
+def _per_layers(cfg: ModelConfig, count) -> int:
+    """Sum of count(dense) over the blocks: the first moe.dense_layers of a mixture stay dense."""
+    dense = cfg.n_layers if cfg.moe is None else cfg.moe.dense_layers
+    return dense * count(True) + (cfg.n_layers - dense) * count(False)
+
+
+def _mla_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(linear weights, norm weights and biases) of one multi-head latent attention."""
+    a, d, H = cfg.mla, cfg.d_model, cfg.n_heads
+    qk, qr, r = a.qk_nope_head_dim + a.qk_rope_head_dim, a.q_lora_rank, a.kv_lora_rank
+    q = d * H * qk if qr is None else d * qr + qr * H * qk
+    kv = d * (r + a.qk_rope_head_dim) + r * H * (a.qk_nope_head_dim + a.v_head_dim)
+    weights = q + kv + H * a.v_head_dim * d
+    other = r + (qr or 0)  # the latents' norms
+    if a.attention_bias:  # on q_a, kv_a and the output projection
+        other += (qr or 0) + r + a.qk_rope_head_dim + d
+    return weights, other
+
+
+def _layer_matmul_params(cfg: ModelConfig, active: bool = False, dense: bool = False) -> int:
     """Weights of the Linear layers in one block (the parameters that take part in matmuls); with
-    `active`, of a mixture of experts only the top_k experts one token runs through."""
+    `active`, of a mixture of experts only the top_k experts one token runs through; `dense`: a block
+    with a dense MLP in a mixture-of-experts model."""
     d, q_dim, kv_dim, ff = (
         cfg.d_model,
         cfg.n_heads * cfg.resolved_head_dim,
         cfg.resolved_kv_heads * cfg.resolved_head_dim,
         cfg.resolved_d_ff,
     )
-    attn = d * q_dim + 2 * d * kv_dim + q_dim * d
-    if cfg.moe is not None:
+    attn = d * q_dim + 2 * d * kv_dim + q_dim * d if cfg.mla is None else _mla_params(cfg)[0]
+    if cfg.moe is not None and not dense:
         m = cfg.moe
         ff_e = m.d_ff_expert or ff
         shared = m.n_shared_experts * (m.shared_d_ff or ff_e)
@@ -26,7 +46,7 @@ def _layer_matmul_params(cfg: ModelConfig, active: bool = False) -> int:
     return attn + mlp
 
 
-def _layer_other_params(cfg: ModelConfig) -> int:
+def _layer_other_params(cfg: ModelConfig, dense: bool = False) -> int:
     """Biases and norm weights of one block."""
     d, q_dim, kv_dim, ff = (
         cfg.d_model,
@@ -40,10 +60,12 @@ def _layer_other_params(cfg: ModelConfig) -> int:
     if cfg.bias or cfg.attn_out_bias:
         n += d  # wo
     if cfg.bias:
-        if cfg.moe is None:  # experts have no biases
+        if cfg.moe is None or dense:  # experts have no biases
             n += (2 if cfg.mlp == "swiglu" else 1) * ff + d  # w_gate/w_up, w_down
     if cfg.qk_norm:
         n += 2 * cfg.resolved_head_dim if cfg.qk_norm_scope == "head" else q_dim + kv_dim
+    if cfg.mla is not None:
+        n += _mla_params(cfg)[1]
     return n + 2 * _norm_params(cfg)
 
 
@@ -67,7 +89,8 @@ def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False, active: 
     (its active parameters; the router and shared experts in full); a dense model is unchanged.
     """
     vocab = _require_vocab(cfg)
-    blocks = cfg.n_layers * (_layer_matmul_params(cfg, active) + _layer_other_params(cfg))
+    blocks = _per_layers(
+        cfg, lambda dense: _layer_matmul_params(cfg, active, dense) + _layer_other_params(cfg, dense))
     head = vocab * cfg.d_model  # output projection, or the token table it is tied to
     n = blocks + _norm_params(cfg) + head
     if exclude_embeddings:
@@ -79,7 +102,7 @@ def count_params(cfg: ModelConfig, *, exclude_embeddings: bool = False, active: 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training (forward + backward) FLOPs per token at sequence length `seq_len`.
 
-    = 6 * N + 6 * n_layers * n_heads * head_dim * seq_len, where
+    = 6 * N + 3 * n_layers * n_heads * (qk_dim + v_dim) * seq_len, where
 
     - N is the number of parameters in matmuls: all Linear weights of the blocks plus the output
       projection (counted once, tied or not). A matmul costs 2 FLOPs per weight per token forward
@@ -89,10 +112,12 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     - Attention scores QK^T and the weighted sum AV each cost 2 * head_dim FLOPs per head per
       (query, key) pair forward, i.e. 4 * H * D * T per token per layer over T keys; times 3 for
       training gives 12 * L * H * D * T. With causal masking a query sees on average T/2 keys, so
-      only half is counted: 6 * L * H * D * T.
+      only half is counted: 6 * L * H * D * T. With model.mla the scores use the query/key head size
+      and the sum the value head size: 3 * L * H * (qk_dim + v_dim) * T.
     """
     n_matmul = count_params(cfg, exclude_embeddings=True, active=True) - _non_matmul_params(cfg)
-    attn = 6 * cfg.n_layers * cfg.n_heads * cfg.resolved_head_dim * seq_len
+    v_dim = cfg.resolved_head_dim if cfg.mla is None else cfg.mla.v_head_dim
+    attn = 3 * cfg.n_layers * cfg.n_heads * (cfg.resolved_head_dim + v_dim) * seq_len
     return float(6 * n_matmul + attn)
 
 
@@ -113,4 +138,4 @@ def forward_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def _non_matmul_params(cfg: ModelConfig) -> int:
-    return cfg.n_layers * _layer_other_params(cfg) + _norm_params(cfg)
+    return _per_layers(cfg, lambda dense: _layer_other_params(cfg, dense)) + _norm_params(cfg)

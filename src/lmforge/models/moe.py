@@ -37,12 +37,15 @@ class Router(nn.Module):
 
     Scores are softmax (or sigmoid) of the logits in float32, as transformers computes them; with
     bias balancing a per-expert bias is added to the scores for the choice of experts only, the
-    weights stay the unbiased scores (DeepSeek-V3)."""
+    weights stay the unbiased scores (DeepSeek-V3). With n_group > 1 a token chooses only among the
+    experts of its topk_group best groups (`limit_groups`); routed_scaling multiplies the weights
+    after any renormalisation (DeepSeek-V3's routed_scaling_factor)."""
 
     def __init__(self, d_model: int, cfg: MoEConfig) -> None:
         super().__init__()
         self.gate = nn.Linear(d_model, cfg.n_experts, bias=False)
         self.top_k, self.score, self.norm_topk_prob = cfg.top_k, cfg.router_score, cfg.norm_topk_prob
+        self.n_group, self.topk_group, self.routed_scaling = cfg.n_group, cfg.topk_group, cfg.routed_scaling
         if cfg.bias_balancing:
             # Persistent: part of every checkpoint, so a resumed run routes exactly as before.
             self.register_buffer("expert_bias", torch.zeros(cfg.n_experts, dtype=torch.float32))
@@ -55,11 +58,26 @@ class Router(nn.Module):
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()  # (N, E)
         choice = scores if self.expert_bias is None else scores + self.expert_bias
+        if self.n_group > 1:
+            choice = limit_groups(choice, self.n_group, self.topk_group)
         experts = torch.topk(choice, self.top_k, dim=-1).indices  # (N, k)
         weights = scores.gather(-1, experts)  # (N, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        if self.routed_scaling != 1.0:
+            weights = weights * self.routed_scaling
         return logits, scores, weights, experts
+
+
+def limit_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3): `choice` (N, E) with every expert outside a token's
+    topk_group best groups set to -inf; a group's score is the sum of its two best experts' choices."""
+    N, E = choice.shape
+    grouped = choice.view(N, n_group, E // n_group)  # (N, G, E/G)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
+    keep = torch.zeros_like(group_scores, dtype=torch.bool)
+    keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)  # (N, G)
+    return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(N, E)
 
 
 def _grouped_mm():
@@ -297,7 +315,7 @@ class ExpertBias:
     """Aux-loss-free balancing (DeepSeek-V3, torchtitan): the step observes each balancing router's
     load after every micro-batch's forward, and after an applied optimizer step moves its bias by
     rate * sign(mean load - load), with the load summed over the step and the data-parallel ranks
-    (so every replica makes the same update)."""
+    (so every replica makes the same update). Only routers whose gate weight trains move their bias."""
 
     def __init__(self, layers: list[MoE]) -> None:
         self.layers = layers
@@ -309,7 +327,10 @@ class ExpertBias:
         walk over the model's modules is done once per model."""
         layers = _BIASED_LAYERS.get(model)
         if layers is None:
-            layers = [m for m in moe_layers(model) if m.router.expert_bias is not None]
+            # A router whose gate does not train itself (frozen, or a frozen base under adapters) keeps its
+            # bias too: it is part of the base model that the adapters are trained against.
+            layers = [m for m in moe_layers(model) if m.router.expert_bias is not None
+                      and isinstance(m.router.gate, nn.Linear) and m.router.gate.weight.requires_grad]
             _BIASED_LAYERS[model] = layers
         return cls(layers) if layers else None
 

@@ -164,6 +164,10 @@ class ParallelDims:
                 "gathered outside the pipeline's stage losses, so a pipeline would train without them; set "
                 "parallel.pp=1 (data or expert parallelism split a mixture-of-experts model)"
             )
+        if self.tp > 1 and getattr(model, "mla", None) is not None:
+            raise ConfigError(f"parallel.tp={self.tp} with model.mla: the tensor-parallel plan splits the "
+                              "q/k/v projections of grouped-query attention, which latent attention has not; "
+                              "set parallel.tp=1 (data parallelism or FSDP split it)")
         if self.tp > 1 and (moe is not None or model.qk_norm):
             what = "model.moe (the tensor-parallel plan splits a dense MLP)" if moe is not None else \
                 "model.qk_norm (not in the tensor-parallel plan: an RMSNorm over the whole q/k projection, " \

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from lmforge.errors import LmforgeError
-from lmforge.models.common.attention import KVCache
+from lmforge.models.common.attention import KVCache, cache_shapes
 from lmforge.models.generation import sample_next
 
 
@@ -149,9 +149,9 @@ class Engine:
         self.device = param.device
         dtype = param.dtype if param.is_floating_point() else torch.float32
         self.width = 2 * self.max_len
-        shape = (max_batch_size, cfg.resolved_kv_heads, self.width, cfg.resolved_head_dim)
-        self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(cfg.n_layers)]
+        k_shape, v_shape = cache_shapes(cfg, max_batch_size, self.width)
+        self.k = [torch.zeros(k_shape, device=self.device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(v_shape, device=self.device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.dtype = dtype
         self.rows: list[_Seq] = []  # row i lives in slot i
         self.off = self.pos = 0

@@ -197,6 +197,11 @@ def estimate(cfg: Config, world_size: int = 1, device_type: str = "cpu", rank: i
         # tensors than the decoder's; an estimate from the decoder's would be wrong, so there is none.
         raise ConfigError("lmforge estimate models decoder training only; model.arch=encoder (masked LM) is "
                           "not modelled yet: measure a short run instead (lmforge train with a few steps)")
+    if cfg.model.mla is not None:
+        # Latent attention saves other activations than grouped-query attention (latents, per-head keys
+        # expanded from them): the decoder's model of them would be wrong.
+        raise ConfigError("lmforge estimate does not model multi-head latent attention (model.mla) yet: "
+                          "measure a short run instead (lmforge train with a few steps)")
     check_bounds(cfg, world_size)
     layout = resolve_layout(cfg, world_size)
     method = method_of(cfg, layout)

@@ -20,9 +20,22 @@ from lmforge.models.common.rope import apply_rope
 LayerKV = tuple[torch.Tensor, torch.Tensor, int]
 
 
+def cache_shapes(cfg: ModelConfig, batch_size: int, length: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of one layer's two cache buffers: keys and values (batch, n_kv_heads, length, head_dim),
+    or with model.mla the compressed latent (batch, 1, length, kv_lora_rank) and the shared rotated
+    key part (batch, 1, length, qk_rope_head_dim) (models/common/mla.py)."""
+    if cfg.mla is not None:
+        m = cfg.mla
+        return (batch_size, 1, length, m.kv_lora_rank), (batch_size, 1, length, m.qk_rope_head_dim)
+    shape = (batch_size, cfg.resolved_kv_heads, length, cfg.resolved_head_dim)
+    return shape, shape
+
+
 class KVCache:
     """Per-layer key/value buffers, each (batch_size, n_kv_heads, max_len, head_dim), and `pos`,
-    the number of positions already written.
+    the number of positions already written. With model.mla the two buffers of a layer hold the
+    compressed latent (batch_size, 1, max_len, kv_lora_rank) and the shared rotated key part
+    (batch_size, 1, max_len, qk_rope_head_dim) instead.
 
     `model(ids, cache=cache)` writes the keys/values of `ids` at pos..pos+T-1 and advances `pos`.
     `model_or_cfg` is a Transformer (anything with a `.cfg`) or a ModelConfig.
@@ -42,10 +55,10 @@ class KVCache:
                 f"KVCache max_len={max_len} exceeds model.max_seq_len={cfg.max_seq_len}; "
                 "use a shorter cache or raise model.max_seq_len"
             )
-        shape = (batch_size, cfg.resolved_kv_heads, max_len, cfg.resolved_head_dim)
+        k_shape, v_shape = cache_shapes(cfg, batch_size, max_len)
         self.batch_size, self.max_len, self.pos = batch_size, max_len, 0
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.k = [torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
 
     def layer(self, i: int) -> LayerKV:
         """Layer i's buffers and the current position, as the attention module takes them."""

@@ -28,7 +28,7 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import bert, gpt2, granite, llama, moe, qwen3, smollm3, variants
+from lmforge.models.hf import bert, deepseek, gpt2, granite, llama, moe, phi3, qwen3, smollm3, variants
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 from lmforge.utils.tensorfile import SafetensorsFile
@@ -42,7 +42,8 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    return {t: fam for fam in (llama, gpt2, bert, moe, qwen3, granite, smollm3) for t in fam.MODEL_TYPES}
+    families = (llama, gpt2, bert, moe, qwen3, granite, smollm3, phi3, deepseek)
+    return {t: fam for fam in families for t in fam.MODEL_TYPES}
 
 
 def _family(model_type: Any) -> ModuleType:
@@ -140,14 +141,19 @@ def model_config_to_hf(
 
 
 def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
+    model_type = model_type or cfg.hf_model_type
     if model_type is not None:
         return _family(model_type)
+    if cfg.mla is not None:
+        return deepseek
     if cfg.moe is not None:
         return moe
     if cfg.arch == "encoder":
         return bert
     if (variant := variants.dense_model_type(cfg)) is not None:  # Qwen3, Granite, SmolLM3: by their flags
         return _family(variant)
+    if phi3.is_default_for(cfg):
+        return phi3
     # GPT-2 is the one supported decoder family with learned positions; everything else is RoPE.
     return _family("gpt2" if cfg.pos_embedding == "learned" else "llama")
 
@@ -208,7 +214,8 @@ def _stream_into(model: Transformer, path: str | os.PathLike,
     cfg = model.cfg
     family = _family(read_hf_config(path).get("model_type"))
     files = weight_files(path)
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    # Parameters and persistent buffers (a router's balancing bias): everything a checkpoint holds.
+    shapes = {n: tuple(p.shape) for n, p in model.state_dict(keep_vars=True).items()}
     filled: set = set()
     unexpected = []
     for names in files.values():
@@ -222,7 +229,9 @@ def _stream_into(model: Transformer, path: str | os.PathLike,
         rows = shapes[n][0] if shapes[n] else 0
         return n in filled or (rows > 0 and all((n, j) in filled for j in range(rows)))
 
-    missing = [f"{family.hf_name(n, cfg)} (our {n})" for n in shapes if not complete(n)]
+    # A buffer the file lacks (a routing bias a checkpoint without bias balancing has not) keeps its init.
+    params = {n for n, _ in model.named_parameters()}
+    missing = [f"{family.hf_name(n, cfg)} (our {n})" for n in shapes if n in params and not complete(n)]
     if missing or unexpected:
         parts = [f"missing tensors: {', '.join(missing)}"] if missing else []
         parts += [f"unexpected tensors: {', '.join(unexpected)}"] if unexpected else []
@@ -273,6 +282,10 @@ def from_hf(
     def place(ours: str, t: torch.Tensor, row: int | None) -> None:
         module_name, _, attr = ours.rpartition(".")
         module = model.get_submodule(module_name)
+        if attr in module._buffers:  # a persistent buffer keeps its own dtype (float32 routing bias)
+            buf = module._buffers[attr]
+            module._buffers[attr] = torch.empty(t.shape, dtype=buf.dtype, device=device).copy_(t)
+            return
         if row is not None:  # one expert of a stacked parameter: materialised whole at its first row
             if getattr(module, attr).is_meta:
                 shape = getattr(module, attr).shape
@@ -294,8 +307,8 @@ def from_hf(
     _stream_into(model, path, place)
     for module in model.modules():
         for name, buf in module.named_buffers(recurse=False):
-            if buf.is_meta:  # non-persistent (RoPE tables): keep their float32, fill below
-                setattr(module, name, torch.empty(buf.shape, dtype=buf.dtype, device=device))
+            if buf.is_meta:  # RoPE tables (filled below), a routing bias the file lacks (starts at 0)
+                setattr(module, name, torch.zeros(buf.shape, dtype=buf.dtype, device=device))
     model.init_buffers()
     return model
 
@@ -335,7 +348,7 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
             f"model.init_from={path} does not match the model section; set these to the checkpoint's "
             "values: " + "; ".join(diffs)
         )
-    params = dict(model.named_parameters())
+    params = dict(model.state_dict(keep_vars=True))
 
     def place(name: str, t: torch.Tensor, row: int | None) -> None:
         with torch.no_grad():
@@ -354,7 +367,8 @@ def _moe_signature(cfg: ModelConfig) -> dict[str, Any] | None:
 
     return dict(n_experts=m.n_experts, top_k=m.top_k, d_ff_expert=expert_d_ff(cfg),
                 shared_d_ff=shared_d_ff(cfg), shared_gate=m.shared_gate, router_score=m.router_score,
-                norm_topk_prob=m.norm_topk_prob)
+                norm_topk_prob=m.norm_topk_prob, n_group=m.n_group, topk_group=m.topk_group,
+                routed_scaling=m.routed_scaling, dense_layers=m.dense_layers)
 
 
 def _rope_signature(cfg: ModelConfig) -> dict[str, Any] | None:
@@ -367,6 +381,10 @@ def _rope_signature(cfg: ModelConfig) -> dict[str, Any] | None:
         out["original_max_position_embeddings"] = sc.original_max_position_embeddings or cfg.max_seq_len
     if sc.type == "llama3":
         out.update(low_freq_factor=sc.low_freq_factor, high_freq_factor=sc.high_freq_factor)
+    if sc.type in ("yarn", "longrope"):
+        keys = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor")
+        keys = keys if sc.type == "yarn" else ("short_factor", "long_factor", "attention_factor")
+        out.update({k: getattr(sc, k) for k in keys})
     return out
 
 

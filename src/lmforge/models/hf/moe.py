@@ -196,12 +196,19 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
                 for f in extra_flags(cfg, qwen3.FLAGS if requested == "qwen3_moe" else ())]
     for key, value, want in (("norm", cfg.norm, "rmsnorm"), ("mlp", cfg.mlp, "swiglu"),
                              ("pos_embedding", cfg.pos_embedding, "rope"), ("moe.router_score",
-                                                                           m.router_score, "softmax")):
+                                                                           m.router_score, "softmax"),
+                             ("rotary_fraction", cfg.rotary_fraction, 1.0)):
         if value != want:
             problems.append(f"{key}={value} (needs {want})")
     if m.bias_balancing:
         problems.append("moe.bias_balancing routes with a learned per-expert bias that transformers' "
                         f"{requested} has no place for")
+    # [issue-34 area: deepseek-mla] DeepSeek-V3's attention and routing (export as deepseek_v3)
+    for key, value, off in (("model.mla", cfg.mla, None), ("moe.n_group", m.n_group, 1),
+                            ("moe.routed_scaling", m.routed_scaling, 1.0),
+                            ("moe.dense_layers", m.dense_layers, 0)):
+        if value != off:
+            problems.append(f"{key} is set ({requested} has no such setting; deepseek_v3 has)")
     if cfg.score_head:
         problems.append("score_head (a mixture-of-experts reward model has no transformers class here)")
     if requested not in ("olmoe", "qwen3_moe") and cfg.qk_norm:
