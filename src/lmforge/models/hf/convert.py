@@ -27,7 +27,7 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import bert, gpt2, llama, moe
+from lmforge.models.hf import bert, gemma, gpt2, llama, moe, olmo2
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 
@@ -40,7 +40,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    return {t: fam for fam in (llama, gpt2, bert, moe) for t in fam.MODEL_TYPES}
+    return {t: fam for fam in (llama, gpt2, bert, moe, olmo2, gemma) for t in fam.MODEL_TYPES}
 
 
 def _family(model_type: Any) -> ModuleType:
@@ -137,9 +137,18 @@ def model_config_to_hf(
     return out
 
 
+def export_model_type(cfg: ModelConfig, model_type: str | None = None) -> str:
+    """The Hugging Face model_type `cfg` exports as (`model_type` checked if given); LmforgeError
+    naming what the family cannot write otherwise."""
+    return _export_family(cfg, model_type).model_type_for(cfg, model_type)
+
+
 def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
     if model_type is not None:
         return _family(model_type)
+    for fam in (olmo2, gemma):  # families recognised by block features of their own
+        if fam.claims(cfg):
+            return fam
     if cfg.moe is not None:
         return moe
     if cfg.arch == "encoder":
