@@ -238,8 +238,8 @@ def test_attention_softcap_binds_only_when_small():
     with torch.no_grad():
         torch.testing.assert_close(loose(ids), plain(ids), rtol=0, atol=1e-5)
         real = mask.bool()
-        torch.testing.assert_close(loose(ids, attention_mask=mask)[real], plain(ids, attention_mask=mask)[real],
-                                   rtol=0, atol=1e-5)
+        got, want = loose(ids, attention_mask=mask), plain(ids, attention_mask=mask)
+        torch.testing.assert_close(got[real], want[real], rtol=0, atol=1e-5)
         assert (tight(ids) - plain(ids)).abs().amax() > 1e-3
 
 
@@ -329,3 +329,14 @@ def test_export_as_a_family_without_the_features_is_refused(family, tmp_path):
         with pytest.raises(LmforgeError, match="cannot be exported|exports as"):
             to_hf(ours, tmp_path / other, model_type=other)
         assert not (tmp_path / other).exists()
+
+
+def test_tensor_parallel_refuses_norms_after_the_sub_layers():
+    from lmforge.config.schema import ParallelConfig
+    from lmforge.errors import ConfigError
+    from lmforge.parallel.dims import ParallelDims
+
+    dims = ParallelDims.resolve(ParallelConfig(tp=2, dp_shard=1), 2)
+    dims.check_model(_cfg())
+    with pytest.raises(ConfigError, match="norm_placement=sandwich"):
+        dims.check_model(_cfg(norm_placement="sandwich"))
