@@ -44,6 +44,16 @@ CASES = {
         **COMMON, **GEMMA, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
         layer_types=["full_attention", "sliding_attention", "sliding_attention"], attn_logit_softcapping=None,
         final_logit_softcapping=None),
+    # Gemma 3: per-head (1 + w) q/k norms; sliding layers rotate with their own base (100), the full
+    # layer with rope_theta and linear scaling; tied, GQA 2.
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **COMMON, **GEMMA, num_attention_heads=4, num_key_value_heads=2, rope_theta=1000.0,
+        rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # Gemma 3, MHA, untied, transformers' default layer pattern (here every layer slides), soft-capped logits.
+    "gemma3_mha_untied": lambda: transformers.Gemma3TextConfig(
+        **COMMON, **GEMMA, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+        final_logit_softcapping=5.0),
 }
 CLASSES = {"olmo2": "Olmo2ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
@@ -298,12 +308,35 @@ def test_impossible_combinations_are_refused(kw, needle):
     ("gemma2", "use_bidirectional_attention", True),
     ("gemma2", "attention_dropout", 0.1),
     ("gemma2", "sliding_window", None),
+    ("gemma3", "attn_logit_softcapping", 20.0),
 ])
 def test_hf_settings_lmforge_cannot_build_are_refused(case, key, value):
     hf = CASES[case]().to_dict()
     hf[key] = value
     with pytest.raises(LmforgeError, match=key):
         hf_to_model_config(hf)
+
+
+def test_gemma3_rope_scaling_on_sliding_layers_is_refused():
+    hf = CASES["gemma3"]().to_dict()
+    hf["rope_parameters"]["sliding_attention"] = {"rope_type": "linear", "factor": 2.0, "rope_theta": 100.0}
+    with pytest.raises(LmforgeError, match="sliding_attention.rope_type"):
+        hf_to_model_config(hf)
+    hf["rope_parameters"]["sliding_attention"] = {"rope_type": "default", "rope_theta": 100.0}
+    hf["rope_parameters"]["full_attention"] = {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e3}
+    with pytest.raises(LmforgeError, match="yarn"):
+        hf_to_model_config(hf)
+
+
+def test_gemma3_legacy_rope_keys_read_alike():
+    """transformers 4.x's config.json: rope_theta, rope_local_base_freq and rope_scaling (full layers)."""
+    new = CASES["gemma3"]().to_dict()
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old.update(rope_theta=1000.0, rope_local_base_freq=100.0,
+               rope_scaling={"rope_type": "linear", "factor": 2.0})
+    cfg = hf_to_model_config(old)
+    assert cfg == hf_to_model_config(new)
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling.factor) == (1000.0, 100.0, 2.0)
 
 
 def test_refused_import_exits_2_and_keeps_the_source(tmp_path, capsys):

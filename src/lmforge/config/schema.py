@@ -243,6 +243,23 @@ class ModelConfig(Section):
         "parallelism."
     )
     # [issue-34 area: qwen3-granite-smollm3]
+    qk_norm_scope: Literal["all", "head"] = Field(
+        "all", description="With qk_norm: all normalises the whole q and k projections (OLMoE / OLMo 2); "
+        "head normalises each head's q and k with one shared weight of head_dim (Qwen3). Needs qk_norm=true.")
+    attn_out_bias: bool = Field(False, description="A bias on the attention output projection wo (with "
+                                "qkv_bias: Qwen3's attention_bias on q/k/v/o; bias=true already has it).")
+    embedding_multiplier: float = Field(1.0, gt=0.0, description="Scale of the token embeddings before the "
+                                        "first block (Granite's embedding_multiplier).")
+    residual_multiplier: float = Field(1.0, gt=0.0, description="Scale of each attention and MLP output "
+                                       "before its residual add (Granite's residual_multiplier).")
+    attention_multiplier: float | None = Field(
+        None, gt=0.0, description="Softmax scale of the attention scores (None: 1/sqrt(head_dim); Granite's "
+        "attention_multiplier).")
+    logits_scaling: float = Field(1.0, gt=0.0, description="The logits are divided by this (Granite's "
+                                  "logits_scaling).")
+    nope_layers: list[int] = Field(
+        default_factory=list, description="Indices of the layers that apply no RoPE (NoPE; SmolLM3's "
+        "no_rope_layers); the other layers rotate q and k as usual. Needs pos_embedding=rope.")
     # [issue-34 area: gemma-olmo2]
     norm_placement: Literal["pre", "post", "sandwich"] = Field(
         "pre", description="Where each block's norms sit: pre x + f(norm(x)) (Llama); post x + norm(f(x)) "
@@ -306,6 +323,7 @@ class ModelConfig(Section):
         if self.arch == "encoder" and (self.pos_embedding != "learned" or not self.tie_embeddings):
             raise ValueError("model.arch=encoder needs pos_embedding=learned and tie_embeddings=true (the "
                              "BERT / RoBERTa layout)")
+        self._check_qwen3_granite_smollm3()
         if self.quant is not None and self.quant.head and self.tie_embeddings:
             raise ValueError("quant.head=true quantizes an untied output head; this model ties it to the "
                              "embeddings (tie_embeddings=true), which stay in full precision: set "
@@ -326,6 +344,9 @@ class ModelConfig(Section):
             if "sliding_attention" in types and self.sliding_window is None:
                 raise ValueError("layer_types has sliding_attention layers but sliding_window is not set; "
                                  "set sliding_window to their window")
+        if self.query_pre_attn_scalar is not None and self.attention_multiplier is not None:
+            raise ValueError("query_pre_attn_scalar and attention_multiplier both set the attention scale; "
+                             "set one of them")
         if self.rope_local_theta is not None and (types is None or "sliding_attention" not in types):
             raise ValueError("rope_local_theta is the RoPE base of sliding_attention layers; layer_types has "
                              "none: set layer_types or unset rope_local_theta")
@@ -337,6 +358,20 @@ class ModelConfig(Section):
         if self.arch == "encoder" and (set_keys or self.mlp == "geglu"):
             raise ValueError(f"model.arch=encoder builds BERT's blocks, which do not take "
                              f"{', '.join(set_keys) or 'mlp=geglu'}: unset them")
+
+    def _check_qwen3_granite_smollm3(self) -> None:
+        if self.qk_norm_scope != "all" and not self.qk_norm:
+            raise ValueError(f"model.qk_norm_scope={self.qk_norm_scope} chooses how q and k are normalised, "
+                             "but model.qk_norm=false; set qk_norm=true or leave qk_norm_scope at all")
+        bad = [i for i in self.nope_layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise ValueError(f"model.nope_layers has {bad}, which are no layers of this model: indices run "
+                             f"from 0 to n_layers-1={self.n_layers - 1}")
+        if len(set(self.nope_layers)) != len(self.nope_layers):
+            raise ValueError(f"model.nope_layers={self.nope_layers} lists a layer twice; list each once")
+        if self.nope_layers and self.pos_embedding != "rope":
+            raise ValueError("model.nope_layers turns RoPE off on some layers, but pos_embedding="
+                             f"{self.pos_embedding}; set pos_embedding=rope or nope_layers=[]")
 
     @property
     def resolved_kv_heads(self) -> int:

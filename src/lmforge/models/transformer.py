@@ -60,8 +60,11 @@ class Block(nn.Module):
     checkpointing, FSDP, pipeline stages) can forward the arguments unchanged.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
+        self.index = index  # the layer's place in the model, for per-layer settings
+        self.use_rope = index not in cfg.nope_layers
+        self.residual_multiplier = cfg.residual_multiplier
         pre = cfg.norm_placement != "post"
         self.post = cfg.norm_placement != "pre"
         self.attn_norm = build_norm(cfg) if pre else nn.Identity()
@@ -84,12 +87,19 @@ class Block(nn.Module):
         mask: torch.Tensor | None = None,
         kv: LayerKV | None = None,
     ) -> torch.Tensor:
+        out = self.attn(self.attn_norm(x), rope if self.use_rope else None, mask, kv)  # (B, T, d_model)
+        if self.post:  # a Python constant: no op when off
+            out = self.attn_post_norm(out)
+        if self.residual_multiplier != 1.0:  # a Python constant: no op when off
+            out = out * self.residual_multiplier
+        x = x + self.drop(out)
         ffn = self.moe if self.is_moe else self.mlp
+        out = ffn(self.mlp_norm(x))
         if self.post:
-            x = x + self.drop(self.attn_post_norm(self.attn(self.attn_norm(x), rope, mask, kv)))
-            return x + self.drop(self.mlp_post_norm(ffn(self.mlp_norm(x))))
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, kv))  # (B, T, d_model)
-        return x + self.drop(ffn(self.mlp_norm(x)))
+            out = self.mlp_post_norm(out)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return x + self.drop(out)
 
 
 class Transformer(nn.Module):
@@ -121,7 +131,7 @@ class Transformer(nn.Module):
             if cfg.pos_embedding == "learned":
                 self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model)
             self.drop = _dropout(cfg.dropout)
-            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = build_norm(cfg)
             if not cfg.tie_embeddings:
                 self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -365,6 +375,8 @@ class Transformer(nn.Module):
             x = self.tok_embeddings(input_ids)  # (B, T, d_model)
             if self._embed_scales is not None:
                 x = x * self._embed_scales[x.dtype]
+            if self.cfg.embedding_multiplier != 1.0:
+                x = x * self.cfg.embedding_multiplier
             if self.cfg.pos_embedding == "learned":
                 if position_ids is None:
                     x = x + self.pos_embeddings.weight[start:end]  # (T, d_model) broadcast over B
@@ -393,10 +405,16 @@ class Transformer(nn.Module):
         if self.norm is None:
             return x  # (B, T, d_model): a pipeline stage before the last
         x = self.norm(x)
+        scaling = self.cfg.logits_scaling
         if head is not None:
-            return head(x, self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight)
+            weight = self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight
+            # The weight, not the hidden states, carries the scaling: a head that reads the hidden
+            # states (a reward model's score) sees them as they are.
+            return head(x, weight if scaling == 1.0 else weight / scaling)
         # Calling `output` (not F.linear on its weight) lets tensor parallelism hook the head.
         logits = F.linear(x, self.tok_embeddings.weight) if self.cfg.tie_embeddings else self.output(x)
+        if scaling != 1.0:
+            logits = logits / scaling
         cap = self.cfg.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

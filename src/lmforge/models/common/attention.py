@@ -105,7 +105,8 @@ def document_block_mask(segment_ids: torch.Tensor, window: int | None = None):
 
 def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, enable_gqa: bool,
          scale: float | None = None) -> torch.Tensor:
-    """flex_attention over (B, H, T, D) tensors; compiled where the caller is not (on CUDA)."""
+    """flex_attention over (B, H, T, D) tensors; compiled where the caller is not (on CUDA). scale:
+    of the scores (None: 1/sqrt(D))."""
     from torch.nn.attention.flex_attention import flex_attention
 
     kw = dict(block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
@@ -155,17 +156,23 @@ class Attention(nn.Module):
         self.wq = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=qkv_bias)
         self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias or cfg.attn_out_bias)
+        # "all" (OLMoE / OLMo-2): one RMSNorm over the whole q (and k) projection; "head" (Qwen3): each
+        # head's q and k normalised on their own, one weight of head_dim shared by the heads.
+        self.qk_norm = cfg.qk_norm and cfg.qk_norm_scope == "all"
+        self.qk_head_norm = cfg.qk_norm and cfg.qk_norm_scope == "head"
         if cfg.qk_norm:
-            # OLMoE / OLMo-2: one RMSNorm over the whole q (and k) projection, not per head.
-            self.q_norm = RMSNorm(self.n_heads * self.head_dim, eps=cfg.norm_eps)
-            self.k_norm = RMSNorm(self.n_kv_heads * self.head_dim, eps=cfg.norm_eps)
-        self.qk_norm = cfg.qk_norm
+            per_head = self.qk_head_norm
+            offset = cfg.norm_weight_offset  # Gemma 3's per-head norms are (1 + w) norms too
+            self.q_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_heads), cfg.norm_eps, offset)
+            self.k_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_kv_heads), cfg.norm_eps, offset)
+        # None: SDPA's default 1/sqrt(head_dim).
+        self.scale = cfg.attention_multiplier
         self.dropout = cfg.dropout
-        # Gemma: scores scaled by query_pre_attn_scalar ** -0.5 (None: SDPA's 1/sqrt(head_dim)), and
-        # optionally soft-capped (then `softcapped_attention` replaces SDPA).
-        pre = cfg.query_pre_attn_scalar
-        self.scale = None if pre is None else pre**-0.5
+        # Gemma: scores scaled by query_pre_attn_scalar ** -0.5, and optionally soft-capped (then
+        # `softcapped_attention` replaces SDPA).
+        if cfg.query_pre_attn_scalar is not None:
+            self.scale = cfg.query_pre_attn_scalar**-0.5
         self.softcap = cfg.attn_logit_softcap
         # An encoder (BERT) attends both ways: mask None then means "every key", not "causal".
         self.causal = cfg.arch != "encoder"
@@ -197,6 +204,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        if self.qk_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)

@@ -23,6 +23,14 @@ _FEATURES: dict[str, tuple[Any, str]] = {
 }
 
 
+# Other areas' block flags (issue 34: Qwen3 / Granite / SmolLM3) that OLMo 2 and Gemma do not have:
+# (flag, its off value).
+OTHER_FLAGS_OFF: tuple[tuple[str, Any], ...] = (
+    ("attn_out_bias", False), ("embedding_multiplier", 1.0), ("residual_multiplier", 1.0),
+    ("attention_multiplier", None), ("logits_scaling", 1.0), ("nope_layers", []),
+)
+
+
 def feature_problems(cfg: ModelConfig, allowed: dict[str, Any] | None = None) -> list[str]:
     """Problems for the block features `cfg` uses that a family cannot write. `allowed` maps a flag to
     the one value the family has (a set of values, or `any` for whatever the config says)."""

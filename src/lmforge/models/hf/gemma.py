@@ -24,7 +24,7 @@ import torch
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.models.hf import llama
-from lmforge.models.hf.blockflags import feature_problems, refuse_common, shape_kwargs
+from lmforge.models.hf.blockflags import OTHER_FLAGS_OFF, feature_problems, refuse_common, shape_kwargs
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -147,10 +147,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _qk_norm_kwargs(model_type: str) -> dict[str, Any]:
-    """Gemma 3 normalises each head of q and k (the (1 + w) form); Gemma 2 does not."""
-    if model_type == "gemma3_text":
-        unsupported("model_type", model_type, "gemma2 (Gemma 3's per-head q/k norm is not built yet)")
-    return {}
+    """Gemma 3 normalises each head of q and k (the (1 + w) form, as all its norms); Gemma 2 does not."""
+    return dict(qk_norm=True, qk_norm_scope="head") if model_type == "gemma3_text" else {}
 
 
 def claims(cfg: ModelConfig) -> bool:
@@ -160,14 +158,18 @@ def claims(cfg: ModelConfig) -> bool:
 
 def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
     """gemma2 or gemma3_text (by the q/k norm, unless requested), after checking that `cfg` is one."""
-    requested = requested or "gemma2"
+    requested = requested or ("gemma3_text" if cfg.qk_norm else "gemma2")
+    gemma3 = requested == "gemma3_text"
     allowed = {"norm_placement": "sandwich", "norm_weight_offset": 1.0, "embed_scale": True,
                "query_pre_attn_scalar": any, "layer_types": any, "final_logit_softcap": any,
-               "attn_logit_softcap": any if requested == "gemma2" else None,
-               "rope_local_theta": any if requested == "gemma3_text" else None}
+               "attn_logit_softcap": None if gemma3 else any, "rope_local_theta": any if gemma3 else None}
     problems = feature_problems(cfg, allowed)
-    for key, want in (("norm", "rmsnorm"), ("mlp", "geglu"), ("pos_embedding", "rope"), ("bias", False),
-                      ("qkv_bias", False), ("qk_norm", False), ("moe", None), ("score_head", False)):
+    wants = (("norm", "rmsnorm"), ("mlp", "geglu"), ("pos_embedding", "rope"), ("bias", False),
+             ("qkv_bias", False), ("qk_norm", gemma3), ("moe", None), ("score_head", False),
+             *OTHER_FLAGS_OFF)
+    if gemma3:
+        wants += (("qk_norm_scope", "head"),)
+    for key, want in wants:
         if getattr(cfg, key) != want:
             problems.append(f"{key}={getattr(cfg, key)} (Gemma has {key}={want})")
     if problems:

@@ -16,7 +16,7 @@ import torch
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.models.hf import llama
-from lmforge.models.hf.blockflags import feature_problems, refuse_common, shape_kwargs
+from lmforge.models.hf.blockflags import OTHER_FLAGS_OFF, feature_problems, refuse_common, shape_kwargs
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("olmo2",)
@@ -71,7 +71,7 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
     problems = feature_problems(cfg, {"norm_placement": "post"})
     for key, want in (("norm", "rmsnorm"), ("mlp", "swiglu"), ("pos_embedding", "rope"), ("qk_norm", True),
                       ("bias", False), ("qkv_bias", False), ("sliding_window", None), ("moe", None),
-                      ("score_head", False)):
+                      ("score_head", False), ("qk_norm_scope", "all"), *OTHER_FLAGS_OFF):
         if getattr(cfg, key) != want:
             problems.append(f"{key}={getattr(cfg, key)} (OLMo 2 has {key}={want})")
     if problems:
