@@ -373,3 +373,73 @@ def test_tensor_parallel_refuses_norms_after_the_sub_layers():
     dims.check_model(_cfg())
     with pytest.raises(ConfigError, match="norm_placement=sandwich"):
         dims.check_model(_cfg(norm_placement="sandwich"))
+
+
+# ------------------------------------------------------------------ Gemma's chat template
+
+# Gemma's template as Hub models ship it, in short: no system role, so a system message is folded into
+# the first user turn; the assistant is "model"; the bos token comes from the tokenizer config.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\\n\\n' %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{% if role == 'model' %}{% generation %}{{ message['content'] | trim + '<end_of_turn>' }}"
+    "{% endgeneration %}{{ '\\n' }}{% else %}{{ message['content'] | trim + '<end_of_turn>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+CONVERSATION = [
+    {"role": "system", "content": "Answer in one word."},
+    {"role": "user", "content": "What colour is the sky?"},
+    {"role": "assistant", "content": "Blue."},
+    {"role": "user", "content": "And grass?"},
+    {"role": "assistant", "content": " Green. "},
+]
+
+
+@pytest.mark.parametrize("tagged", [True, False], ids=["generation-tags", "prefix-spans"])
+def test_gemma_template_renders_and_masks_like_transformers(tmp_path, tagged):
+    """lmforge's rendering of a conversation with a system message equals transformers'
+    apply_chat_template, and its assistant mask equals return_assistant_tokens_mask, whether the
+    template marks the replies ({% generation %}) or lmforge finds them by rendering prefixes."""
+    from lmforge.data.chat import Conversation
+    from lmforge.data.chat_template import ChatTemplate
+    from lmforge.data.sft_examples import label_mask
+    from lmforge.data.tokenizer import Tokenizer
+
+    text = " ".join(m["content"] for m in CONVERSATION) + " user model"
+    tok = Tokenizer.train([text * 4], 300, 1)
+    tok.add_special_tokens(["<bos>", "<start_of_turn>", "<end_of_turn>"])
+    tok.save(tmp_path / "tok.json")
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok.json"),
+                                                  bos_token="<bos>", eos_token="<end_of_turn>")
+    tagged_source = GEMMA_TEMPLATE
+    source = tagged_source
+    if not tagged:
+        source = source.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+        # By prefixes a reply is all the turn adds, its closing newline too: transformers' mask of a
+        # template whose generation block holds that newline.
+        tagged_source = tagged_source.replace("{% endgeneration %}{{ '\\n' }}",
+                                              "{{ '\\n' }}{% endgeneration %}")
+        assert tagged_source != GEMMA_TEMPLATE
+    template = ChatTemplate(source, {"bos_token": "<bos>"}, name="gemma-like template")
+
+    want = hf_tok.apply_chat_template(CONVERSATION, tokenize=False, chat_template=source)
+    assert template.render(CONVERSATION) == want
+    assert want.startswith("<bos><start_of_turn>user\nAnswer in one word.\n\nWhat colour")  # system folded
+    prompt = CONVERSATION[:2]
+    assert template.render(prompt, add_generation_prompt=True) == hf_tok.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, chat_template=source)
+
+    ours = label_mask(Conversation(tuple(CONVERSATION), "test"), template, tok, "assistant")
+    theirs = hf_tok.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True, chat_template=tagged_source)
+    assert ours.ids.tolist() == theirs["input_ids"]
+    assert ours.mask.astype(int).tolist() == theirs["assistant_masks"]
+    newline = "" if tagged else "\n"
+    assert hf_tok.decode(ours.ids[ours.mask]) == f"Blue.<end_of_turn>{newline}Green.<end_of_turn>{newline}"
