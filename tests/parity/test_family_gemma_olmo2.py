@@ -443,3 +443,94 @@ def test_gemma_template_renders_and_masks_like_transformers(tmp_path, tagged):
     assert ours.mask.astype(int).tolist() == theirs["assistant_masks"]
     newline = "" if tagged else "\n"
     assert hf_tok.decode(ours.ids[ours.mask]) == f"Blue.<end_of_turn>{newline}Green.<end_of_turn>{newline}"
+
+
+# ------------------------------------------------------------------ dtype handling and training paths
+
+
+def test_embedding_scale_is_rounded_to_the_dtype_as_transformers_rounds_it(family):
+    """In bfloat16 transformers multiplies by sqrt(d_model) rounded to bfloat16 (5.65625 for d=32), not
+    by the float32 value: the embedded inputs are bit-equal."""
+    name, _, hf, ours = family
+    if not name.startswith("gemma"):
+        pytest.skip("OLMo 2 does not scale its embeddings")
+    ids = _ids()
+    emb = hf.get_input_embeddings()
+    with torch.no_grad():
+        want = emb.to(torch.bfloat16)(ids)
+        got = ours.tok_embeddings.to(torch.bfloat16)(ids) * ours._embed_scales[torch.bfloat16]
+        emb.float()
+        ours.tok_embeddings.float()
+    assert ours._embed_scales[torch.bfloat16] == 5.65625 != ours._embed_scales[torch.float32]
+    assert torch.equal(got, want)
+
+
+def test_sft_with_soft_capped_logits_trains_on_whole_logits(tmp_path):
+    """SFT projects only the target rows through head=, which would skip the final soft-cap: a model
+    with final_logit_softcap takes the whole-logits path, and its loss is the soft-capped one."""
+    from lmforge.data.batch import ChatBatch
+    from lmforge.engine.objectives.sft import SFT
+    from lmforge.models.transformer import build_model
+
+    torch.manual_seed(0)
+    model = build_model(_cfg(final_logit_softcap=0.5))
+    objective = SFT(target_rows=True)
+    objective.check_model(model)
+    assert objective.target_rows is False
+    ids = _ids(t=12)
+    targets = ids.roll(-1, 1)
+    targets[:, :5] = -100
+    batch = ChatBatch(input_ids=ids, targets=targets, n_targets=int((targets != -100).sum()))
+    loss = objective(model, batch).loss
+    want = F.cross_entropy(model(ids).reshape(-1, V), targets.reshape(-1), ignore_index=-100, reduction="sum")
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+
+
+def test_lora_sft_on_a_gemma_hub_dir_exports_to_peft(tmp_path):
+    """The whole path a user takes: `lmforge sft` with LoRA from a Gemma 2 dir (soft-capped logits,
+    sliding layers, its own Gemma chat template with a system prompt folded in), `lmforge export
+    --adapter`, and transformers + PEFT give our logits."""
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.cli import main
+    from lmforge.data.instruct_tasks import generate, write_jsonl
+    from lmforge.data.tokenizer import Tokenizer
+    from lmforge.finetune.setup import load_finetuned
+
+    records = generate(None, 40, seed=1, system="Answer briefly.")
+    text = " ".join(m["content"] for r in records for m in r["messages"]) + " user model"
+    tok = Tokenizer.train([text * 2], 300, 2)
+    tok.add_special_tokens(["<bos>", "<start_of_turn>", "<end_of_turn>"])
+    tok.save(tmp_path / "tok.json")
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tok.json"),
+                                                  bos_token="<bos>", eos_token="<end_of_turn>",
+                                                  pad_token="<end_of_turn>")
+    hf_tok.chat_template = GEMMA_TEMPLATE
+    shape = {**COMMON, "vocab_size": len(hf_tok), "max_position_embeddings": 128}
+    config = transformers.Gemma2Config(**shape, **GEMMA, num_attention_heads=4, num_key_value_heads=2,
+                                       attn_logit_softcapping=3.0, final_logit_softcapping=4.0)
+    torch.manual_seed(0)
+    hf = transformers.Gemma2ForCausalLM(config)
+    randomize(hf)
+    hf.save_pretrained(tmp_path / "model")
+    hf_tok.save_pretrained(tmp_path / "model")
+    write_jsonl(records, tmp_path / "chat.jsonl")
+    run = tmp_path / "run"
+    sets = [f"run.dir={run}", f"model.init_from={tmp_path / 'model'}",
+            f"sft.data=[{tmp_path / 'chat.jsonl'}]",
+            "train.seq_len=96", "train.max_steps=3", "train.micro_batch_size=4", "train.eval_every=0",
+            "train.precision=fp32", "finetune.method=lora", "optim.lr=1e-2", "schedule.warmup_steps=0",
+            "logging.progress=none"]
+    assert main(["sft", *[a for s in sets for a in ("--set", s)]]) == 0
+    assert (run / "data" / "chat_template.jinja").read_text() == GEMMA_TEMPLATE  # the model's own
+    out = tmp_path / "export"
+    assert main(["export", str(run), str(out), "--adapter"]) == 0
+    cfg, ckpt = run_config(run)
+    ours, _ = load_finetuned(cfg, ckpt)
+    base = transformers.AutoModelForCausalLM.from_pretrained(out / "base")
+    ref = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    x = torch.tensor([hf_tok.apply_chat_template(records[0]["messages"], tokenize=True, return_dict=True)[
+        "input_ids"]])
+    with torch.no_grad():
+        got = ours.eval()(x)
+        torch.testing.assert_close(got, ref(x).logits, rtol=0, atol=ATOL)
+        assert (got - hf(x).logits).abs().amax() > 1e-3  # the adapters did train
