@@ -534,3 +534,17 @@ def test_lora_sft_on_a_gemma_hub_dir_exports_to_peft(tmp_path):
         got = ours.eval()(x)
         torch.testing.assert_close(got, ref(x).logits, rtol=0, atol=ATOL)
         assert (got - hf(x).logits).abs().amax() > 1e-3  # the adapters did train
+
+
+def test_init_from_checks_the_block_flags(family):
+    """model.init_from into a model section whose block flags differ from the checkpoint's is refused,
+    naming the flag (the weights would load, into a different model)."""
+    from lmforge.models.hf import load_pretrained
+    from lmforge.models.transformer import build_model
+
+    name, path, _, ours = family
+    same = build_model(ours.cfg)
+    load_pretrained(path, same)
+    key, value = ("norm_placement", "sandwich") if name.startswith("olmo2") else ("final_logit_softcap", 7.0)
+    with pytest.raises(LmforgeError, match=key):
+        load_pretrained(path, build_model(ours.cfg.model_copy(update={key: value})))

@@ -311,6 +311,8 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
               "resolved_d_ff", "norm", "norm_eps", "pos_embedding", "mlp", "bias", "qkv_bias",
               "tie_embeddings", "sliding_window", "rope_theta", "arch", "type_vocab_size", "position_offset",
               "qk_norm"]
+    fields += ["norm_placement", "norm_weight_offset", "embed_scale", "attn_logit_softcap",  # OLMo 2, Gemma
+               "final_logit_softcap", "query_pre_attn_scalar", "layer_types", "rope_local_theta"]
     if ours.pos_embedding == "learned":
         fields.append("max_seq_len")  # the position table is a weight
     diffs = [
