@@ -548,3 +548,15 @@ def test_init_from_checks_the_block_flags(family):
     key, value = ("norm_placement", "sandwich") if name.startswith("olmo2") else ("final_logit_softcap", 7.0)
     with pytest.raises(LmforgeError, match=key):
         load_pretrained(path, build_model(ours.cfg.model_copy(update={key: value})))
+
+
+@pytest.mark.parametrize("model_type,n_layers,extra", [
+    ("gemma2", 5, {}), ("gemma3_text", 8, {}), ("gemma3_text", 7, {"sliding_window_pattern": 3}),
+])
+def test_default_layer_pattern_matches_transformers(model_type, n_layers, extra):
+    """A config.json without layer_types: the sliding layers are the ones transformers picks."""
+    cls = transformers.Gemma2Config if model_type == "gemma2" else transformers.Gemma3TextConfig
+    theirs = cls(**{**COMMON, "num_hidden_layers": n_layers}, **GEMMA, num_attention_heads=4, **extra)
+    raw = {k: v for k, v in theirs.to_dict().items() if k not in ("layer_types", "_sliding_window_pattern")}
+    assert hf_to_model_config(raw).layer_types == theirs.layer_types
+    assert "full_attention" in theirs.layer_types and "sliding_attention" in theirs.layer_types
