@@ -572,3 +572,27 @@ def test_default_layer_pattern_matches_transformers(model_type, n_layers, extra)
     raw = {k: v for k, v in theirs.to_dict().items() if k not in ("layer_types", "_sliding_window_pattern")}
     assert hf_to_model_config(raw).layer_types == theirs.layer_types
     assert "full_attention" in theirs.layer_types and "sliding_attention" in theirs.layer_types
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8},
+], ids=lambda s: s["rope_type"])
+def test_gemma3_scaled_rope_on_full_layers_only(tmp_path, scaling):
+    """Gemma 3's other RoPE scalings apply to the full-attention layers alone, as transformers applies
+    them (dynamic NTK past its original 16 positions too)."""
+    config = transformers.Gemma3TextConfig(
+        **{**COMMON, "max_position_embeddings": 16}, **GEMMA, num_attention_heads=4, num_key_value_heads=2,
+        rope_theta=1000.0, rope_local_base_freq=100.0, rope_scaling=scaling,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(config).eval()
+    randomize(hf)
+    hf.save_pretrained(tmp_path)
+    ours = from_hf(tmp_path).eval()
+    assert ours.cfg.rope_scaling.type == scaling["rope_type"] and ours.cfg.rope_local_theta == 100.0
+    ids = _ids(t=30 if scaling["rope_type"] == "dynamic" else 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=ATOL)
