@@ -90,7 +90,10 @@ def _ids(seed: int = 0, n: int = 2, t: int = T) -> torch.Tensor:
 
 
 def test_import_gives_equal_logits(family):
+    from lmforge.models.flops import count_params
+
     _, _, hf, ours = family
+    assert count_params(ours.cfg) == sum(p.numel() for p in ours.parameters())  # sandwich: 4 norms a block
     ids = _ids()
     with torch.no_grad():
         ref = hf(ids).logits
