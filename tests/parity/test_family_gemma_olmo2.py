@@ -313,11 +313,20 @@ def test_impossible_combinations_are_refused(kw, needle):
     ("gemma2", "attention_dropout", 0.1),
     ("gemma2", "sliding_window", None),
     ("gemma3", "attn_logit_softcapping", 20.0),
+    ("gemma3", "layer_types", "sliding_attention"),
 ])
 def test_hf_settings_lmforge_cannot_build_are_refused(case, key, value):
     hf = CASES[case]().to_dict()
     hf[key] = value
     with pytest.raises(LmforgeError, match=key):
+        hf_to_model_config(hf)
+
+
+def test_gemma3_bad_layer_pattern_is_refused():
+    hf = CASES["gemma3"]().to_dict()
+    del hf["layer_types"]
+    hf["sliding_window_pattern"] = 0
+    with pytest.raises(LmforgeError, match="sliding_window_pattern"):
         hf_to_model_config(hf)
 
 

@@ -81,6 +81,8 @@ def _layer_types(hf: dict[str, Any], n_layers: int) -> list[str]:
     if types is None:
         # Gemma 2 slides on even layers; Gemma 3 on all but every sliding_window_pattern-th.
         pattern = 2 if hf["model_type"] == "gemma2" else int(_get(hf, "sliding_window_pattern"))
+        if pattern < 1:
+            unsupported("sliding_window_pattern", pattern, "a positive integer (every n-th layer is full)")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     bad = sorted(set(types) - {"sliding_attention", "full_attention"})
     if bad or len(types) != n_layers:
