@@ -2,13 +2,15 @@
 `adapter_model.safetensors`, as `PeftModel.save_pretrained` writes and `PeftModel.from_pretrained` reads.
 
 Tensor names are PEFT's: `base_model.model.` + the Hugging Face module name + `.lora_A.weight`,
-`.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. The Llama / Mistral / Qwen2 layout and
-DeepSeek-V3's (model.mla): their projections are separate linear layers named one-to-one with ours, and
-our RoPE uses their convention (halves, or DeepSeek's interleaved pairs), so q/k rows (and hence B's rows)
-map without any permutation; DeepSeek-V3's router and stacked routed experts are no linear layers in
-transformers: adapters on them have no PEFT form and are refused. Phi-3's fused qkv_proj / gate_up_proj
-get the exact block-diagonal union of our adapters (peft_fused.py), and a fused module's adapter loads as
-adapters on each of its parts. GPT-2's fused Conv1D `c_attn` has no per-q/k/v adapter, so it is refused.
+`.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. The Llama-style layouts (Llama, Mistral,
+Qwen2, Qwen3, Granite, SmolLM3, the MoE families' attention, OLMo 2, Gemma 2 / 3: any model `to_hf`
+writes with these module names) and DeepSeek-V3's (model.mla): their projections are separate linear
+layers named one-to-one with ours, and our RoPE uses their convention (halves, or DeepSeek's interleaved
+pairs), so q/k rows (and hence B's rows) map without any permutation. Routers and stacked routed experts
+are no linear layers in transformers: adapters on them have no PEFT form and are refused. Phi-3's fused
+qkv_proj / gate_up_proj get the exact block-diagonal union of our adapters (peft_fused.py), and a fused
+module's adapter loads as adapters on each of its parts. GPT-2's fused Conv1D `c_attn` has no per-q/k/v
+adapter, so it is refused.
 
 Files from elsewhere are untrusted: the config is checked key by key and tensors are read with
 safetensors (never pickle) and checked against the model before the model is touched.
@@ -28,7 +30,7 @@ from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
 from lmforge.finetune.peft_fused import fused_adapter
 from lmforge.models.hf import deepseek, llama, phi3
-from lmforge.models.hf.convert import _export_family
+from lmforge.models.hf.convert import export_model_type
 from lmforge.models.hf.keymap import KeyMap
 from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
 from lmforge.utils.safe_regex import compile_regex
@@ -68,8 +70,7 @@ def _check_layout(cfg: ModelConfig) -> None:
     if phi3.is_default_for(cfg):  # exported as Phi-3: fused qkv_proj / gate_up_proj (peft_fused.py)
         phi3.model_type_for(cfg)
         return
-    # The family the base model exports as: a clear LmforgeError for a layout none of them holds.
-    _export_family(cfg, None).model_type_for(cfg)
+    export_model_type(cfg)  # a clear LmforgeError for a layout no Hugging Face family here writes
 
 
 def _keys(cfg: ModelConfig) -> KeyMap:

@@ -42,7 +42,7 @@ def _layer_matmul_params(cfg: ModelConfig, active: bool = False, dense: bool = F
         experts = m.top_k if active else m.n_experts
         # router gate + routed SwiGLU experts + shared SwiGLU experts (+ their sigmoid gate)
         return attn + d * m.n_experts + experts * 3 * d * ff_e + 3 * d * shared + (d if m.shared_gate else 0)
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * ff
+    mlp = (3 if cfg.mlp in ("swiglu", "geglu") else 2) * d * ff
     return attn + mlp
 
 
@@ -61,12 +61,13 @@ def _layer_other_params(cfg: ModelConfig, dense: bool = False) -> int:
         n += d  # wo
     if cfg.bias:
         if cfg.moe is None or dense:  # experts have no biases
-            n += (2 if cfg.mlp == "swiglu" else 1) * ff + d  # w_gate/w_up, w_down
+            n += (2 if cfg.mlp in ("swiglu", "geglu") else 1) * ff + d  # w_gate/w_up, w_down
     if cfg.qk_norm:
         n += 2 * cfg.resolved_head_dim if cfg.qk_norm_scope == "head" else q_dim + kv_dim
     if cfg.mla is not None:
         n += _mla_params(cfg)[1]
-    return n + 2 * _norm_params(cfg)
+    norms = 4 if cfg.norm_placement == "sandwich" else 2  # sandwich: a pre and a post norm per sub-layer
+    return n + norms * _norm_params(cfg)
 
 
 def _norm_params(cfg: ModelConfig) -> int:

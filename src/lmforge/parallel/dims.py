@@ -173,6 +173,9 @@ class ParallelDims:
                 "model.qk_norm (not in the tensor-parallel plan: an RMSNorm over the whole q/k projection, " \
                 "which tp would split, or per head)"
             raise ConfigError(f"parallel.tp={self.tp} with {what}; set parallel.tp=1")
+        if self.tp > 1 and model.norm_placement != "pre":
+            raise ConfigError(f"parallel.tp={self.tp} with model.norm_placement={model.norm_placement}: the "
+                              "tensor-parallel plan places the pre-norms only; set parallel.tp=1")
         if self.pp > 1:
             stages = self.pp * self.cfg.pp_stages_per_rank
             if model.n_layers % stages:

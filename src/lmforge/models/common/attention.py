@@ -122,14 +122,37 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, enable_g
     of the scores (None: 1/sqrt(D))."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    kw = dict(block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
+        return flex_attention(q, k, v, **kw)
     if q.device.type == "cuda":
-        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
+        return _compiled_flex()(q, k, v, **kw)
     # Elsewhere (tests of this path on a CPU) the reference implementation, which warns that it is one.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
+        return flex_attention(q, k, v, **kw)
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float,
+    dropout: float, causal: bool,
+) -> torch.Tensor:
+    """Attention whose scores are soft-capped, cap * tanh(s / cap), before the mask (Gemma 2): no fused
+    kernel takes a score transform, so the scores exist whole. q (B, H, T, D), k/v (B, Hkv, S, D); mask
+    as SDPA's (boolean, True = attend) or None (causal, top-left aligned, when `causal` and T > 1)."""
+    T, S = q.size(-2), k.size(-2)
+    if k.size(1) != q.size(1):
+        rep = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, S, D)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None and causal and T > 1:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    weights = F.dropout(weights, p=dropout) if dropout > 0 else weights
+    return torch.matmul(weights, v)  # (B, H, T, D)
 
 
 class Attention(nn.Module):
@@ -153,11 +176,17 @@ class Attention(nn.Module):
         self.qk_head_norm = cfg.qk_norm and cfg.qk_norm_scope == "head"
         if cfg.qk_norm:
             per_head = self.qk_head_norm
-            self.q_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_heads), eps=cfg.norm_eps)
-            self.k_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_kv_heads), eps=cfg.norm_eps)
+            offset = cfg.norm_weight_offset  # Gemma 3's per-head norms are (1 + w) norms too
+            self.q_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_heads), cfg.norm_eps, offset)
+            self.k_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_kv_heads), cfg.norm_eps, offset)
         # None: SDPA's default 1/sqrt(head_dim).
         self.scale = cfg.attention_multiplier
         self.dropout = cfg.dropout
+        # Gemma: scores scaled by query_pre_attn_scalar ** -0.5, and optionally soft-capped (then
+        # `softcapped_attention` replaces SDPA).
+        if cfg.query_pre_attn_scalar is not None:
+            self.scale = cfg.query_pre_attn_scalar**-0.5
+        self.softcap = cfg.attn_logit_softcap
         # An encoder (BERT) attends both ways: mask None then means "every key", not "causal".
         self.causal = cfg.arch != "encoder"
         # SDPA's enable_gqa shares kv heads without materialising copies: same result as
@@ -202,6 +231,11 @@ class Attention(nn.Module):
             out = flex(q, k, v, mask, self.gqa, self.scale)
             out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
             return self.wo(out)
+        if self.softcap is not None:
+            scale = self.scale if self.scale is not None else self.head_dim**-0.5
+            dropout = self.dropout if self.training else 0.0
+            out = softcapped_attention(q, k, v, mask, scale, self.softcap, dropout, self.causal)
+            return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         out = F.scaled_dot_product_attention(
             q,
             k,

@@ -28,7 +28,20 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import bert, deepseek, gpt2, granite, llama, moe, phi3, qwen3, smollm3, variants
+from lmforge.models.hf import (
+    bert,
+    deepseek,
+    gemma,
+    gpt2,
+    granite,
+    llama,
+    moe,
+    olmo2,
+    phi3,
+    qwen3,
+    smollm3,
+    variants,
+)
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 from lmforge.utils.tensorfile import SafetensorsFile
@@ -42,7 +55,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    families = (llama, gpt2, bert, moe, qwen3, granite, smollm3, phi3, deepseek)
+    families = (llama, gpt2, bert, moe, qwen3, granite, smollm3, phi3, deepseek, olmo2, gemma)
     return {t: fam for fam in families for t in fam.MODEL_TYPES}
 
 
@@ -140,12 +153,21 @@ def model_config_to_hf(
     return out
 
 
+def export_model_type(cfg: ModelConfig, model_type: str | None = None) -> str:
+    """The Hugging Face model_type `cfg` exports as (`model_type` checked if given); LmforgeError
+    naming what the family cannot write otherwise."""
+    return _export_family(cfg, model_type).model_type_for(cfg, model_type)
+
+
 def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
     model_type = model_type or cfg.hf_model_type
     if model_type is not None:
         return _family(model_type)
     if cfg.mla is not None:
         return deepseek
+    for fam in (olmo2, gemma):  # families recognised by block features of their own
+        if fam.claims(cfg):
+            return fam
     if cfg.moe is not None:
         return moe
     if cfg.arch == "encoder":
