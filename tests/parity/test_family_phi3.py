@@ -348,3 +348,26 @@ def test_sft_lora_run_exports_a_peft_adapter_for_the_original_phi3(tmp_path):
         torch.testing.assert_close(got, ref(x).logits, rtol=0, atol=ATOL)
     assert main(["export", str(run), str(tmp_path / "merged")]) == 0
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "phi3"
+
+
+def test_loops_that_cannot_recompute_their_cache_refuse_to_cross_the_longrope_switch(phi3):
+    """The serving engine (rows share forwards) and speculative decoding keep their caches: past the
+    original length they would differ from transformers, so such requests are refused by name, while
+    requests within it run (and equal transformers')."""
+    name, hf, _, ours = phi3
+    if name != "longrope":
+        pytest.skip("longrope only")
+    from lmforge.models.speculative import speculative_generate
+    from lmforge.serve.engine import Engine, SamplingParams
+
+    engine = Engine(ours, lambda ids: " ".join(map(str, ids)), max_batch_size=2)
+    with pytest.raises(LmforgeError, match="the serving engine: .*longrope.*past 24 tokens"):
+        engine.submit([[5] * 12], SamplingParams(max_tokens=16, temperature=0.0), lambda ev: None)
+    engine.submit([[5] * 12], SamplingParams(max_tokens=12, temperature=0.0), lambda ev: None)  # 24: fine
+    with pytest.raises(LmforgeError, match="speculative decoding: .*longrope"):
+        speculative_generate(ours, ours, [5] * 12, 16)
+    prompt = torch.randint(3, V, (1, 8), generator=torch.Generator().manual_seed(7))
+    got, _ = speculative_generate(ours, ours, prompt[0].tolist(), 16)
+    with torch.no_grad():
+        want = hf.generate(prompt, do_sample=False, max_new_tokens=16, pad_token_id=0)[0, 8:].tolist()
+    assert got == want

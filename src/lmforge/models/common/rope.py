@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lmforge.errors import LmforgeError
+
 
 def _exponents(head_dim: int, device: torch.device | str | None) -> torch.Tensor:
     # 2i / head_dim for i < head_dim/2, computed exactly as transformers does (int64 arange, then float).
@@ -160,6 +162,19 @@ def dynamic_inv_frequencies(
     )
     base = theta * ((factor * seq / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
     return 1.0 / (base ** _exponents(head_dim, device))
+
+
+def refuse_stale_cache(scaling: Any | None, first: int, last: int, where: str) -> None:
+    """LmforgeError when a generation loop that cannot recompute its cache would have forwards of
+    sequence lengths from `first` up to `last` on both sides of longrope's switch (see
+    `stale_cache_length`): its cached keys would keep the short factors' rotation."""
+    at = stale_cache_length(scaling)
+    if at is not None and first <= at < last:
+        raise LmforgeError(
+            f"{where}: this model's longrope RoPE switches to its long factors past {at} tokens, where the "
+            f"cached keys must be recomputed, which {where} does not do; this request runs from {first} to "
+            f"{last} tokens: keep it within {at} (fewer prompt or new tokens), or use `lmforge generate`"
+        )
 
 
 def rope_angles(
