@@ -371,3 +371,25 @@ def test_loops_that_cannot_recompute_their_cache_refuse_to_cross_the_longrope_sw
     with torch.no_grad():
         want = hf.generate(prompt, do_sample=False, max_new_tokens=16, pad_token_id=0)[0, 8:].tolist()
     assert got == want
+
+
+def test_import_cli_refuses_an_unsupported_rope_setting_with_exit_2(phi3, tmp_path, capsys):
+    """`lmforge import` of a Phi-3 dir whose rope dict has a key transformers does not know: one line
+    naming it, exit status 2, nothing written."""
+    name, _, path, _ = phi3
+    if name != "longrope":
+        pytest.skip("one dir is enough")
+    import shutil
+
+    from lmforge.cli import main
+
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["rope_parameters"]["squeeze"] = 2.0
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert main(["import", str(bad), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lmforge import: error:") and "squeeze" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert main(["import", str(path), str(tmp_path / "good")]) == 0
