@@ -393,3 +393,20 @@ def test_import_cli_refuses_an_unsupported_rope_setting_with_exit_2(phi3, tmp_pa
     assert err.startswith("lmforge import: error:") and "squeeze" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
     assert main(["import", str(path), str(tmp_path / "good")]) == 0
+
+
+def test_compiled_forward_with_packed_positions_keeps_the_short_factors(phi3, monkeypatch):
+    """Compiled, the forward does not read position_ids on the host; a row of 40 tokens packing two
+    documents of 20 (positions 0..19 twice) stays below the original 24, so transformers uses the short
+    factors, and so must we (the long ones only when a position reaches 24)."""
+    name, hf, _, ours = phi3
+    if name != "longrope":
+        pytest.skip("longrope only")
+    ids = _ids(40, seed=12)
+    packed = torch.arange(20).repeat(2)[None].expand(2, -1)
+    long_doc = torch.cat([torch.arange(10), torch.arange(30)])[None].expand(2, -1)
+    with torch.no_grad():
+        want = {k: hf(ids, position_ids=p).logits for k, p in (("packed", packed), ("long", long_doc))}
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the traced branch, run eagerly
+        for key, pos in (("packed", packed), ("long", long_doc)):
+            torch.testing.assert_close(ours(ids, position_ids=pos), want[key], rtol=0, atol=ATOL)

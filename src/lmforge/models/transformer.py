@@ -212,7 +212,15 @@ class Transformer(nn.Module):
             # does during generation; unlike it, we keep no state (its dynamic NTK reuses the largest
             # base seen until a forward falls back below the original length).
             pos = position_ids if position_ids is not None else torch.arange(start, end, device=device)
-            return rope_angles(pos, inv_freq, attention_factor(scaling, original))
+            cos, sin = rope_angles(pos, inv_freq, attention_factor(scaling, original))
+            if scaling.type == "longrope" and position_ids is not None and torch.compiler.is_compiling():
+                # Compiled, seq_len is the row length (reading the positions would sync the host), but
+                # the switch follows the largest position, as in transformers (packed rows of short
+                # documents keep the short factors): select inside the graph.
+                is_long = position_ids.max() >= original
+                cos = torch.where(is_long, cos, self.rope_cos[position_ids])
+                sin = torch.where(is_long, sin, self.rope_sin[position_ids])
+            return cos, sin
         if position_ids is None:
             return self.rope_cos[start:end], self.rope_sin[start:end]  # each (T, head_dim)
         return self.rope_cos[position_ids], self.rope_sin[position_ids]  # each (B, T, head_dim)
