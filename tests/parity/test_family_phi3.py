@@ -224,8 +224,8 @@ def test_lora_finetuned_phi3_exports_to_peft_with_equal_logits(phi3, case, tmp_p
     if name == "head_dim_window_tied" and case != "fused_targets":
         pytest.skip("one case covers this shape")
     peft = pytest.importorskip("peft")
-    from lmforge.finetune.lora import apply_lora
-    from lmforge.finetune.peft_io import save_peft_adapter
+    from lmforge.finetune.lora import apply_lora, lora_layers
+    from lmforge.finetune.peft_io import load_peft_adapter, save_peft_adapter
 
     spec = LORA_CASES[case]
     ours = from_hf(path)
@@ -253,6 +253,11 @@ def test_lora_finetuned_phi3_exports_to_peft_with_equal_logits(phi3, case, tmp_p
         got, want = ours(x), ref(input_ids=x).logits
         assert (got - hf(x).logits).abs().amax() > 1e-3  # the adapters did change the model
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    # And back (finetune.init_adapter): the same per-projection adapters, not the fused union.
+    again = from_hf(path).eval()
+    assert load_peft_adapter(again, tmp_path / "adapter") == list(lora_layers(ours))
+    mine, back = dict(ours.named_parameters()), dict(again.named_parameters())
+    assert mine.keys() == back.keys() and all(torch.equal(mine[k], back[k]) for k in mine)
 
 
 def test_dora_on_part_of_a_fused_module_is_refused(phi3, tmp_path):
@@ -348,6 +353,39 @@ def test_sft_lora_run_exports_a_peft_adapter_for_the_original_phi3(tmp_path):
         torch.testing.assert_close(got, ref(x).logits, rtol=0, atol=ATOL)
     assert main(["export", str(run), str(tmp_path / "merged")]) == 0
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "phi3"
+    # The adapters back in: a new run starting from them begins where this one ended.
+    again = tmp_path / "again"  # the --set values below win over the earlier ones
+    sets += [f"run.dir={again}", f"finetune.init_adapter={out / 'adapter'}", "optim.lr=1e-12",
+             "train.max_steps=1"]
+    assert main(["sft", *[a for s in sets for a in ("--set", s)]]) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(load_finetuned(*run_config(again))[0].eval()(x), got, rtol=0, atol=1e-4)
+
+
+def test_a_tampered_fused_adapter_is_refused(phi3, tmp_path):
+    """lmforge reads its fused Phi-3 file back only if B is exactly the block-diagonal union it wrote."""
+    name, _, path, _ = phi3
+    if name != "gqa_partial":
+        pytest.skip("one shape is enough")
+    from safetensors.torch import load_file, save_file
+
+    from lmforge.finetune.lora import apply_lora
+    from lmforge.finetune.peft_io import load_peft_adapter, save_peft_adapter
+
+    ours = from_hf(path)
+    apply_lora(ours, ["qkv_proj"], r=2, alpha=4, init="seeded", seed=1)
+    save_peft_adapter(ours, tmp_path, None, ours.cfg)
+    file = tmp_path / "adapter_model.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(file))
+    key = "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"
+    tensors[key][0, -1] = 0.5  # q's row, v's block
+    save_file(tensors, str(file), metadata=metadata)
+    with pytest.raises(LmforgeError, match="qkv_proj is not block-diagonal"):
+        load_peft_adapter(from_hf(path), tmp_path)
 
 
 def test_loops_that_cannot_recompute_their_cache_refuse_to_cross_the_longrope_switch(phi3):
