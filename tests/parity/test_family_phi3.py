@@ -224,8 +224,8 @@ def test_lora_finetuned_phi3_exports_to_peft_with_equal_logits(phi3, case, tmp_p
     if name == "head_dim_window_tied" and case != "fused_targets":
         pytest.skip("one case covers this shape")
     peft = pytest.importorskip("peft")
-    from lmforge.finetune.lora import apply_lora
-    from lmforge.finetune.peft_io import save_peft_adapter
+    from lmforge.finetune.lora import apply_lora, lora_layers
+    from lmforge.finetune.peft_io import load_peft_adapter, save_peft_adapter
 
     spec = LORA_CASES[case]
     ours = from_hf(path)
@@ -253,6 +253,11 @@ def test_lora_finetuned_phi3_exports_to_peft_with_equal_logits(phi3, case, tmp_p
         got, want = ours(x), ref(input_ids=x).logits
         assert (got - hf(x).logits).abs().amax() > 1e-3  # the adapters did change the model
         torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    # And back (finetune.init_adapter): the same per-projection adapters, not the fused union.
+    again = from_hf(path).eval()
+    assert load_peft_adapter(again, tmp_path / "adapter") == list(lora_layers(ours))
+    mine, back = dict(ours.named_parameters()), dict(again.named_parameters())
+    assert mine.keys() == back.keys() and all(torch.equal(mine[k], back[k]) for k in mine)
 
 
 def test_dora_on_part_of_a_fused_module_is_refused(phi3, tmp_path):
@@ -348,3 +353,98 @@ def test_sft_lora_run_exports_a_peft_adapter_for_the_original_phi3(tmp_path):
         torch.testing.assert_close(got, ref(x).logits, rtol=0, atol=ATOL)
     assert main(["export", str(run), str(tmp_path / "merged")]) == 0
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "phi3"
+    # The adapters back in: a new run starting from them begins where this one ended.
+    again = tmp_path / "again"  # the --set values below win over the earlier ones
+    sets += [f"run.dir={again}", f"finetune.init_adapter={out / 'adapter'}", "optim.lr=1e-12",
+             "train.max_steps=1"]
+    assert main(["sft", *[a for s in sets for a in ("--set", s)]]) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(load_finetuned(*run_config(again))[0].eval()(x), got, rtol=0, atol=1e-4)
+
+
+def test_a_tampered_fused_adapter_is_refused(phi3, tmp_path):
+    """lmforge reads its fused Phi-3 file back only if B is exactly the block-diagonal union it wrote."""
+    name, _, path, _ = phi3
+    if name != "gqa_partial":
+        pytest.skip("one shape is enough")
+    from safetensors.torch import load_file, save_file
+
+    from lmforge.finetune.lora import apply_lora
+    from lmforge.finetune.peft_io import load_peft_adapter, save_peft_adapter
+
+    ours = from_hf(path)
+    apply_lora(ours, ["qkv_proj"], r=2, alpha=4, init="seeded", seed=1)
+    save_peft_adapter(ours, tmp_path, None, ours.cfg)
+    file = tmp_path / "adapter_model.safetensors"
+    from safetensors import safe_open
+
+    with safe_open(str(file), framework="pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(str(file))
+    key = "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"
+    tensors[key][0, -1] = 0.5  # q's row, v's block
+    save_file(tensors, str(file), metadata=metadata)
+    with pytest.raises(LmforgeError, match="qkv_proj is not block-diagonal"):
+        load_peft_adapter(from_hf(path), tmp_path)
+
+
+def test_loops_that_cannot_recompute_their_cache_refuse_to_cross_the_longrope_switch(phi3):
+    """The serving engine (rows share forwards) and speculative decoding keep their caches: past the
+    original length they would differ from transformers, so such requests are refused by name, while
+    requests within it run (and equal transformers')."""
+    name, hf, _, ours = phi3
+    if name != "longrope":
+        pytest.skip("longrope only")
+    from lmforge.models.speculative import speculative_generate
+    from lmforge.serve.engine import Engine, SamplingParams
+
+    engine = Engine(ours, lambda ids: " ".join(map(str, ids)), max_batch_size=2)
+    with pytest.raises(LmforgeError, match="the serving engine: .*longrope.*past 24 tokens"):
+        engine.submit([[5] * 12], SamplingParams(max_tokens=16, temperature=0.0), lambda ev: None)
+    engine.submit([[5] * 12], SamplingParams(max_tokens=12, temperature=0.0), lambda ev: None)  # 24: fine
+    with pytest.raises(LmforgeError, match="speculative decoding: .*longrope"):
+        speculative_generate(ours, ours, [5] * 12, 16)
+    prompt = torch.randint(3, V, (1, 8), generator=torch.Generator().manual_seed(7))
+    got, _ = speculative_generate(ours, ours, prompt[0].tolist(), 16)
+    with torch.no_grad():
+        want = hf.generate(prompt, do_sample=False, max_new_tokens=16, pad_token_id=0)[0, 8:].tolist()
+    assert got == want
+
+
+def test_import_cli_refuses_an_unsupported_rope_setting_with_exit_2(phi3, tmp_path, capsys):
+    """`lmforge import` of a Phi-3 dir whose rope dict has a key transformers does not know: one line
+    naming it, exit status 2, nothing written."""
+    name, _, path, _ = phi3
+    if name != "longrope":
+        pytest.skip("one dir is enough")
+    import shutil
+
+    from lmforge.cli import main
+
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["rope_parameters"]["squeeze"] = 2.0
+    (bad / "config.json").write_text(json.dumps(cfg))
+    assert main(["import", str(bad), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lmforge import: error:") and "squeeze" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    assert main(["import", str(path), str(tmp_path / "good")]) == 0
+
+
+def test_compiled_forward_with_packed_positions_keeps_the_short_factors(phi3, monkeypatch):
+    """Compiled, the forward does not read position_ids on the host; a row of 40 tokens packing two
+    documents of 20 (positions 0..19 twice) stays below the original 24, so transformers uses the short
+    factors, and so must we (the long ones only when a position reaches 24)."""
+    name, hf, _, ours = phi3
+    if name != "longrope":
+        pytest.skip("longrope only")
+    ids = _ids(40, seed=12)
+    packed = torch.arange(20).repeat(2)[None].expand(2, -1)
+    long_doc = torch.cat([torch.arange(10), torch.arange(30)])[None].expand(2, -1)
+    with torch.no_grad():
+        want = {k: hf(ids, position_ids=p).logits for k, p in (("packed", packed), ("long", long_doc))}
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the traced branch, run eagerly
+        for key, pos in (("packed", packed), ("long", long_doc)):
+            torch.testing.assert_close(ours(ids, position_ids=pos), want[key], rtol=0, atol=ATOL)

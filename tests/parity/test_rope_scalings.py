@@ -196,3 +196,24 @@ def test_old_style_rope_scaling_keys_are_read():
     # transformers reads `beta_fast or 32` and `if mscale and mscale_all_dim`: the same here
     assert (sc.type, sc.factor, sc.original_max_position_embeddings, sc.beta_fast) == ("yarn", 2.0, 16, 32.0)
     assert hf_to_model_config(hf).rope_theta == 321.0
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_compiled_forward_with_packed_positions_follows_the_largest_position(kind, tmp_path, monkeypatch):
+    """Compiled, the forward does not read position_ids on the host; transformers scales by the largest
+    position: rows packing documents shorter than the original length keep the original frequencies,
+    and a document past it scales by its own length, not by the row's."""
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_config(kind)).float().eval()
+    randomize(hf, seed=5)
+    hf.save_pretrained(tmp_path)
+    ours = from_hf(tmp_path).eval()
+    ids = torch.randint(3, V, (2, 60), generator=torch.Generator().manual_seed(6))
+    layouts = {"short docs": torch.arange(20).repeat(3), "one long doc": torch.cat([torch.arange(20),
+                                                                                    torch.arange(40)])}
+    with torch.no_grad():
+        want = {k: hf(ids, position_ids=p[None].expand(2, -1)).logits for k, p in layouts.items()}
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the traced branch, run eagerly
+        for k, p in layouts.items():
+            torch.testing.assert_close(ours(ids, position_ids=p[None].expand(2, -1)), want[k], rtol=0,
+                                       atol=ATOL, msg=k)

@@ -18,6 +18,7 @@ safetensors (never pickle) and checked against the model before the model is tou
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from torch import nn
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
-from lmforge.finetune.peft_fused import fused_adapter
+from lmforge.finetune.peft_fused import LAYOUT_KEY, fused_adapter, fused_pattern, read_layout, unfuse
 from lmforge.models.hf import deepseek, llama, phi3
 from lmforge.models.hf.convert import export_model_type
 from lmforge.models.hf.keymap import KeyMap
@@ -43,7 +44,7 @@ SUFFIXES = {"lora_A": "lora_A.weight", "lora_B": "lora_B.weight", "lora_magnitud
 
 # adapter_config.json keys that must be off (null, false, empty) for the adapter to mean what we compute.
 _MUST_BE_OFF = (
-    "rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform", "layers_pattern",
+    "modules_to_save", "layers_to_transform", "layers_pattern",
     "exclude_modules", "layer_replication", "lora_bias", "use_qalora", "target_parameters",
     "trainable_token_indices", "megatron_config", "alora_invocation_tokens", "arrow_config",
     "use_bdlora", "kasa_config", "monteclora_config", "velora_config", "fan_in_fan_out",
@@ -124,9 +125,12 @@ def save_peft_adapter(
             raise LmforgeError(f"{name} is merged into its base weight; unmerge_lora(model) before saving")
     ranks: dict[str, int] = {}
     alphas: dict[str, float] = {}
+    metadata = {"format": "pt"}
     if phi3.is_default_for(model_cfg):
-        fused, targets, ranks, alphas = fused_adapter(model, layers, model_cfg, settings)
+        fused, targets, ranks, alphas, layout = fused_adapter(model, layers, model_cfg, settings)
         tensors = {PREFIX + k: v for k, v in fused.items()}
+        if layout:
+            metadata[LAYOUT_KEY] = json.dumps(layout)
     else:
         targets = _target_modules(model, list(layers))
         for name, layer in layers.items():
@@ -157,7 +161,7 @@ def save_peft_adapter(
     from safetensors.torch import save
 
     out = Path(out_dir)
-    atomic_write_bytes(out / WEIGHTS, save(tensors, metadata={"format": "pt"}))
+    atomic_write_bytes(out / WEIGHTS, save(tensors, metadata=metadata))
     atomic_write_json(out / CONFIG, config)
     return out
 
@@ -199,7 +203,15 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
     for key in _MUST_BE_OFF:
         if cfg.get(key):
             raise bad(key, "is not supported by lmforge's LoRA (it must be null, false or empty)")
-    unknown = sorted(k for k, v in cfg.items() if v and k not in _IGNORED and k not in _MUST_BE_OFF)
+    # Per-module ranks only as lmforge writes them for fused modules (Phi-3), recorded in the file.
+    layout = read_layout(Path(adapter_dir) / WEIGHTS)
+    want = fused_pattern(layout, r, float(alpha), bool(cfg.get("use_rslora", False)))
+    for key in ("rank_pattern", "alpha_pattern"):
+        if (cfg.get(key) or {}) != want[key]:
+            raise bad(key, "is not supported by lmforge's LoRA (it must be null, false or empty, or the "
+                      "fused-module ranks lmforge writes for Phi-3)")
+    unknown = sorted(k for k, v in cfg.items() if v and k not in _IGNORED and k not in _MUST_BE_OFF
+                     and k not in ("rank_pattern", "alpha_pattern"))
     if unknown:
         raise LmforgeError(
             f"{file}: unknown option(s) {', '.join(f'{k}={cfg[k]!r}' for k in unknown)}; lmforge cannot tell "
@@ -207,7 +219,7 @@ def read_adapter_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
         )
     return {
         "r": r, "alpha": float(alpha), "dropout": float(dropout), "targets": targets,
-        "rslora": cfg.get("use_rslora", False), "dora": cfg.get("use_dora", False),
+        "rslora": cfg.get("use_rslora", False), "dora": cfg.get("use_dora", False), "fused": layout,
     }
 
 
@@ -249,20 +261,31 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
     fused = phi3.is_default_for(model.cfg)
     hf_names = {n: (fused and phi3.fused_module(n)) or _hf_module(n, model.cfg)
                 for n in linear_names(model) if _has_peft_name(n, model)}
-    wrapped = [n for n, h in hf_names.items() if _peft_matches(h, settings["targets"])]
+    tensors = _read_tensors(file)
+    if settings["fused"]:  # lmforge's own Phi-3 file: back to the per-layer adapters it was made of
+        if not fused:
+            raise LmforgeError(f"{file} holds adapters of Phi-3's fused modules; this model has the Llama "
+                               "layout")
+        split = unfuse(tensors, settings["fused"], settings["r"], model.cfg, PREFIX, file)
+        parts = {p for hf in settings["fused"] for p in hf_names if hf_names[p] == hf}
+        hf_names.update(split)
+    else:
+        split, parts = {}, set()
+    wrapped = [n for n, h in hf_names.items()
+               if n in split or (n not in parts and _peft_matches(h, settings["targets"]))]
     if not wrapped:
         kinds = ", ".join(dict.fromkeys(h.rpartition(".")[2] for h in hf_names.values()))
         raise LmforgeError(
             f"{Path(adapter_dir) / CONFIG}: target_modules={settings['targets']!r} matches none of the "
             f"model's linear layers ({kinds})"
         )
-    tensors = _read_tensors(file)
     r, params = settings["r"], dict(model.named_parameters())
     # PEFT key -> ([(our name, its rows of the tensor or None: all)], the tensor's shape)
     expected: dict[str, tuple[list[tuple[str, slice | None]], tuple[int, ...]]] = {}
     for name in wrapped:
         base = model.get_submodule(name)
-        rows, out = (fused and phi3.fused_rows(name, model.cfg)) or (None, base.out_features)
+        fused_rows = fused and name not in split and phi3.fused_rows(name, model.cfg)
+        rows, out = fused_rows or (None, base.out_features)
         shapes = {"lora_A": (r, base.in_features), "lora_B": (out, r)}
         if settings["dora"]:
             shapes["lora_magnitude"] = (out,)

@@ -30,6 +30,7 @@ from torch import nn
 
 from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache
+from lmforge.models.common.rope import refuse_stale_cache
 from lmforge.models.generation import filter_logits
 
 
@@ -127,6 +128,9 @@ def speculative_generate(
     steps = min(max_new_tokens, max_len - len(prompt))
     if steps <= 0:
         return [], stats
+    for model in (target, draft):  # verification and drafting forwards span several new tokens
+        refuse_stale_cache(model.cfg.rope_scaling, len(prompt) - 1, len(prompt) + steps,
+                           "speculative decoding")
     param = next(target.parameters())
     device = torch.device(device) if device is not None else param.device
     t0 = time.perf_counter()

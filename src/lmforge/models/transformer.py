@@ -253,7 +253,19 @@ class Transformer(nn.Module):
             # does during generation; unlike it, we keep no state (its dynamic NTK reuses the largest
             # base seen until a forward falls back below the original length).
             pos = position_ids if position_ids is not None else torch.arange(start, end, device=device)
-            return rope_angles(pos, inv_freq, attention_factor(scaling, original))
+            if position_ids is None or not torch.compiler.is_compiling():
+                return rope_angles(pos, inv_freq, attention_factor(scaling, original))
+            # Compiled, seq_len is the row length (reading the positions would sync the host), but the
+            # scaling follows the largest position, as in transformers (packed rows of short documents
+            # keep the original frequencies): compute and select inside the graph.
+            seq = position_ids.max() + 1  # 0-d
+            inv_freq = length_dependent_inv_frequencies(
+                self.cfg.rotary_dim, self.cfg.rope_theta, scaling, original, seq, device
+            )
+            cos, sin = rope_angles(pos, inv_freq, attention_factor(scaling, original))
+            is_long = seq > original
+            return (torch.where(is_long, cos, self.rope_cos[position_ids]),
+                    torch.where(is_long, sin, self.rope_sin[position_ids]))
         if position_ids is None:
             return self.rope_cos[start:end], self.rope_sin[start:end]  # each (T, head_dim)
         return self.rope_cos[position_ids], self.rope_sin[position_ids]  # each (B, T, head_dim)

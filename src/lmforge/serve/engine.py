@@ -41,6 +41,7 @@ from torch import nn
 
 from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache, cache_shapes
+from lmforge.models.common.rope import refuse_stale_cache
 from lmforge.models.generation import sample_next
 
 
@@ -247,6 +248,10 @@ class Engine:
             if min(p) < 0 or max(p) >= self.vocab_size:
                 raise LmforgeError(f"prompt token ids must lie in [0, {self.vocab_size}), got "
                                    f"{min(p)}..{max(p)}")
+        # Rows share forwards, and a longrope forward switches every row to the long factors past the
+        # original length: a row on either side would get other maths than alone. Only wholly short rows.
+        longest = max(len(p) for p in prompts) + params.max_tokens
+        refuse_stale_cache(self.model.cfg.rope_scaling, 1, longest, "the serving engine")
         if params.max_tokens < 1 or params.n < 1:
             raise LmforgeError(f"max_tokens and n must be >= 1, got {params.max_tokens} and {params.n}")
         bad_k = params.top_k is not None and params.top_k < 1

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from lmforge.errors import LmforgeError
+
 
 def _exponents(head_dim: int, device: torch.device | str | None) -> torch.Tensor:
     # 2i / head_dim for i < head_dim/2, computed exactly as transformers does (int64 arange, then float).
@@ -110,11 +112,13 @@ def _longrope_inv_frequencies(head_dim, theta, factors, device) -> torch.Tensor:
 
 
 def length_dependent_inv_frequencies(
-    head_dim: int, theta: float, scaling: Any | None, original: int, seq_len: int, device=None
+    head_dim: int, theta: float, scaling: Any | None, original: int, seq_len: int | torch.Tensor,
+    device=None,
 ) -> torch.Tensor | None:
     """The inverse frequencies for a forward whose largest position is seq_len - 1 where they differ
-    from the precomputed tables (dynamic or longrope past `original`), else None."""
-    if scaling is None or seq_len <= original:
+    from the precomputed tables (dynamic or longrope past `original`), else None. A tensor seq_len
+    (compiled graphs) skips the comparison: the caller selects between these and the tables."""
+    if scaling is None or (not isinstance(seq_len, torch.Tensor) and seq_len <= original):
         return None
     if scaling.type == "dynamic":
         return dynamic_inv_frequencies(head_dim, theta, scaling.factor, original, seq_len, device)
@@ -146,20 +150,33 @@ def _llama3_inv_frequencies(head_dim, theta, scaling, original, device) -> torch
 
 
 def dynamic_inv_frequencies(
-    head_dim: int, theta: float, factor: float, original: int, seq_len: int, device=None
+    head_dim: int, theta: float, factor: float, original: int, seq_len: int | torch.Tensor, device=None
 ) -> torch.Tensor:
-    """Dynamic NTK inverse frequencies for a forward whose largest position is seq_len - 1.
+    """Dynamic NTK inverse frequencies for a forward whose largest position is seq_len - 1 (an int, or
+    a 0-d int64 tensor inside a compiled graph).
 
     base = theta * ((factor * seq_len / original) - (factor - 1)) ** (D / (D - 2)) for seq_len > original.
     transformers computes this at run time from a 0-d int64 tensor (so the base is a float32 tensor),
     and so do we: a Python-float base would round differently.
     """
-    seq = torch.maximum(
-        torch.tensor(seq_len, dtype=torch.int64, device=device),
-        torch.tensor(original, dtype=torch.int64, device=device),
-    )
+    if not isinstance(seq_len, torch.Tensor):
+        seq_len = torch.tensor(seq_len, dtype=torch.int64, device=device)
+    seq = torch.maximum(seq_len, torch.tensor(original, dtype=torch.int64, device=device))
     base = theta * ((factor * seq / original) - (factor - 1)) ** (head_dim / (head_dim - 2))
     return 1.0 / (base ** _exponents(head_dim, device))
+
+
+def refuse_stale_cache(scaling: Any | None, first: int, last: int, where: str) -> None:
+    """LmforgeError when a generation loop that cannot recompute its cache would have forwards of
+    sequence lengths from `first` up to `last` on both sides of longrope's switch (see
+    `stale_cache_length`): its cached keys would keep the short factors' rotation."""
+    at = stale_cache_length(scaling)
+    if at is not None and first <= at < last:
+        raise LmforgeError(
+            f"{where}: this model's longrope RoPE switches to its long factors past {at} tokens, where the "
+            f"cached keys must be recomputed, which {where} does not do; this request runs from {first} to "
+            f"{last} tokens: keep it within {at} (fewer prompt or new tokens), or use `lmforge generate`"
+        )
 
 
 def rope_angles(
