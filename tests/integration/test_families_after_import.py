@@ -43,7 +43,21 @@ FAMILIES = {
                                                             logits_scaling=2.0)),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(intermediate_size=64, no_rope_layer_interval=2,
                                                             pad_token_id=0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(intermediate_size=64)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(intermediate_size=64, head_dim=8, sliding_window=16,
+                                                         query_pre_attn_scalar=8)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        intermediate_size=64, head_dim=8, sliding_window=16, query_pre_attn_scalar=8)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(intermediate_size=64, partial_rotary_factor=0.5,
+                                                   pad_token_id=0)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=24, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0)),
 }
+# LoRA targets whose adapters have a PEFT form (DeepSeek-V3: its attention; peft reads any MLP target
+# there as the routed experts); the rest adapt every block linear.
+TARGETS = {"deepseek_v3": "[q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]"}
 
 
 @pytest.fixture(scope="module")
@@ -81,21 +95,22 @@ def _sets(*pairs: str) -> list[str]:
     return [a for p in pairs for a in ("--set", p)]
 
 
-def _train(verb: str, run, base, data, *extra: str) -> None:
+def _train(verb: str, run, base, data, *extra: str, targets: str = "[all-linear]") -> None:
     common = [f"run.dir={run}", f"model.init_from={base}", "train.seq_len=96", "train.max_steps=3",
               "train.micro_batch_size=4", "train.eval_every=0", "train.precision=fp32", "train.threads=1",
-              "checkpoint.every=0", "logging.progress=none", "finetune.targets=[all-linear]"]
+              "checkpoint.every=0", "logging.progress=none"]
     inputs = {"sft": [f"sft.data=[{data / 'chat.jsonl'}]"],
               "dpo": [f"preference.data=[{data / 'pairs.jsonl'}]"],
               "rl": [f"rl.data=[{data / 'prompts.jsonl'}]", "rl.group_size=2", "rl.max_new_tokens=4",
                      "train.micro_batch_size=2"]}[verb]
-    assert main([verb, *_sets(*common, *inputs, *extra)]) == 0
+    assert main([verb, *_sets(*common, f"finetune.targets={targets}", *inputs, *extra)]) == 0
 
 
 def test_lora_sft_exports_to_peft_with_equal_logits(family, data, tmp_path):
     name, root = family
     run = tmp_path / "lora"
-    _train("sft", run, root / "imported", data, "finetune.method=lora")
+    _train("sft", run, root / "imported", data, "finetune.method=lora",
+           targets=TARGETS.get(name, "[all-linear]"))
     out = tmp_path / "export"
     assert main(["export", str(run), str(out), "--adapter"]) == 0
     base = transformers.AutoModelForCausalLM.from_pretrained(out / "base", dtype=torch.float32)
