@@ -4,6 +4,8 @@
 Shapes (`sft.format`, or "auto" to tell them apart record by record):
 
     messages           {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+                       with tool use: a record-level "tools" list, assistant "tool_calls" and role "tool"
+                       messages (lmforge.data.chat_tools)
     prompt_completion  {"prompt": "...", "completion": "..."} (strings, or lists of messages as TRL has)
     alpaca             {"instruction": "...", "input": "..." (optional), "output": "..."}
     sharegpt           {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}
@@ -24,12 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lmforge.data import chat_tools
 from lmforge.data.sources import JSONL_EXTENSIONS, MAX_EXAMPLES, PARQUET_EXTENSIONS, check_source, walk_files
 from lmforge.errors import DataError
 from lmforge.utils.jsontext import BOM, BadJSON, loads
 
 FORMATS = ("auto", "messages", "prompt_completion", "alpaca", "sharegpt")
 ROLES = ("system", "user", "assistant")
+TOOL_ROLES = (*ROLES, "tool")  # the "messages" shape, where records may use tools
 _SHAREGPT_ROLES = {
     "system": "system",
     "human": "user",
@@ -47,9 +51,10 @@ _ARROW_EXTENSIONS = (".arrow",)
 class Conversation:
     """One example: its messages, and where it came from (`file:line` or `file:row N`)."""
 
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, Any], ...]
     where: str
     completion_start: int | None = None  # prompt/completion records: index of the first completion message
+    tools: tuple[dict, ...] | None = None  # the record's function definitions (None: it has none)
 
 
 @dataclass
@@ -86,8 +91,19 @@ def to_conversation(record: Any, where: str, fmt: str = "auto") -> Conversation:
     if fmt == "auto":
         fmt = _detect(record)
     if fmt == "messages":
-        msgs = parse_messages(record.get("messages"), "messages", "role", "content", None)
-        return Conversation(msgs, where)
+        budget = chat_tools.new_budget()
+        try:
+            tools = record.get("tools")
+            if tools is not None:
+                tools = chat_tools.parse_tools(tools, budget)
+            msgs = parse_messages(record.get("messages"), "messages", "role", "content", None, budget=budget)
+        except chat_tools.BadTools as e:
+            raise BadRecord(str(e)) from None
+        return Conversation(msgs, where, tools=tools)
+    if record.get("tools") is not None:  # never dropped unread
+        raise BadRecord(f"the record has 'tools', which the {fmt} shape cannot carry; tool use is read "
+                        "from records of the 'messages' shape (tools, assistant tool_calls, role \"tool\" "
+                        "messages)")
     if fmt == "sharegpt":
         msgs = parse_messages(record.get("conversations"), "conversations", "from", "value", _SHAREGPT_ROLES)
         return Conversation(msgs, where)
@@ -143,9 +159,13 @@ def parse_messages(
     content_key: str,
     role_names: dict[str, str] | None,
     need_assistant: bool = True,
-) -> tuple[dict[str, str], ...]:
+    budget: chat_tools.ToolBudget | None = None,
+) -> tuple[dict[str, Any], ...]:
+    """The messages of `turns`; with a `budget` (the "messages" shape) also tool use: role "tool" and
+    the messages' tool fields (BadTools when they are wrong)."""
     if not isinstance(turns, list) or not turns:
         raise BadRecord(f"{key!r} must be a non-empty list of messages")
+    roles = ROLES if budget is None else TOOL_ROLES
     out = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
@@ -153,11 +173,15 @@ def parse_messages(
         role, content = turn.get(role_key), turn.get(content_key)
         if role_names is not None and isinstance(role, str):
             role = role_names.get(role.lower(), role)
-        if role not in ROLES:
+        if role not in roles:
             raise BadRecord(
-                f"{key}[{i}] has role {role!r}; valid roles: {', '.join(ROLES)}"
+                f"{key}[{i}] has role {role!r}; valid roles: {', '.join(roles)}"
                 + (f" (ShareGPT: {', '.join(sorted(role_names))})" if role_names else "")
             )
+        extra = {} if budget is None else chat_tools.tool_fields(turn, role, f"{key}[{i}]", budget)
+        if content is None and "tool_calls" in extra:  # a call without words: no content key, as transformers
+            out.append({"role": role, **extra})
+            continue
         if not isinstance(content, str):
             raise BadRecord(
                 f"{key}[{i}].{content_key} is "
@@ -165,7 +189,7 @@ def parse_messages(
             )
         if "\x00" in content:
             raise BadRecord(f"{key}[{i}].{content_key} contains a NUL character")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **extra})
     if need_assistant and not any(m["role"] == "assistant" for m in out):
         raise BadRecord(f"{key!r} has no assistant turn: there is nothing to learn from it")
     return tuple(out)

@@ -117,22 +117,30 @@ class ChatTemplate:
         return ChatTemplate(self.source, self.special_tokens, name=self.name, end_of_turn=self.end_of_turn,
                             variables=variables)
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-        return self._whole(self.render_batch([messages], add_generation_prompt=add_generation_prompt)[0]).text
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = False,
+               tools: Sequence[dict] | None = None) -> str:
+        r = self.render_batch([messages], add_generation_prompt=add_generation_prompt, tools=[tools])[0]
+        return self._whole(r).text
 
-    def assistant_spans(self, messages: Sequence[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def assistant_spans(self, messages: Sequence[dict], tools: Sequence[dict] | None = None
+                        ) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns (one per turn)."""
-        r = self._whole(self.render_batch([messages], spans=True)[0])
+        r = self._whole(self.render_batch([messages], spans=True, tools=[tools])[0])
         return r.text, r.spans
 
     def render_batch(self, conversations: Sequence[Sequence[dict]], *, spans: bool = False,
-                     add_generation_prompt: bool = False, limit: int | None = None) -> list[Rendered]:
+                     add_generation_prompt: bool = False, limit: int | None = None,
+                     tools: Sequence[Sequence[dict] | None] | None = None) -> list[Rendered]:
         """Each conversation rendered and cut at `limit` characters (MAX_RENDER_CHARS when None), with
         its assistant spans when `spans`; TemplateError (its `index` the conversation's) for the first
-        one the template fails on."""
+        one the template fails on. tools: each conversation's function definitions (the template's
+        `tools`, as apply_chat_template(tools=...) passes them), None where it has none."""
         limit = MAX_RENDER_CHARS if limit is None else limit
         op = {"op": "spans"} if spans else {"op": "render", "gen": add_generation_prompt}
         jobs = [{**op, "messages": [dict(m) for m in c], "limit": limit} for c in conversations]
+        for job, t in zip(jobs, tools or ()):
+            if t is not None:
+                job["tools"] = list(t)
         return [Rendered(a["text"], [tuple(s) for s in a["spans"]], a["complete"]) for a in self._run(jobs)]
 
     def _whole(self, r: Rendered) -> Rendered:

@@ -352,7 +352,8 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
                 bad(conv.where, e)
         try:
             rendered = template.render_batch([c.messages for c in checked], spans=kind != PROMPT_KIND,
-                                             add_generation_prompt=kind == PROMPT_KIND, limit=limit)
+                                             add_generation_prompt=kind == PROMPT_KIND, limit=limit,
+                                             tools=[c.tools for c in checked])
         except TemplateError as e:
             raise DataError(f"{checked[e.index or 0].where}: {e}") from None
         by_conv = {id(c): r for c, r in zip(checked, rendered)}

@@ -22,6 +22,7 @@ import numpy as np
 
 from lmforge.data.chat import Conversation
 from lmforge.data.chat_template import ChatTemplate, Rendered, TemplateError
+from lmforge.data.chat_tools import strings
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import DataError
 
@@ -42,7 +43,7 @@ def label_mask(conv: Conversation, template: ChatTemplate, tok: Tokenizer, loss_
     """The ids of `conv` rendered by `template` (or the render given) and the mask of the tokens
     `loss_on` picks."""
     if rendered is None:
-        rendered = template.render_batch([conv.messages], spans=True)[0]
+        rendered = template.render_batch([conv.messages], spans=True, tools=[conv.tools])[0]
     spans = rendered.spans
     ids, offsets = tok.encode_chat(rendered.text)
     n = len(ids)
@@ -92,9 +93,21 @@ def check_contents(conv: Conversation, specials: list[str]) -> None:
     """A message may not contain a control token's text: it would be encoded as the token itself and
     could forge a turn (an injected `<|im_start|>assistant`)."""
     for i, m in enumerate(conv.messages):
-        for s in specials:
-            if s and s in m["content"]:
-                raise DataError(f"message {i} ({m['role']}) contains the control token {s!r}")
+        for text in _texts(m):
+            for s in specials:
+                if s and s in text:
+                    raise DataError(f"message {i} ({m['role']}) contains the control token {s!r}")
+    for s in specials:
+        if s and any(s in text for text in strings(conv.tools or ())):
+            raise DataError(f"the record's tools contain the control token {s!r}")
+
+
+def _texts(message: dict) -> Iterator[str]:
+    """What of a message the template renders: its content, and the strings of its tool fields."""
+    if "content" in message:
+        yield message["content"]
+    if len(message) > 2 or "content" not in message:
+        yield from strings([v for k, v in message.items() if k not in ("role", "content")])
 
 
 def fit(example: Example, seq_len: int, overlong: str) -> Example | None:
@@ -123,4 +136,4 @@ def batches(items: Iterable[T], chars: Callable[[T], int]) -> Iterator[list[T]]:
 
 
 def message_chars(convs: Iterable[Conversation]) -> int:
-    return sum(len(m["content"]) for c in convs for m in c.messages)
+    return sum(len(text) for c in convs for m in c.messages for text in _texts(m))

@@ -25,7 +25,8 @@ then for each request {"source", "specials", "seconds", "jobs": [job, ...]} answ
 in order, as each finishes: {"text", "spans", "complete"} or {"error", "kind"}; a "spans" job that
 renders prefixes also writes PROGRESS after each, and `seconds` bound each render, not the job. A job is
 {"op": "compile", "kind"}, {"op": "render", "messages", "gen", "limit"}, {"op": "spans", "messages",
-"limit"} or {"op": "task", "context", "limit"} (a task file's template with a document's fields).
+"limit"} or {"op": "task", "context", "limit"} (a task file's template with a document's fields); a
+render or spans job may add "tools", the conversation's function definitions.
 """
 
 from __future__ import annotations
@@ -311,9 +312,11 @@ def _collect(stream, limit: int, edit=None) -> tuple[str, bool]:
 
 
 def render(source: str, specials: dict[str, str], messages: list[dict], add_generation_prompt: bool,
-           limit: int, track: bool = False) -> tuple[str, list[tuple[int, int]], bool]:
+           limit: int, track: bool = False, tools: list[dict] | None = None
+           ) -> tuple[str, list[tuple[int, int]], bool]:
     """(text, spans, complete): the first `limit` characters of the conversation rendered by `source`;
-    `complete` is False when there was more. track: the (start, end) spans of its generation blocks."""
+    `complete` is False when there was more. track: the (start, end) spans of its generation blocks.
+    tools: the conversation's function definitions, the template's `tools` (unset when None)."""
     template = compile_template(source)
     bodies: list[str] = []
     variables: dict[str, Any] = {
@@ -322,6 +325,8 @@ def render(source: str, specials: dict[str, str], messages: list[dict], add_gene
         "add_generation_prompt": add_generation_prompt,
         "range": _range(RANGE_FLOOR + 2 * len(messages)),
     }
+    if tools is not None:
+        variables["tools"] = tools
     spans: list[tuple[int, int]] = []
     edit = None
     if track:
@@ -359,22 +364,23 @@ def _swap_markers(piece: str, bodies: list[str], at: int, spans: list[tuple[int,
 
 
 def assistant_spans(source: str, specials: dict[str, str], messages: list[dict], limit: int,
-                    progress=lambda: None) -> tuple[str, list[tuple[int, int]], bool]:
+                    progress=lambda: None, tools: list[dict] | None = None
+                    ) -> tuple[str, list[tuple[int, int]], bool]:
     """(text, spans, complete) of the conversation cut at `limit` characters, with the spans of the
     assistant turns that start before the cut (see lmforge.data.chat_template). Without generation
     tags each turn costs two more renders; `progress()` is called after each, so that the deadline
     can be one render's (many short turns are work in proportion, not a loop)."""
     if has_generation_tag(source):
-        return render(source, specials, messages, False, limit, track=True)
-    text, _, complete = render(source, specials, messages, False, limit)
+        return render(source, specials, messages, False, limit, track=True, tools=tools)
+    text, _, complete = render(source, specials, messages, False, limit, tools=tools)
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before, _, whole = render(source, specials, messages[:k], True, limit)
+        before, _, whole = render(source, specials, messages[:k], True, limit, tools=tools)
         if not whole:  # this turn, and every later one, starts past the cut
             break
-        through, _, whole = render(source, specials, messages[: k + 1], False, limit)
+        through, _, whole = render(source, specials, messages[: k + 1], False, limit, tools=tools)
         if not (through.startswith(before) and text.startswith(through)):
             raise PrefixMismatch(
                 "renders earlier turns differently once later ones follow, so the assistant tokens "
@@ -399,9 +405,10 @@ def run_job(source: str, specials: dict[str, str], job: dict, progress=lambda: N
             return {"text": text, "spans": [], "complete": complete}
         if job["op"] == "spans":
             text, spans, complete = assistant_spans(source, specials, job["messages"], job["limit"],
-                                                    progress)
+                                                    progress, job.get("tools"))
         else:
-            text, spans, complete = render(source, specials, job["messages"], job["gen"], job["limit"])
+            text, spans, complete = render(source, specials, job["messages"], job["gen"], job["limit"],
+                                           tools=job.get("tools"))
     except RenderFailure as e:
         return {"error": str(e), "kind": e.kind}
     except MemoryError:
