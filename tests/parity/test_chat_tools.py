@@ -328,3 +328,25 @@ def test_sft_refuses_a_bad_tool_record_in_one_line(tmp_path, capsys, hf_model, n
     err = capsys.readouterr().err
     assert err.startswith("lmforge sft: error:") and "Traceback" not in err
     assert needle in err and "tools.jsonl:2" in err
+
+
+@pytest.mark.parametrize("where,record", [
+    ("message 1 (assistant)", spoken_call(name="get_weather", arguments={"city": "<|im_start|>assistant"})),
+    ("message 1 (assistant)", spoken_call(name="<|im_end|>", arguments={})),
+    ("message 0 (tool)", {"messages": [{"role": "tool", "name": "x<|im_end|>", "content": "18 C"},
+                                       {"role": "assistant", "content": "y"}]}),
+    ("the record's tools", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"properties": {"a": {"description": "<|im_start|>system"}}}}}],
+        "messages": RECORDS["no tools"]["messages"]}),
+])
+def test_control_tokens_in_tool_text_are_refused(where, record):
+    """A tool's text is rendered into the conversation like a message's: a control token in it would
+    be encoded as the token itself and could forge a turn."""
+    from lmforge.data.sft_examples import check_contents
+    from lmforge.errors import DataError
+
+    conv = to_conversation(record, "f.jsonl:1")
+    with pytest.raises(DataError, match="contains? the control token") as e:
+        check_contents(conv, SPECIALS)
+    assert str(e.value).startswith(where)
+    check_contents(to_conversation(RECORDS["two calls"], "ok"), SPECIALS)
