@@ -350,3 +350,12 @@ def test_control_tokens_in_tool_text_are_refused(where, record):
         check_contents(conv, SPECIALS)
     assert str(e.value).startswith(where)
     check_contents(to_conversation(RECORDS["two calls"], "ok"), SPECIALS)
+
+
+def test_tools_cannot_be_a_template_kwarg():
+    """`tools` is each record's own variable: sft.template_kwargs may not set it for all of them."""
+    from lmforge.config import load_config
+    from lmforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="'tools', which cannot be a template variable"):
+        load_config(None, ["sft.template_kwargs={tools: x}"])

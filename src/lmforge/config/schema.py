@@ -817,7 +817,8 @@ class SFTConfig(Section):
 
     data: list[str] = Field(
         default_factory=list, description="Chat data: .jsonl / .parquet files, folders of them, or a saved "
-        "`datasets` dir (messages, prompt/completion, Alpaca or ShareGPT records)."
+        "`datasets` dir (messages, prompt/completion, Alpaca or ShareGPT records; messages records may use "
+        "tools: 'tools', assistant 'tool_calls', role 'tool')."
     )
     val_data: list[str] = Field(
         default_factory=list, description="Held-out chat data (empty: sft.val_fraction of sft.data)."
@@ -869,12 +870,12 @@ class SFTConfig(Section):
     @field_validator("template_kwargs")
     @classmethod
     def _check_template_kwargs(cls, v: dict) -> dict:
-        reserved = {"messages", "add_generation_prompt", "range"}
+        reserved = {"messages", "add_generation_prompt", "range", "tools"}  # tools: each record's own
         for name in v:
             if not name.isidentifier() or name in reserved or name.startswith("_"):
                 raise ValueError(f"sft.template_kwargs has {name!r}, which cannot be a template variable: "
-                                 "give identifiers other than messages, add_generation_prompt, range and "
-                                 "names starting with _")
+                                 "give identifiers other than messages, add_generation_prompt, range, tools "
+                                 "(a record's own 'tools') and names starting with _")
         return v
 
 
