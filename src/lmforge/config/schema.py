@@ -154,6 +154,19 @@ class MoEConfig(Section):
         "optimizer step.")
     bias_update_rate: float = Field(
         1e-3, gt=0.0, description="Step of the balancing bias per optimizer step (DeepSeek-V3's gamma).")
+    # [issue-34 area: gpt-oss] router and expert biases, the clamped SwiGLU
+    router_bias: bool = Field(False, description="The router's gate has a learned bias, added to its logits "
+                              "(gpt-oss's router.bias).")
+    experts_bias: bool = Field(False, description="Every expert's gate, up and down projections have biases "
+                               "(gpt-oss's gate_up_proj_bias / down_proj_bias).")
+    expert_act: Literal["swiglu", "clamped_swiglu"] = Field(
+        "swiglu", description="swiglu: silu(gate) * up; clamped_swiglu (gpt-oss): gate clamped to at most "
+        "swiglu_limit, up to [-swiglu_limit, swiglu_limit], then (up + 1) * gate * sigmoid(swiglu_alpha * "
+        "gate).")
+    swiglu_alpha: float | None = Field(
+        None, gt=0.0, description="clamped_swiglu: the sigmoid's gain (gpt-oss 1.702); set only with it.")
+    swiglu_limit: float | None = Field(
+        None, gt=0.0, description="clamped_swiglu: the clamp bound (gpt-oss 7.0); set only with it.")
 
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
@@ -166,6 +179,12 @@ class MoEConfig(Section):
         if self.shared_d_ff is not None and self.n_shared_experts == 0:
             raise ValueError("moe.shared_d_ff is set but moe.n_shared_experts=0; set n_shared_experts >= 1 "
                              "or leave shared_d_ff unset")
+        clamped = self.expert_act == "clamped_swiglu"
+        if clamped != (self.swiglu_alpha is not None) or clamped != (self.swiglu_limit is not None):
+            raise ValueError(
+                f"moe.expert_act={self.expert_act} with swiglu_alpha={self.swiglu_alpha}, swiglu_limit="
+                f"{self.swiglu_limit}: clamped_swiglu needs both set (gpt-oss: 1.702 and 7.0); swiglu uses "
+                "neither, so leave them unset")
         return self
 
 
@@ -246,6 +265,10 @@ class ModelConfig(Section):
     # [issue-34 area: phi3-rope]
     # [issue-34 area: deepseek-mla]
     # [issue-34 area: gpt-oss]
+    attn_sinks: bool = Field(
+        False, description="A learned logit per query head that joins every attention softmax's denominator "
+        "(a sink that adds no value: gpt-oss's sinks). Attention then runs as explicit maths (scores "
+        "materialised), not through SDPA.")
 
     @model_validator(mode="before")
     @classmethod
@@ -280,6 +303,9 @@ class ModelConfig(Section):
             raise ValueError("quant.head=true quantizes an untied output head; this model ties it to the "
                              "embeddings (tie_embeddings=true), which stay in full precision: set "
                              "quant.head=false")
+        if self.attn_sinks and self.arch == "encoder":
+            raise ValueError("model.attn_sinks applies to the decoder's attention; model.arch=encoder has no "
+                             "sinks: set attn_sinks=false")
         return self
 
     @property

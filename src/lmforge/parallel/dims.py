@@ -158,12 +158,19 @@ class ParallelDims:
         if ep > 1 and moe.n_experts % ep:
             raise ConfigError(f"model.moe.n_experts={moe.n_experts} is not divisible by parallel.ep={ep}: "
                               "each expert-parallel rank holds the same number of experts")
+        if ep > 1 and (moe.experts_bias or moe.expert_act != "swiglu"):
+            raise ConfigError(f"parallel.ep={ep} runs the experts as plain bias-free SwiGLU on each rank; "
+                              f"model.moe.experts_bias={moe.experts_bias} / expert_act={moe.expert_act} "
+                              "(gpt-oss experts) are not split yet: set parallel.ep=1")
         if self.pp > 1 and moe is not None:
             raise ConfigError(
                 f"parallel.pp={self.pp} with model.moe: the router's auxiliary losses and statistics are "
                 "gathered outside the pipeline's stage losses, so a pipeline would train without them; set "
                 "parallel.pp=1 (data or expert parallelism split a mixture-of-experts model)"
             )
+        if self.tp > 1 and model.attn_sinks:
+            raise ConfigError(f"parallel.tp={self.tp} with model.attn_sinks: the per-head sink logits are "
+                              "not split with the heads; set parallel.tp=1")
         if self.tp > 1 and (moe is not None or model.qk_norm):
             what = "model.moe (the tensor-parallel plan splits a dense MLP)" if moe is not None else \
                 "model.qk_norm (one RMSNorm over the whole q/k projection, which tp would split)"
