@@ -66,10 +66,18 @@ def _hf_module(our_module: str) -> str:
     return hf.removesuffix(".weight")
 
 
+def _named_linears(model: nn.Module) -> dict[str, str]:
+    """{our linear layer: its HF module name} for the layers adapters can have in PEFT's files. A mixture of
+    experts' router has no name in the Llama layout (each MoE family names it differently): it is left out,
+    and an adapter on it is refused by name when saving."""
+    names = {n: llama.KEYS.to_hf(n + ".weight") for n in linear_names(model)}
+    return {n: h.removesuffix(".weight") for n, h in names.items() if h is not None}
+
+
 def _target_modules(model: nn.Module, wrapped: list[str]) -> list[str]:
     """PEFT target_modules naming exactly the wrapped layers: leaf names ("q_proj") where every layer
     of that kind is wrapped, full module names otherwise (PEFT matches both as name suffixes)."""
-    all_hf = [_hf_module(n) for n in linear_names(model)]
+    all_hf = list(_named_linears(model).values())
     wrapped_hf = [_hf_module(n) for n in wrapped]
     out: list[str] = []
     for leaf in dict.fromkeys(h.rpartition(".")[2] for h in wrapped_hf):  # in module order
@@ -205,7 +213,7 @@ def load_peft_adapter(model: nn.Module, adapter_dir: str | os.PathLike, *, dtype
     _check_layout(model.cfg)
     settings = read_adapter_config(adapter_dir)
     file = Path(adapter_dir) / WEIGHTS
-    hf_names = {n: _hf_module(n) for n in linear_names(model)}
+    hf_names = _named_linears(model)
     wrapped = [n for n, h in hf_names.items() if _peft_matches(h, settings["targets"])]
     if not wrapped:
         kinds = ", ".join(dict.fromkeys(h.rpartition(".")[2] for h in hf_names.values()))

@@ -27,7 +27,7 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import bert, gpt2, llama, moe
+from lmforge.models.hf import bert, gpt2, gpt_oss, llama, moe
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 
@@ -40,7 +40,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    return {t: fam for fam in (llama, gpt2, bert, moe) for t in fam.MODEL_TYPES}
+    return {t: fam for fam in (llama, gpt2, bert, moe, gpt_oss) for t in fam.MODEL_TYPES}
 
 
 def _family(model_type: Any) -> ModuleType:
@@ -138,8 +138,19 @@ def model_config_to_hf(
 
 
 def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
+    family = _export_family_of(cfg, model_type)
+    if family is not gpt_oss and (only := gpt_oss.foreign_features(cfg)):
+        name = model_type or family.MODEL_TYPES[0]
+        raise LmforgeError(f"this model cannot be exported as Hugging Face {name!r}: {', '.join(only)} (only "
+                           "gpt_oss has them)")
+    return family
+
+
+def _export_family_of(cfg: ModelConfig, model_type: str | None) -> ModuleType:
     if model_type is not None:
         return _family(model_type)
+    if gpt_oss.foreign_features(cfg):
+        return gpt_oss
     if cfg.moe is not None:
         return moe
     if cfg.arch == "encoder":
@@ -301,7 +312,7 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
     fields = ["vocab_size", "d_model", "n_layers", "n_heads", "resolved_kv_heads", "resolved_head_dim",
               "resolved_d_ff", "norm", "norm_eps", "pos_embedding", "mlp", "bias", "qkv_bias",
               "tie_embeddings", "sliding_window", "rope_theta", "arch", "type_vocab_size", "position_offset",
-              "qk_norm"]
+              "qk_norm", "attn_sinks"]
     if ours.pos_embedding == "learned":
         fields.append("max_seq_len")  # the position table is a weight
     diffs = [
@@ -337,7 +348,8 @@ def _moe_signature(cfg: ModelConfig) -> dict[str, Any] | None:
 
     return dict(n_experts=m.n_experts, top_k=m.top_k, d_ff_expert=expert_d_ff(cfg),
                 shared_d_ff=shared_d_ff(cfg), shared_gate=m.shared_gate, router_score=m.router_score,
-                norm_topk_prob=m.norm_topk_prob)
+                norm_topk_prob=m.norm_topk_prob, router_bias=m.router_bias, experts_bias=m.experts_bias,
+                expert_act=m.expert_act, swiglu_alpha=m.swiglu_alpha, swiglu_limit=m.swiglu_limit)
 
 
 def _rope_signature(cfg: ModelConfig) -> dict[str, Any] | None:

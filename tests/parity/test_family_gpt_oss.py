@@ -1,0 +1,275 @@
+"""gpt-oss against transformers: tiny random GptOssForCausalLM models (every layer full attention, default
+RoPE: the alternating sliding window and YaRN are refused here) import with equal float32 logits (1e-5),
+also left-padded; export to a dir transformers loads with equal logits; greedy generation through our KV
+cache equals transformers' generate; the router's balance loss equals transformers'. The two block flags
+are checked on their own: attention sinks (a sink of -inf is plain attention; packed rows attend as
+separate sequences) and the clamped SwiGLU against transformers' own gate function."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lmforge.config.schema import ModelConfig, MoEConfig
+from lmforge.errors import LmforgeError
+from lmforge.models.generation import sample_replies
+from lmforge.models.hf import from_hf, hf_to_model_config, load_pretrained, to_hf
+from lmforge.models.moe import clamped_glu, moe_layers, router_losses
+from lmforge.models.transformer import Transformer, build_model
+
+transformers = pytest.importorskip("transformers")
+
+V, T, ATOL = 96, 16, 1e-5
+BASE = dict(vocab_size=V, max_position_embeddings=64, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+CASES = {
+    # GQA 4:2, head_dim 12 != 32 / 4, untied head, q/k/v/o biases, a clamp that binds (limit 0.5).
+    "gqa_untied_bias": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=12, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                            tie_word_embeddings=False, attention_bias=True, swiglu_limit=0.5),
+    # No GQA (5:5), head_dim 8 = 40 / 5, tied embeddings, no attention biases, top-3 of 5, other alpha.
+    "mha_tied_nobias": dict(hidden_size=40, num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=5,
+                            head_dim=8, intermediate_size=20, num_local_experts=5, num_experts_per_tok=3,
+                            tie_word_embeddings=True, attention_bias=False, swiglu_alpha=1.3,
+                            swiglu_limit=1.0),
+}
+
+
+def hf_config(name: str, **over):
+    kw = {**BASE, **CASES[name], **over}
+    kw.setdefault("layer_types", ["full_attention"] * kw["num_hidden_layers"])
+    return transformers.GptOssConfig(**kw)
+
+
+def randomize(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights everywhere, norms around 1, sinks of order 1 (HF's init hides bias and sink bugs)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.1 * noise if "norm" in name else noise if "sinks" in name else 0.3 * noise)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def hf_dir(request, tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(hf_config(request.param)).eval()
+    randomize(model)
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return path, model
+
+
+def _ids(seed: int = 0, n: int = 2, t: int = T) -> torch.Tensor:
+    return torch.randint(3, V, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def test_import_gives_equal_logits(hf_dir):
+    path, hf = hf_dir
+    ours = from_hf(path).eval()
+    cfg = ours.cfg
+    assert cfg.attn_sinks and cfg.moe.router_bias and cfg.moe.experts_bias
+    assert (cfg.moe.expert_act, cfg.moe.swiglu_alpha, cfg.moe.swiglu_limit) == (
+        "clamped_swiglu", hf.config.swiglu_alpha, hf.config.swiglu_limit)
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=ATOL)
+        # Left padding: padding keys masked in both; the real positions' logits agree.
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        theirs = hf(ids, attention_mask=mask, position_ids=pos).logits
+        mine = ours(ids, attention_mask=mask, position_ids=pos)
+        torch.testing.assert_close(mine[mask.bool()], theirs[mask.bool()], rtol=0, atol=ATOL)
+
+
+def test_export_loads_in_transformers_with_equal_logits(hf_dir, tmp_path):
+    path, hf = hf_dir
+    ours = from_hf(path).eval()
+    out = tmp_path / "export"
+    to_hf(ours, out)
+    written = json.loads((out / "config.json").read_text())
+    assert written["model_type"] == "gpt_oss" and written["swiglu_limit"] == hf.config.swiglu_limit
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back).__name__ == "GptOssForCausalLM"
+    ids = _ids(1)
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, hf(ids).logits, rtol=0, atol=ATOL)
+    # The export re-imports to the same parameters, and loads into a model built from the same config.
+    again = from_hf(out)
+    model = build_model(ours.cfg)
+    load_pretrained(out, model)
+    for k, a in ours.state_dict().items():
+        assert torch.equal(a, again.state_dict()[k]) and torch.equal(a, model.state_dict()[k]), k
+    other = ours.cfg.model_copy(update={"moe": ours.cfg.moe.model_copy(update={"swiglu_limit": 3.0})})
+    with pytest.raises(LmforgeError, match="moe: model"):
+        load_pretrained(out, build_model(other))
+
+
+def test_greedy_generation_equals_transformers(hf_dir):
+    path, hf = hf_dir
+    ours = from_hf(path)
+    prompts = [_ids(2, 1, 7)[0].tolist(), _ids(3, 1, 4)[0].tolist()]  # left-padded together in ours
+    replies = sample_replies(ours, prompts, 16, set())
+    for prompt, reply in zip(prompts, replies):
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=16,
+                                 min_new_tokens=16)
+        assert reply == theirs[0, len(prompt):].tolist()
+
+
+def test_balance_loss_equals_transformers(hf_dir):
+    path, hf = hf_dir
+    ours = from_hf(path).train()
+    ids = _ids(4)
+    hf.train()
+    try:
+        out = hf(ids, labels=ids, output_router_logits=True)
+    finally:
+        hf.eval()
+    ours(ids)
+    mine = router_losses(moe_layers(ours))
+    assert mine.metrics["moe_aux_loss"].item() == pytest.approx(out.aux_loss.item(), rel=1e-5)
+    assert ours.cfg.moe.aux_loss_coef == hf.config.router_aux_loss_coef
+
+
+# ------------------------------------------------------------------------------- the flags alone
+
+
+def _sink_pair() -> tuple[Transformer, Transformer]:
+    """The same weights with and without attention sinks (sinks -inf: no weight, plain attention)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, d_ff=40,
+                      max_seq_len=64, bias=True)
+    plain = build_model(cfg).eval()
+    sinks = build_model(cfg.model_copy(update={"attn_sinks": True})).eval()
+    missing = sinks.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert sorted(missing) == ["layers.0.attn.sinks", "layers.1.attn.sinks"]
+    return plain, sinks
+
+
+def test_sinks_off_is_plain_attention_and_minus_inf_sinks_equal_it():
+    plain, sinks = _sink_pair()
+    assert not any("sinks" in n for n, _ in plain.named_parameters())
+    with torch.no_grad():
+        for layer in sinks.layers:
+            layer.attn.sinks.fill_(float("-inf"))
+        ids = _ids(5)
+        torch.testing.assert_close(sinks(ids), plain(ids), rtol=0, atol=ATOL)
+        mask = torch.ones_like(ids)
+        mask[1, :3] = 0
+        torch.testing.assert_close(sinks(ids, attention_mask=mask)[mask.bool()],
+                                   plain(ids, attention_mask=mask)[mask.bool()], rtol=0, atol=ATOL)
+        # Finite sinks take weight: the outputs move.
+        for layer in sinks.layers:
+            layer.attn.sinks.fill_(1.0)
+        assert (sinks(ids) - plain(ids)).abs().max() > 1e-3
+
+
+def test_sinks_with_cache_and_packed_rows_equal_whole_sequences():
+    from lmforge.models.common.attention import KVCache
+
+    _, model = _sink_pair()
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            layer.attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4) + i)
+        a, b = _ids(6, 1, 9), _ids(7, 1, 7)
+        whole_a, whole_b = model(a), model(b)
+        # Decoding token by token after a prefill gives the full forward's logits.
+        cache = KVCache(model, 1, 16)
+        steps = [model(a[:, :5], cache=cache)] + [model(a[:, t:t + 1], cache=cache) for t in range(5, 9)]
+        torch.testing.assert_close(torch.cat(steps, 1), whole_a, rtol=0, atol=ATOL)
+        # Two documents packed in one row attend only within themselves (the dense-mask path: no flex).
+        packed = torch.cat([a, b], 1)
+        seg = torch.tensor([[0] * 9 + [1] * 7])
+        pos = torch.cat([torch.arange(9), torch.arange(7)])[None]
+        out = model(packed, segment_ids=seg, position_ids=pos)
+        torch.testing.assert_close(out, torch.cat([whole_a, whole_b], 1), rtol=0, atol=ATOL)
+
+
+def test_clamped_glu_equals_transformers_gate():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    experts = GptOssExperts(hf_config("gqa_untied_bias", swiglu_alpha=1.5, swiglu_limit=2.0))
+    gate_up = torch.linspace(-6, 6, 2 * 7 * 24).reshape(7, 48)  # beyond the limit on both sides
+    ours = clamped_glu(gate_up[:, 0::2], gate_up[:, 1::2], 1.5, 2.0)
+    torch.testing.assert_close(ours, experts._apply_gate(gate_up), rtol=0, atol=0)
+
+
+def test_moe_flags_off_add_no_parameters():
+    cfg = ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, d_ff=24,
+                      moe=MoEConfig(n_experts=2, top_k=1))
+    names = {n for n, _ in build_model(cfg).named_parameters()}
+    assert not any(n.endswith(("router.gate.bias", "b_gate", "b_up", "b_down")) for n in names)
+    flags = MoEConfig(n_experts=2, top_k=1, router_bias=True, experts_bias=True)
+    extra = {n for n, _ in build_model(cfg.model_copy(update={"moe": flags})).named_parameters()} - names
+    assert extra == {"layers.0.moe.router.gate.bias", "layers.0.moe.experts.b_gate",
+                     "layers.0.moe.experts.b_up", "layers.0.moe.experts.b_down"}
+
+
+# ------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("over,needle", [
+    ({"layer_types": None}, "layer_types"),  # transformers' default: sliding on every other layer
+    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1e4,
+                          "original_max_position_embeddings": 16}}, "yarn"),
+    ({"attention_dropout": 0.1}, "attention_dropout"),
+])
+def test_config_settings_lmforge_cannot_build_are_refused(over, needle):
+    hf = hf_config("gqa_untied_bias").to_dict()
+    hf.update(over)
+    with pytest.raises(LmforgeError, match=needle):
+        hf_to_model_config(hf)
+
+
+def test_config_without_rope_parameters_is_yarn_and_refused():
+    hf = hf_config("gqa_untied_bias").to_dict()
+    del hf["rope_parameters"]
+    with pytest.raises(LmforgeError, match="yarn"):
+        hf_to_model_config(hf)
+
+
+def test_import_cli_refuses_the_released_layout_with_exit_2(tmp_path, capsys):
+    from lmforge.cli import main
+
+    src = tmp_path / "src"
+    transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**CASES["gqa_untied_bias"], "vocab_size": V})
+                                   ).save_pretrained(src)
+    assert main(["import", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "lmforge import: error:" in err and "layer_types" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_invalid_flag_combinations_and_foreign_exports_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="clamped_swiglu needs both"):
+        MoEConfig(expert_act="clamped_swiglu", swiglu_alpha=1.7)
+    with pytest.raises(ValueError, match="swiglu uses neither"):
+        MoEConfig(swiglu_limit=7.0)
+    with pytest.raises(ValueError, match="attn_sinks"):
+        ModelConfig(arch="encoder", pos_embedding="learned", attn_sinks=True)
+    cfg = hf_to_model_config(hf_config("gqa_untied_bias").to_dict())
+    for model_type in ("mixtral", "llama"):
+        with pytest.raises(LmforgeError, match="attn_sinks.*only gpt_oss"):
+            to_hf(build_model(cfg), tmp_path / model_type, model_type=model_type)
+    plain = ModelConfig(vocab_size=V, d_model=16, n_layers=1, n_heads=2, d_ff=24,
+                        moe=MoEConfig(n_experts=2, top_k=1))
+    with pytest.raises(LmforgeError, match="attn_sinks=false"):
+        to_hf(build_model(plain), tmp_path / "plain", model_type="gpt_oss")
+    assert not (tmp_path / "plain").exists() or not any((tmp_path / "plain").iterdir())
+
+
+def test_parallel_splits_that_would_drop_sinks_or_expert_biases_are_refused():
+    from lmforge.config.schema import ParallelConfig
+    from lmforge.errors import ConfigError
+    from lmforge.parallel.dims import ParallelDims
+
+    cfg = hf_to_model_config(hf_config("gqa_untied_bias").to_dict())
+    no_moe = cfg.model_copy(update={"moe": None})  # tp refuses any MoE first: the sinks alone
+    for model, key, needle in ((no_moe, "tp", "attn_sinks"), (cfg, "ep", "experts_bias")):
+        with pytest.raises(ConfigError, match=needle):
+            ParallelDims.resolve(ParallelConfig(**{key: 2}), world_size=2, model=model)
