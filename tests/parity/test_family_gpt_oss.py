@@ -20,6 +20,7 @@ from lmforge.models.moe import clamped_glu, moe_layers, router_losses
 from lmforge.models.transformer import Transformer, build_model
 
 transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
 
 V, T, ATOL = 96, 16, 1e-5
 BASE = dict(vocab_size=V, max_position_embeddings=64, pad_token_id=0, bos_token_id=None, eos_token_id=None,
@@ -273,3 +274,78 @@ def test_parallel_splits_that_would_drop_sinks_or_expert_biases_are_refused():
     for model, key, needle in ((no_moe, "tp", "attn_sinks"), (cfg, "ep", "experts_bias")):
         with pytest.raises(ConfigError, match=needle):
             ParallelDims.resolve(ParallelConfig(**{key: 2}), world_size=2, model=model)
+
+
+# ------------------------------------------------------------------------------------ fine-tuning
+
+# ChatML without generation tags, as a Hub model ships it (the assistant tokens found by prefixes).
+TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """A tiny random gpt-oss with its own tokenizer and chat template, and chat records to tune it on."""
+    from lmforge.data.instruct_tasks import generate, write_jsonl
+    from lmforge.data.tokenizer import Tokenizer
+
+    root = tmp_path_factory.mktemp("chat")
+    records = generate(None, 64, seed=1)
+    tok = Tokenizer.train([" ".join(m["content"] for r in records for m in r["messages"]) * 2], 300, 2)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(root / "tok.json")
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(root / "tok.json"),
+                                                  eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    hf_tok.chat_template = TEMPLATE
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(hf_config("gqa_untied_bias", vocab_size=len(hf_tok),
+                                                     max_position_embeddings=128))
+    randomize(model, seed=3)
+    model.save_pretrained(root / "model")
+    hf_tok.save_pretrained(root / "model")
+    write_jsonl(records, root / "chat.jsonl")
+    return root
+
+
+def test_lora_sft_on_attention_exports_to_peft_with_equal_logits(chat_model_dir, tmp_path):
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.cli import main
+    from lmforge.finetune.setup import load_finetuned
+
+    run = tmp_path / "lora"
+    sets = [f"run.dir={run}", f"model.init_from={chat_model_dir / 'model'}",
+            f"sft.data=[{chat_model_dir / 'chat.jsonl'}]", "train.seq_len=64", "train.max_steps=2",
+            "train.micro_batch_size=4", "train.eval_every=0", "train.precision=fp32", "finetune.method=lora",
+            "finetune.targets=[q_proj,k_proj,v_proj,o_proj]", "optim.lr=1e-2", "schedule.warmup_steps=0",
+            "logging.progress=none"]
+    assert main(["sft", *[a for s in sets for a in ("--set", s)]]) == 0
+    cfg, ckpt = run_config(run)
+    ours, _ = load_finetuned(cfg, ckpt)
+    out = tmp_path / "adapter_out"
+    assert main(["export", str(run), str(out), "--adapter"]) == 0
+    base = transformers.AutoModelForCausalLM.from_pretrained(out / "base")
+    ref = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+    x = _ids(8, 2, 24)
+    with torch.no_grad():
+        tuned = ours(x)
+        torch.testing.assert_close(tuned, ref(x).logits, rtol=0, atol=ATOL)
+        # The adapters moved the model: the base alone differs.
+        with ref.disable_adapter():
+            assert (ref(x).logits - tuned).abs().max() > 1e-4
+
+
+def test_lora_on_experts_is_refused_naming_the_targetable_layers(hf_dir, tmp_path):
+    from lmforge.errors import ConfigError
+    from lmforge.finetune.lora import apply_lora
+    from lmforge.finetune.peft_io import save_peft_adapter
+
+    model = from_hf(hf_dir[0])
+    for target in ("gate_up_proj", "experts"):
+        with pytest.raises(ConfigError, match=r"layers\.\{i\}\.attn\.wq.*layers\.\{i\}\.moe\.router\.gate"):
+            apply_lora(model, [target])
+    apply_lora(model, "all-linear")  # takes the router too, which has no PEFT name
+    with pytest.raises(LmforgeError, match="moe.router.gate has no Hugging Face name"):
+        save_peft_adapter(model, tmp_path / "adapter", None, model.cfg)
