@@ -70,18 +70,43 @@ class DataConfig(Section):
 
 
 class RopeScalingConfig(Section):
-    """RoPE context extension, as in Hugging Face `rope_scaling` (linear, dynamic NTK, llama3)."""
+    """RoPE context extension, as in Hugging Face `rope_scaling` / `rope_parameters` (linear, dynamic NTK,
+    llama3, yarn, longrope)."""
 
-    type: Literal["linear", "dynamic", "llama3"] = Field(
+    type: Literal["linear", "dynamic", "llama3", "yarn", "longrope"] = Field(
         "linear", description="linear: positions / factor; dynamic: NTK base growth past the original "
-        "length; llama3: per-frequency interpolation (Llama 3.1)."
+        "length; llama3: per-frequency interpolation (Llama 3.1); yarn: NTK-by-parts interpolation with an "
+        "attention factor (Qwen, DeepSeek-V3, gpt-oss); longrope: per-frequency factors, short up to the "
+        "original length and long past it (Phi-3)."
     )
     factor: float = Field(1.0, ge=1.0, description="Context extension factor.")
     original_max_position_embeddings: int | None = Field(
-        None, ge=1, description="Context length the model was trained with (dynamic and llama3)."
+        None, ge=1, description="Context length the model was trained with (dynamic, llama3, yarn, longrope)."
     )
     low_freq_factor: float = Field(1.0, gt=0.0, description="llama3: low-frequency wavelength factor.")
     high_freq_factor: float = Field(4.0, gt=0.0, description="llama3: high-frequency wavelength factor.")
+    beta_fast: float = Field(32.0, gt=0.0, description="yarn: rotations past which a frequency is kept "
+                             "as is.")
+    beta_slow: float = Field(1.0, gt=0.0, description="yarn: rotations below which a frequency is divided "
+                             "by factor.")
+    mscale: float | None = Field(None, description="yarn: numerator scale of the attention factor "
+                                 "0.1*mscale*ln(factor)+1 (used with mscale_all_dim; DeepSeek-V3).")
+    mscale_all_dim: float | None = Field(None, description="yarn: denominator scale of the attention factor "
+                                         "(used with mscale).")
+    attention_factor: float | None = Field(
+        None, gt=0.0, description="yarn and longrope: the scale of cos and sin (None: derived from factor "
+        "as transformers does)."
+    )
+    truncate: bool = Field(True, description="yarn: round the correction range to whole dimensions "
+                           "(gpt-oss: false).")
+    short_factor: list[float] | None = Field(
+        None, description="longrope: one divisor per rotary frequency (rotary_dim/2 values) for sequences up "
+        "to original_max_position_embeddings."
+    )
+    long_factor: list[float] | None = Field(
+        None, description="longrope: one divisor per rotary frequency for sequences longer than "
+        "original_max_position_embeddings."
+    )
 
 
 class QuantConfig(Section):
@@ -263,6 +288,40 @@ class ModelConfig(Section):
     # [issue-34 area: qwen3-granite-smollm3]
     # [issue-34 area: gemma-olmo2]
     # [issue-34 area: phi3-rope]
+    rotary_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="RoPE rotates the first int(head_dim * rotary_fraction) dims of "
+        "each head and passes the rest through (Phi-3 / Phi-4's partial_rotary_factor); must give an even "
+        "count."
+    )
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that RoPE rotates (the first ones)."""
+        return int(self.resolved_head_dim * self.rotary_fraction)
+
+    @model_validator(mode="after")
+    def _check_rope_area(self) -> ModelConfig:
+        if self.rotary_fraction != 1.0 and (self.rotary_dim % 2 or self.rotary_dim == 0):
+            raise ValueError(
+                f"rotary_fraction={self.rotary_fraction} rotates {self.rotary_dim} of head_dim="
+                f"{self.resolved_head_dim} dims; RoPE needs an even, nonzero count: choose a fraction whose "
+                "product with head_dim is an even integer"
+            )
+        rs = self.rope_scaling
+        if rs is not None and rs.type == "longrope":
+            if rs.original_max_position_embeddings is None:
+                raise ValueError("rope_scaling.type=longrope needs rope_scaling."
+                                 "original_max_position_embeddings (the length past which the long factors "
+                                 "apply, e.g. 4096)")
+            half = self.rotary_dim // 2
+            for key in ("short_factor", "long_factor"):
+                got = getattr(rs, key)
+                if got is None or len(got) != half:
+                    raise ValueError(
+                        f"rope_scaling.{key} must list one factor per rotary frequency: {half} values "
+                        f"(rotary_dim {self.rotary_dim} / 2), got {'none' if got is None else len(got)}"
+                    )
+        return self
     # [issue-34 area: deepseek-mla]
     # [issue-34 area: gpt-oss]
     attn_sinks: bool = Field(

@@ -16,6 +16,7 @@ from torch import nn
 
 from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache
+from lmforge.models.common.rope import stale_cache_length
 
 
 def sample_next(
@@ -107,11 +108,22 @@ def sample_replies(
     try:
         dtype = param.dtype if param.is_floating_point() else torch.float32
         cache = KVCache(model, n, longest + steps, device=device, dtype=dtype)
+        # Every token and position so far, to recompute the cache where RoPE's frequencies switch.
+        all_ids = torch.zeros(n, longest + steps, dtype=torch.long, device=device)
+        all_pos = torch.zeros(n, longest + steps, dtype=torch.long, device=device)
+        all_ids[:, :longest], all_pos[:, :longest] = ids, positions
+        stale_at = stale_cache_length(model.cfg.rope_scaling)
         stop = torch.as_tensor(sorted(stops), dtype=torch.long, device=device)
         done = torch.zeros(n, dtype=torch.bool, device=device)
         out = []
         for t in range(steps):
             end = longest + t
+            if stale_at is not None and end > stale_at >= cache.pos > 0:
+                # longrope: this forward crosses the original length, so its frequencies switch to the
+                # long factors for all positions; the cached keys were rotated with the short ones.
+                # Recompute them, as transformers' generate does at this step.
+                cache.reset()
+                ids, positions = all_ids[:, :end], all_pos[:, :end]
             logits = model(ids, cache=cache, attention_mask=mask[:, :end], position_ids=positions)[:, -1]
             nxt = sample_next(logits, temperature, top_k, top_p, generator)  # (N,)
             out.append(nxt)
@@ -124,7 +136,8 @@ def sample_replies(
             if bool(done.all()):
                 break
             mask[:, end] = 1
-            ids, positions = nxt[:, None], positions[:, -1:] + 1
+            all_ids[:, end], all_pos[:, end] = nxt, positions[:, -1] + 1
+            ids, positions = nxt[:, None], all_pos[:, end : end + 1]
     finally:
         model.train(was)
     replies = []

@@ -25,7 +25,12 @@ from lmforge.config.schema import ModelConfig
 from lmforge.models.common.attention import Attention, KVCache, LayerKV, document_block_mask, packed_kernel
 from lmforge.models.common.mlp import MLP
 from lmforge.models.common.norm import RMSNorm, build_norm
-from lmforge.models.common.rope import dynamic_inv_frequencies, rope_angles, rope_tables
+from lmforge.models.common.rope import (
+    attention_factor,
+    length_dependent_inv_frequencies,
+    rope_angles,
+    rope_tables,
+)
 from lmforge.models.moe import GroupedExperts, MoE, Router
 
 # Residual-stream output projections get init_std / sqrt(2 * n_layers) (GPT-2 / nanoGPT), so the
@@ -120,7 +125,7 @@ class Transformer(nn.Module):
                 self.value = nn.Linear(cfg.d_model, 1, bias=False)
             if cfg.pos_embedding == "rope":
                 # Non-persistent: derived from the config, never part of a checkpoint.
-                shape = (cfg.max_seq_len, cfg.resolved_head_dim)
+                shape = (cfg.max_seq_len, cfg.rotary_dim)
                 self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
                 self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
         # to_empty() leaves buffers uninitialised too; refilling them after every load_state_dict
@@ -179,7 +184,7 @@ class Transformer(nn.Module):
             return
         cfg = self.cfg
         cos, sin = rope_tables(
-            cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device,
+            cfg.rotary_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device,
             scaling=cfg.rope_scaling, original=self._rope_original(),
         )
         self.rope_cos.copy_(cos)
@@ -198,17 +203,18 @@ class Transformer(nn.Module):
         """(cos, sin) for this forward: (T, head_dim) each, or (B, T, head_dim) with position_ids."""
         scaling = self.cfg.rope_scaling
         original = self._rope_original()
-        if scaling is not None and scaling.type == "dynamic" and seq_len > original:
-            # Dynamic NTK: the base grows with the longest position of this forward and applies to
-            # all of its positions; keys already in a KV cache keep the frequencies they were rotated
-            # with. This is what transformers does during generation; unlike it, we keep no state
-            # (it reuses the largest base seen until a forward falls back below the original length).
-            device = self.rope_cos.device
-            inv_freq = dynamic_inv_frequencies(
-                self.cfg.resolved_head_dim, self.cfg.rope_theta, scaling.factor, original, seq_len, device
-            )
+        device = self.rope_cos.device
+        inv_freq = length_dependent_inv_frequencies(
+            self.cfg.rotary_dim, self.cfg.rope_theta, scaling, original, seq_len, device
+        )
+        if inv_freq is not None:
+            # Dynamic NTK (the base grows with the longest position of this forward) or longrope (the
+            # long factors, past the original length), for all positions of the forward; keys already
+            # in a KV cache keep the frequencies they were rotated with. This is what transformers
+            # does during generation; unlike it, we keep no state (its dynamic NTK reuses the largest
+            # base seen until a forward falls back below the original length).
             pos = position_ids if position_ids is not None else torch.arange(start, end, device=device)
-            return rope_angles(pos, inv_freq)
+            return rope_angles(pos, inv_freq, attention_factor(scaling, original))
         if position_ids is None:
             return self.rope_cos[start:end], self.rope_sin[start:end]  # each (T, head_dim)
         return self.rope_cos[position_ids], self.rope_sin[position_ids]  # each (B, T, head_dim)

@@ -312,7 +312,7 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
     fields = ["vocab_size", "d_model", "n_layers", "n_heads", "resolved_kv_heads", "resolved_head_dim",
               "resolved_d_ff", "norm", "norm_eps", "pos_embedding", "mlp", "bias", "qkv_bias",
               "tie_embeddings", "sliding_window", "rope_theta", "arch", "type_vocab_size", "position_offset",
-              "qk_norm", "attn_sinks"]
+              "qk_norm", "rotary_fraction", "attn_sinks"]
     if ours.pos_embedding == "learned":
         fields.append("max_seq_len")  # the position table is a weight
     diffs = [
@@ -362,6 +362,10 @@ def _rope_signature(cfg: ModelConfig) -> dict[str, Any] | None:
         out["original_max_position_embeddings"] = sc.original_max_position_embeddings or cfg.max_seq_len
     if sc.type == "llama3":
         out.update(low_freq_factor=sc.low_freq_factor, high_freq_factor=sc.high_freq_factor)
+    if sc.type in ("yarn", "longrope"):
+        keys = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor")
+        keys = keys if sc.type == "yarn" else ("short_factor", "long_factor", "attention_factor")
+        out.update({k: getattr(sc, k) for k in keys})
     return out
 
 

@@ -16,6 +16,7 @@ import torch
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
+from lmforge.models.hf import rope
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -51,38 +52,14 @@ KEYS = KeyMap(
 
 
 def _rope_from_hf(hf: dict[str, Any], max_pos: int) -> tuple[float, dict[str, Any] | None, int | None]:
-    """(rope_theta, rope_scaling kwargs or None, max_seq_len override or None) from either form.
-
-    transformers 4.x writes top-level `rope_theta` + `rope_scaling`; 5.x writes `rope_parameters`
-    (with rope_theta inside). 5.x reads `rope_scaling` first, then `rope_parameters`, and takes
-    rope_theta from inside the dict, else from the top level: the same precedence here.
-    """
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    if any(isinstance(v, dict) for v in params.values()):
-        unsupported("rope_parameters", "per-layer-type RoPE parameters", "one flat rope_parameters dict")
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
+    """(rope_theta, rope_scaling kwargs or None, max_seq_len override or None) from either form
+    (`rope_scaling` / `rope_parameters`; see models/hf/rope.py)."""
+    params = rope.rope_params(hf)
+    partial = rope.rotary_fraction(hf, params)
+    if partial != 1.0:  # transformers' Llama-style attention rotates whole heads
         unsupported("partial_rotary_factor", partial, "1.0 (RoPE over the whole head)")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return theta, None, None
-    if kind not in ("linear", "dynamic", "llama3"):
-        unsupported("rope_scaling.rope_type", kind, "default, linear, dynamic or llama3")
-    factor = float(params["factor"])
-    scaling: dict[str, Any] = {"type": kind, "factor": factor}
-    max_seq_len = None
-    if kind == "dynamic":
-        # transformers' dynamic NTK is relative to max_position_embeddings (it ignores any
-        # original_max_position_embeddings in the dict), and stretches the usable context by `factor`.
-        scaling["original_max_position_embeddings"] = max_pos
-        max_seq_len = int(max_pos * factor)
-    elif kind == "llama3":
-        original = params.get("original_max_position_embeddings", max_pos)
-        scaling["original_max_position_embeddings"] = int(original)
-        scaling["low_freq_factor"] = float(params["low_freq_factor"])
-        scaling["high_freq_factor"] = float(params["high_freq_factor"])
-    return theta, scaling, max_seq_len
+    scaling, max_seq_len = rope.scaling_from_hf(params, max_pos)
+    return rope.rope_theta(hf, params), scaling, max_seq_len
 
 
 def _window_from_hf(hf: dict[str, Any], model_type: str, n_layers: int) -> int | None:
@@ -174,6 +151,8 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
         problems.append(f"mlp={cfg.mlp} (needs swiglu)")
     if cfg.pos_embedding != "rope":
         problems.append(f"pos_embedding={cfg.pos_embedding} (needs rope)")
+    if cfg.rotary_fraction != 1.0:
+        problems.append(f"rotary_fraction={cfg.rotary_fraction} (its attention rotates whole heads)")
     if requested is None:
         if cfg.qkv_bias and not cfg.bias:
             requested = "qwen2"
@@ -198,19 +177,7 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
 
 def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """config.json keys of the family member `model_type` (checked by `model_type_for`)."""
-    scaling = cfg.rope_scaling
-    original = cfg.max_seq_len
-    if scaling is not None and scaling.original_max_position_embeddings is not None:
-        original = scaling.original_max_position_embeddings
-    rope: dict[str, Any] = {"rope_type": "default"}
-    if scaling is not None:
-        rope = {"rope_type": scaling.type, "factor": scaling.factor}
-        if scaling.type == "llama3":
-            rope.update(
-                original_max_position_embeddings=original,
-                low_freq_factor=scaling.low_freq_factor,
-                high_freq_factor=scaling.high_freq_factor,
-            )
+    rope_dict, max_pos = rope.scaling_to_hf(cfg)
     arch = ARCHITECTURES[model_type]
     if cfg.score_head:  # a reward model: the backbone and its scalar head (sequence classification)
         arch = arch.replace("ForCausalLM", "ForSequenceClassification")
@@ -225,9 +192,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         "num_key_value_heads": cfg.resolved_kv_heads,
         "head_dim": cfg.resolved_head_dim,
         "hidden_act": "silu",
-        # transformers' dynamic NTK takes max_position_embeddings as the original length.
-        "max_position_embeddings": original if scaling is not None and scaling.type == "dynamic"
-        else cfg.max_seq_len,
+        "max_position_embeddings": max_pos,
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
         # Dropout is a training setting; HF's Llama family has attention dropout only, so ours
@@ -235,10 +200,10 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         "attention_dropout": 0.0,
         # Both RoPE forms: 4.x reads rope_theta + rope_scaling, 5.x rope_parameters (or rope_scaling).
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {**rope, "rope_theta": cfg.rope_theta},
+        "rope_parameters": {**rope_dict, "rope_theta": cfg.rope_theta},
     }
-    if scaling is not None:
-        out["rope_scaling"] = dict(rope)
+    if cfg.rope_scaling is not None:
+        out["rope_scaling"] = dict(rope_dict)
     if cfg.score_head:
         out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     if model_type == "llama":

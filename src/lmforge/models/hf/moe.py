@@ -164,7 +164,8 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
     problems = []
     for key, value, want in (("norm", cfg.norm, "rmsnorm"), ("mlp", cfg.mlp, "swiglu"),
                              ("pos_embedding", cfg.pos_embedding, "rope"), ("moe.router_score",
-                                                                           m.router_score, "softmax")):
+                                                                           m.router_score, "softmax"),
+                             ("rotary_fraction", cfg.rotary_fraction, 1.0)):
         if value != want:
             problems.append(f"{key}={value} (needs {want})")
     if m.bias_balancing:
