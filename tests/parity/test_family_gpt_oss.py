@@ -1,5 +1,6 @@
-"""gpt-oss against transformers: tiny random GptOssForCausalLM models (every layer full attention, default
-RoPE: the alternating sliding window and YaRN are refused here) import with equal float32 logits (1e-5),
+"""gpt-oss against transformers: tiny random GptOssForCausalLM models (every layer full attention: the
+alternating sliding window is refused here; default RoPE, and YaRN past its original context) import
+with equal float32 logits (1e-5),
 also left-padded; export to a dir transformers loads with equal logits; greedy generation through our KV
 cache equals transformers' generate; the router's balance loss equals transformers'. The two block flags
 are checked on their own: attention sinks (a sink of -inf is plain attention; packed rows attend as
@@ -30,11 +31,15 @@ CASES = {
     "gqa_untied_bias": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=12, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                             tie_word_embeddings=False, attention_bias=True, swiglu_limit=0.5),
-    # No GQA (5:5), head_dim 8 = 40 / 5, tied embeddings, no attention biases, top-3 of 5, other alpha.
+    # No GQA (5:5), head_dim 8 = 40 / 5, tied embeddings, no attention biases, top-3 of 5, other alpha;
+    # YaRN as the released models have it (truncate false), T = 16 past its original 8 positions.
     "mha_tied_nobias": dict(hidden_size=40, num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=5,
                             head_dim=8, intermediate_size=20, num_local_experts=5, num_experts_per_tok=3,
                             tie_word_embeddings=True, attention_bias=False, swiglu_alpha=1.3,
-                            swiglu_limit=1.0),
+                            swiglu_limit=1.0,
+                            rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                             "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0,
+                                             "original_max_position_embeddings": 8}),
 }
 
 
@@ -216,8 +221,7 @@ def test_moe_flags_off_add_no_parameters():
 @pytest.mark.parametrize("over,needle", [
     ({"layer_types": None}, "layer_types"),  # transformers' default: sliding on every other layer
     ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 32.0, "rope_theta": 1e4,
-                          "original_max_position_embeddings": 16}}, "yarn"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
     ({"attention_dropout": 0.1}, "attention_dropout"),
 ])
 def test_config_settings_lmforge_cannot_build_are_refused(over, needle):
@@ -227,11 +231,14 @@ def test_config_settings_lmforge_cannot_build_are_refused(over, needle):
         hf_to_model_config(hf)
 
 
-def test_config_without_rope_parameters_is_yarn_and_refused():
+def test_config_without_rope_parameters_is_transformers_default_yarn():
     hf = hf_config("gqa_untied_bias").to_dict()
     del hf["rope_parameters"]
-    with pytest.raises(LmforgeError, match="yarn"):
-        hf_to_model_config(hf)
+    cfg = hf_to_model_config(hf)
+    sc = cfg.rope_scaling
+    assert cfg.rope_theta == 150000.0
+    got = (sc.type, sc.factor, sc.original_max_position_embeddings, sc.beta_fast, sc.beta_slow, sc.truncate)
+    assert got == ("yarn", 32.0, 4096, 32.0, 1.0, False)
 
 
 def test_import_cli_refuses_the_released_layout_with_exit_2(tmp_path, capsys):

@@ -11,9 +11,9 @@ The checkpoint stores the experts fused and transposed: `mlp.experts.gate_up_pro
 gate in the even columns and up in the odd ones, `gate_up_proj_bias` (E, 2 * d_ff) interleaved alike,
 `down_proj` (E, d_ff, d) and `down_proj_bias` (E, d). The same layout is written back.
 
-Layers alternate sliding-window and full attention and RoPE is YaRN in the released models; neither is
-expressible here yet, so such configs are refused naming the key (a config with every layer
-full_attention and default RoPE imports and exports exactly).
+RoPE is YaRN in the released models (`truncate: false`), or any type models/hf/rope.py reads. Layers
+alternate sliding-window and full attention there; per-layer windows are not expressible here yet, so
+such configs are refused naming layer_types (every layer full_attention imports and exports exactly).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import llama
+from lmforge.models.hf import llama, rope
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("gpt_oss",)
@@ -84,7 +84,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     # sliding_window is read only by sliding_attention layers, of which there are none now.
     rope_hf = dict(hf)
     if not (hf.get("rope_scaling") or hf.get("rope_parameters")):
-        rope_hf["rope_parameters"] = _DEFAULT_ROPE  # what transformers builds: refused below as yarn
+        rope_hf["rope_parameters"] = _DEFAULT_ROPE  # what GptOssConfig builds without one
     rope_hf.setdefault("rope_theta", _DEFAULT_THETA)
     max_pos = int(_get(hf, "max_position_embeddings"))
     theta, scaling, long_len = llama._rope_from_hf(rope_hf, max_pos)
@@ -148,8 +148,6 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
         problems.append("qk_norm (gpt-oss has none)")
     if cfg.sliding_window is not None:
         problems.append("sliding_window (per-layer windows are not exported for gpt_oss yet)")
-    if cfg.rope_scaling is not None:
-        problems.append(f"rope_scaling.type={cfg.rope_scaling.type} (gpt_oss exports default RoPE only here)")
     if cfg.score_head:
         problems.append("score_head (no gpt-oss reward-model class here)")
     if problems:
@@ -161,13 +159,14 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
 def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """config.json keys of a gpt_oss model (checked by `model_type_for`)."""
     m = cfg.moe
+    rope_dict, max_pos = rope.scaling_to_hf(cfg)
     return {
         "architectures": [ARCHITECTURE], "model_type": model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "intermediate_size": m.d_ff_expert or cfg.resolved_d_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.resolved_kv_heads, "head_dim": cfg.resolved_head_dim,
         "num_local_experts": m.n_experts, "num_experts_per_tok": m.top_k,
-        "max_position_embeddings": cfg.max_seq_len,
+        "max_position_embeddings": max_pos,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "attention_bias": cfg.bias, "attention_dropout": 0.0, "hidden_act": "silu",
         "swiglu_alpha": m.swiglu_alpha, "swiglu_limit": m.swiglu_limit,
@@ -175,7 +174,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         # No layer reads sliding_window, but transformers builds the sliding mask whatever the layer types.
         "layer_types": ["full_attention"] * cfg.n_layers, "sliding_window": _DEFAULTS["sliding_window"],
         "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_parameters": {**rope_dict, "rope_theta": cfg.rope_theta},
     }
 
 
