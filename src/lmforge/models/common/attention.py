@@ -126,6 +126,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     (B, H, T, D). SDPA has no place for the extra logit, so the scores are materialised; they are
     softmaxed in float32 (also under bf16), where an all-masked row is well defined (all weight on the sink).
     """
+    assert mask is None or isinstance(mask, torch.Tensor), "a dense mask, not a BlockMask"
     B, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -206,7 +207,7 @@ class Attention(nn.Module):
             k_buf[:, :, pos : pos + T] = k
             v_buf[:, :, pos : pos + T] = v
             k, v = k_buf[:, :, : pos + T], v_buf[:, :, : pos + T]  # (B, Hkv, S, D)
-        if self.sinks is not None:  # the Transformer never builds a BlockMask for a model with sinks
+        if self.sinks is not None:  # the Transformer builds no BlockMask for a model with sinks
             p = self.dropout if self.training else 0.0
             out = sink_attention(q, k, v, self.sinks, mask, self.causal, p)  # (B, H, T, D)
             return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
