@@ -198,7 +198,7 @@ def model_params(m: Any, vocab: int) -> int:
     d, layers = m.d_model, m.n_layers
     heads, kv, hd = m.n_heads, m.resolved_kv_heads, m.resolved_head_dim
     attn = 2 * d * heads * hd + 2 * d * kv * hd
-    mats = 3 if m.mlp == "swiglu" else 2
+    mats = 3 if m.mlp in ("swiglu", "geglu") else 2
     if m.moe is not None:
         mlp = m.moe.n_experts * mats * d * (m.moe.d_ff_expert or m.resolved_d_ff)
     else:

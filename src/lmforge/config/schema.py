@@ -237,8 +237,9 @@ class ModelConfig(Section):
         "rope", description="Rotary position embedding or a learned absolute position table."
     )
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base frequency.")
-    mlp: Literal["swiglu", "gelu", "gelu_tanh"] = Field(
-        "swiglu", description="MLP type: SwiGLU (Llama), GELU (erf), or GELU tanh approximation (GPT-2)."
+    mlp: Literal["swiglu", "gelu", "gelu_tanh", "geglu"] = Field(
+        "swiglu", description="MLP type: SwiGLU (Llama), GELU (erf), GELU tanh approximation (GPT-2), or "
+        "GeGLU (Gemma: a gate through GELU's tanh approximation)."
     )
     bias: bool = Field(False, description="Biases in every linear layer and in LayerNorm (GPT-2 style).")
     qkv_bias: bool = Field(False, description="Biases in the q/k/v projections only (Qwen2 style).")
@@ -286,7 +287,53 @@ class ModelConfig(Section):
         "parallelism."
     )
     # [issue-34 area: qwen3-granite-smollm3]
+    qk_norm_scope: Literal["all", "head"] = Field(
+        "all", description="With qk_norm: all normalises the whole q and k projections (OLMoE / OLMo 2); "
+        "head normalises each head's q and k with one shared weight of head_dim (Qwen3). Needs qk_norm=true.")
+    attn_out_bias: bool = Field(False, description="A bias on the attention output projection wo (with "
+                                "qkv_bias: Qwen3's attention_bias on q/k/v/o; bias=true already has it).")
+    embedding_multiplier: float = Field(1.0, gt=0.0, description="Scale of the token embeddings before the "
+                                        "first block (Granite's embedding_multiplier).")
+    residual_multiplier: float = Field(1.0, gt=0.0, description="Scale of each attention and MLP output "
+                                       "before its residual add (Granite's residual_multiplier).")
+    attention_multiplier: float | None = Field(
+        None, gt=0.0, description="Softmax scale of the attention scores (None: 1/sqrt(head_dim); Granite's "
+        "attention_multiplier).")
+    logits_scaling: float = Field(1.0, gt=0.0, description="The logits are divided by this (Granite's "
+                                  "logits_scaling).")
+    nope_layers: list[int] = Field(
+        default_factory=list, description="Indices of the layers that apply no RoPE (NoPE; SmolLM3's "
+        "no_rope_layers); the other layers rotate q and k as usual. Needs pos_embedding=rope.")
     # [issue-34 area: gemma-olmo2]
+    norm_placement: Literal["pre", "post", "sandwich"] = Field(
+        "pre", description="Where each block's norms sit: pre x + f(norm(x)) (Llama); post x + norm(f(x)) "
+        "(OLMo 2: norms on the outputs only); sandwich x + norm(f(norm(x))) (Gemma 2 / 3)."
+    )
+    norm_weight_offset: float = Field(
+        0.0, description="RMSNorm scales by (offset + weight), in float32: 1.0 for Gemma's (1 + w) norms, "
+        "whose identity weight is 0; 0.0 the usual x * w."
+    )
+    embed_scale: bool = Field(False, description="Multiply the token embeddings by sqrt(d_model), rounded to "
+                              "the model's dtype (Gemma).")
+    attn_logit_softcap: float | None = Field(
+        None, gt=0.0, description="Soft-cap attention scores as cap * tanh(s / cap) before the mask "
+        "(Gemma 2; None: off). Runs an explicit attention instead of SDPA's fused kernels."
+    )
+    final_logit_softcap: float | None = Field(
+        None, gt=0.0, description="Soft-cap the output logits as cap * tanh(z / cap) (Gemma 2; None: off)."
+    )
+    query_pre_attn_scalar: int | None = Field(
+        None, ge=1, description="Attention scale is query_pre_attn_scalar ** -0.5 (Gemma; None: head_dim)."
+    )
+    layer_types: list[Literal["full_attention", "sliding_attention"]] | None = Field(
+        None, description="Per-layer attention kind, one per layer: sliding_attention layers see "
+        "sliding_window keys, full_attention layers all (Gemma's alternation); None: every layer slides "
+        "iff sliding_window is set."
+    )
+    rope_local_theta: float | None = Field(
+        None, gt=0.0, description="RoPE base of the sliding_attention layers, without rope_scaling (Gemma "
+        "3's rope_local_base_freq); None: every layer uses rope_theta and rope_scaling."
+    )
     # [issue-34 area: phi3-rope]
     rotary_fraction: float = Field(
         1.0, gt=0.0, le=1.0, description="RoPE rotates the first int(head_dim * rotary_fraction) dims of "
@@ -358,6 +405,7 @@ class ModelConfig(Section):
         if self.arch == "encoder" and (self.pos_embedding != "learned" or not self.tie_embeddings):
             raise ValueError("model.arch=encoder needs pos_embedding=learned and tie_embeddings=true (the "
                              "BERT / RoBERTa layout)")
+        self._check_qwen3_granite_smollm3()
         if self.quant is not None and self.quant.head and self.tie_embeddings:
             raise ValueError("quant.head=true quantizes an untied output head; this model ties it to the "
                              "embeddings (tie_embeddings=true), which stay in full precision: set "
@@ -365,7 +413,53 @@ class ModelConfig(Section):
         if self.attn_sinks and self.arch == "encoder":
             raise ValueError("model.attn_sinks applies to the decoder's attention; model.arch=encoder has no "
                              "sinks: set attn_sinks=false")
+        if self.attn_sinks and self.attn_logit_softcap is not None:
+            raise ValueError(f"model.attn_sinks with attn_logit_softcap={self.attn_logit_softcap}: the sink "
+                             "attention does not soft-cap its scores; unset one of them")
+        self._check_gemma_olmo2()
         return self
+
+    def _check_gemma_olmo2(self) -> None:
+        """Impossible combinations of the norm-placement / Gemma fields (issue 34, gemma-olmo2 area)."""
+        if self.norm_weight_offset != 0.0 and self.norm != "rmsnorm":
+            raise ValueError(f"norm_weight_offset={self.norm_weight_offset} applies to RMSNorm; set "
+                             "norm=rmsnorm or norm_weight_offset=0")
+        types = self.layer_types
+        if types is not None:
+            if len(types) != self.n_layers:
+                raise ValueError(f"layer_types has {len(types)} entries; it needs one per layer "
+                                 f"(n_layers={self.n_layers})")
+            if "sliding_attention" in types and self.sliding_window is None:
+                raise ValueError("layer_types has sliding_attention layers but sliding_window is not set; "
+                                 "set sliding_window to their window")
+        if self.query_pre_attn_scalar is not None and self.attention_multiplier is not None:
+            raise ValueError("query_pre_attn_scalar and attention_multiplier both set the attention scale; "
+                             "set one of them")
+        if self.rope_local_theta is not None and (types is None or "sliding_attention" not in types):
+            raise ValueError("rope_local_theta is the RoPE base of sliding_attention layers; layer_types has "
+                             "none: set layer_types or unset rope_local_theta")
+        gemma = dict(norm_placement=self.norm_placement != "pre", norm_weight_offset=self.norm_weight_offset,
+                     embed_scale=self.embed_scale, attn_logit_softcap=self.attn_logit_softcap,
+                     final_logit_softcap=self.final_logit_softcap,
+                     query_pre_attn_scalar=self.query_pre_attn_scalar, layer_types=self.layer_types)
+        set_keys = [k for k, v in gemma.items() if v not in (None, False, 0.0)]
+        if self.arch == "encoder" and (set_keys or self.mlp == "geglu"):
+            raise ValueError(f"model.arch=encoder builds BERT's blocks, which do not take "
+                             f"{', '.join(set_keys) or 'mlp=geglu'}: unset them")
+
+    def _check_qwen3_granite_smollm3(self) -> None:
+        if self.qk_norm_scope != "all" and not self.qk_norm:
+            raise ValueError(f"model.qk_norm_scope={self.qk_norm_scope} chooses how q and k are normalised, "
+                             "but model.qk_norm=false; set qk_norm=true or leave qk_norm_scope at all")
+        bad = [i for i in self.nope_layers if not 0 <= i < self.n_layers]
+        if bad:
+            raise ValueError(f"model.nope_layers has {bad}, which are no layers of this model: indices run "
+                             f"from 0 to n_layers-1={self.n_layers - 1}")
+        if len(set(self.nope_layers)) != len(self.nope_layers):
+            raise ValueError(f"model.nope_layers={self.nope_layers} lists a layer twice; list each once")
+        if self.nope_layers and self.pos_embedding != "rope":
+            raise ValueError("model.nope_layers turns RoPE off on some layers, but pos_embedding="
+                             f"{self.pos_embedding}; set pos_embedding=rope or nope_layers=[]")
 
     @property
     def resolved_kv_heads(self) -> int:
@@ -379,7 +473,7 @@ class ModelConfig(Section):
     def resolved_d_ff(self) -> int:
         if self.d_ff is not None:
             return self.d_ff
-        if self.mlp != "swiglu":
+        if self.mlp not in ("swiglu", "geglu"):
             return 4 * self.d_model
         hidden = int(2 * 4 * self.d_model / 3)
         return 64 * ((hidden + 63) // 64)

@@ -2,8 +2,9 @@
 `adapter_model.safetensors`, as `PeftModel.save_pretrained` writes and `PeftModel.from_pretrained` reads.
 
 Tensor names are PEFT's: `base_model.model.` + the Hugging Face module name + `.lora_A.weight`,
-`.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. Only the Llama / Mistral / Qwen2 layout is
-covered: their q/k/v/o and MLP projections are separate linear layers named one-to-one with ours, and
+`.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. The Llama-style layouts are covered (Llama,
+Mistral, Qwen2, the MoE families, OLMo 2, Gemma 2 / 3: any model `to_hf` writes with these module names):
+their q/k/v/o and MLP projections are separate linear layers named one-to-one with ours, and
 our RoPE uses the same "rotate_half" convention, so q/k rows (and hence B's rows) map without any
 permutation. GPT-2's fused Conv1D `c_attn` has no per-q/k/v adapter, so it is refused.
 
@@ -24,6 +25,7 @@ from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
 from lmforge.models.hf import llama
+from lmforge.models.hf.convert import export_model_type
 from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
 from lmforge.utils.safe_regex import compile_regex
 
@@ -56,7 +58,7 @@ def _check_layout(cfg: ModelConfig) -> None:
             "this model has GPT-2's layout, whose fused Conv1D c_attn cannot hold our per-q/k/v adapters. "
             "Save the adapters with adapter_state_dict, or merge_lora and export the full model"
         )
-    llama.model_type_for(cfg)  # raises a clear LmforgeError for any other non-Llama layout
+    export_model_type(cfg)  # a clear LmforgeError for a layout no Hugging Face family here writes
 
 
 def _hf_module(our_module: str) -> str:

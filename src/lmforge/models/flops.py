@@ -22,7 +22,7 @@ def _layer_matmul_params(cfg: ModelConfig, active: bool = False) -> int:
         experts = m.top_k if active else m.n_experts
         # router gate + routed SwiGLU experts + shared SwiGLU experts (+ their sigmoid gate)
         return attn + d * m.n_experts + experts * 3 * d * ff_e + 3 * d * shared + (d if m.shared_gate else 0)
-    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * ff
+    mlp = (3 if cfg.mlp in ("swiglu", "geglu") else 2) * d * ff
     return attn + mlp
 
 
@@ -37,13 +37,15 @@ def _layer_other_params(cfg: ModelConfig) -> int:
     n = 0
     if cfg.bias or cfg.qkv_bias:
         n += q_dim + 2 * kv_dim
-    if cfg.bias:
+    if cfg.bias or cfg.attn_out_bias:
         n += d  # wo
+    if cfg.bias:
         if cfg.moe is None:  # experts have no biases
-            n += (2 if cfg.mlp == "swiglu" else 1) * ff + d  # w_gate/w_up, w_down
+            n += (2 if cfg.mlp in ("swiglu", "geglu") else 1) * ff + d  # w_gate/w_up, w_down
     if cfg.qk_norm:
-        n += q_dim + kv_dim
-    return n + 2 * _norm_params(cfg)
+        n += 2 * cfg.resolved_head_dim if cfg.qk_norm_scope == "head" else q_dim + kv_dim
+    norms = 4 if cfg.norm_placement == "sandwich" else 2  # sandwich: a pre and a post norm per sub-layer
+    return n + norms * _norm_params(cfg)
 
 
 def _norm_params(cfg: ModelConfig) -> int:

@@ -49,7 +49,10 @@ def _refill_buffers(module: Transformer, _incompatible_keys) -> None:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x)).
+    """Transformer block, by `cfg.norm_placement`: pre x + attn(norm(x)), then x + mlp(norm(x));
+    post x + norm(attn(x)) (OLMo 2); sandwich x + norm(attn(norm(x))) (Gemma). The norms before the
+    sub-layers are `attn_norm` / `mlp_norm` (identities under post), those after `attn_post_norm` /
+    `mlp_post_norm` (absent under pre).
 
     Call as `block(x, rope, mask=None, kv=None)`:
       x     (B, T, d_model) hidden states;
@@ -62,11 +65,19 @@ class Block(nn.Module):
     checkpointing, FSDP, pipeline stages) can forward the arguments unchanged.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int = 0) -> None:
         super().__init__()
-        self.attn_norm = build_norm(cfg)
+        self.index = index  # the layer's place in the model, for per-layer settings
+        self.use_rope = index not in cfg.nope_layers
+        self.residual_multiplier = cfg.residual_multiplier
+        pre = cfg.norm_placement != "post"
+        self.post = cfg.norm_placement != "pre"
+        self.attn_norm = build_norm(cfg) if pre else nn.Identity()
         self.attn = Attention(cfg)
-        self.mlp_norm = build_norm(cfg)
+        self.mlp_norm = build_norm(cfg) if pre else nn.Identity()
+        if self.post:
+            self.attn_post_norm = build_norm(cfg)
+            self.mlp_post_norm = build_norm(cfg)
         self.is_moe = cfg.moe is not None
         if self.is_moe:
             self.moe = MoE(cfg)
@@ -81,9 +92,19 @@ class Block(nn.Module):
         mask: torch.Tensor | None = None,
         kv: LayerKV | None = None,
     ) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x), rope, mask, kv))  # (B, T, d_model)
+        out = self.attn(self.attn_norm(x), rope if self.use_rope else None, mask, kv)  # (B, T, d_model)
+        if self.post:  # a Python constant: no op when off
+            out = self.attn_post_norm(out)
+        if self.residual_multiplier != 1.0:  # a Python constant: no op when off
+            out = out * self.residual_multiplier
+        x = x + self.drop(out)
         ffn = self.moe if self.is_moe else self.mlp
-        return x + self.drop(ffn(self.mlp_norm(x)))
+        out = ffn(self.mlp_norm(x))
+        if self.post:
+            out = self.mlp_post_norm(out)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        return x + self.drop(out)
 
 
 class Transformer(nn.Module):
@@ -115,7 +136,7 @@ class Transformer(nn.Module):
             if cfg.pos_embedding == "learned":
                 self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model)
             self.drop = _dropout(cfg.dropout)
-            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = build_norm(cfg)
             if not cfg.tie_embeddings:
                 self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
@@ -128,6 +149,17 @@ class Transformer(nn.Module):
                 shape = (cfg.max_seq_len, cfg.rotary_dim)
                 self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
                 self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
+                if cfg.rope_local_theta is not None:  # Gemma 3: the sliding layers' own, unscaled base
+                    self.register_buffer("rope_local_cos", torch.empty(shape, dtype=torch.float32),
+                                         persistent=False)
+                    self.register_buffer("rope_local_sin", torch.empty(shape, dtype=torch.float32),
+                                         persistent=False)
+        # Gemma scales embeddings by sqrt(d_model) rounded to float32 and then to the compute dtype,
+        # as transformers' buffer is: one exact multiplier per dtype, looked up in forward.
+        self._embed_scales = {
+            dt: float(torch.tensor(cfg.d_model**0.5, dtype=torch.float32, device="cpu").to(dt))
+            for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+        } if cfg.embed_scale else None
         # to_empty() leaves buffers uninitialised too; refilling them after every load_state_dict
         # makes "build on meta -> to_empty -> load a checkpoint" correct without an init_weights call.
         self.register_load_state_dict_post_hook(_refill_buffers)
@@ -189,6 +221,11 @@ class Transformer(nn.Module):
         )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        if cfg.rope_local_theta is not None:
+            cos, sin = rope_tables(cfg.resolved_head_dim, cfg.max_seq_len, cfg.rope_local_theta,
+                                   self.rope_local_cos.device)
+            self.rope_local_cos.copy_(cos)
+            self.rope_local_sin.copy_(sin)
 
     def _rope_original(self) -> int:
         """The context length RoPE scaling is relative to (config value, else max_seq_len)."""
@@ -219,7 +256,27 @@ class Transformer(nn.Module):
             return self.rope_cos[start:end], self.rope_sin[start:end]  # each (T, head_dim)
         return self.rope_cos[position_ids], self.rope_sin[position_ids]  # each (B, T, head_dim)
 
+    def _local_rope(self, start: int, end: int, position_ids: torch.Tensor | None):
+        """(cos, sin) of the sliding layers' own base (rope_local_theta), shaped as `_rope`'s."""
+        if position_ids is None:
+            return self.rope_local_cos[start:end], self.rope_local_sin[start:end]
+        return self.rope_local_cos[position_ids], self.rope_local_sin[position_ids]
+
+    def _layer_inputs(self, start, T, device, attention_mask, segment_ids, rope, end, position_ids):
+        """{layer kind: (rope, mask)} for models with per-layer attention kinds (cfg.layer_types): each
+        kind's mask is built once per forward; sliding layers take rope_local_theta's tables if set."""
+        cfg, out = self.cfg, {}
+        for kind in set(cfg.layer_types):
+            sliding = kind == "sliding_attention"
+            window = cfg.sliding_window if sliding else None
+            local = sliding and cfg.rope_local_theta is not None
+            kind_rope = self._local_rope(start, end, position_ids) if local else rope
+            out[kind] = (kind_rope, self._mask(start, T, device, attention_mask, segment_ids, window))
+        return out
+
     def _packed_kernel(self, device: torch.device) -> str:
+        if self.cfg.attn_logit_softcap is not None:
+            return "mask"  # soft-capped scores run the explicit attention, which takes a dense mask
         dropout = self.cfg.dropout if self.training else 0.0
         if self.cfg.attn_sinks:
             return "mask"  # flex attention has no sink logit: sink_attention takes the dense mask
@@ -227,11 +284,11 @@ class Transformer(nn.Module):
 
     def _mask(
         self, start: int, T: int, device: torch.device, attention_mask: torch.Tensor | None = None,
-        segment_ids: torch.Tensor | None = None,
+        segment_ids: torch.Tensor | None = None, window: int | None = None,
     ):
         """Boolean (T, start + T) or, with padding or segments, (B, 1, T, start + T) mask; None where
-        SDPA's is_causal (or no mask) is exact; for segments with the flex kernel, a BlockMask."""
-        window = self.cfg.sliding_window
+        SDPA's is_causal (or no mask) is exact; for segments with the flex kernel, a BlockMask.
+        window: the sliding window of the layers it is for (None: they see every earlier key)."""
         window_binds = window is not None and start + T > window
         if attention_mask is None and segment_ids is None and not window_binds and (start == 0 or T == 1):
             return None
@@ -298,6 +355,12 @@ class Transformer(nn.Module):
                 f"input (batch {B}, positions {start}..{end - 1}) does not fit the KVCache "
                 f"(batch {cache.batch_size}, max_len {cache.max_len})"
             )
+        if head is not None and self.cfg.final_logit_softcap is not None:
+            raise ValueError(
+                f"model.final_logit_softcap={self.cfg.final_logit_softcap} soft-caps the logits, which a "
+                "loss that takes the output projection itself (head=: train.loss_chunk_tokens, the RL "
+                "objectives) would skip; set train.loss_chunk_tokens=0, or train with another objective"
+            )
         if attention_mask is not None and tuple(attention_mask.shape) != (B, end):
             raise ValueError(
                 f"attention_mask has shape {tuple(attention_mask.shape)}; expected (batch, key positions) "
@@ -320,6 +383,10 @@ class Transformer(nn.Module):
             x = input_ids  # (B, T, d_model): the previous pipeline stage's output
         else:
             x = self.tok_embeddings(input_ids)  # (B, T, d_model)
+            if self._embed_scales is not None:
+                x = x * self._embed_scales[x.dtype]
+            if self.cfg.embedding_multiplier != 1.0:
+                x = x * self.cfg.embedding_multiplier
             if self.cfg.pos_embedding == "learned":
                 if position_ids is None:
                     x = x + self.pos_embeddings.weight[start:end]  # (T, d_model) broadcast over B
@@ -333,17 +400,34 @@ class Transformer(nn.Module):
                                         or tuple(segment_ids.shape) != (B, T)):
             raise ValueError(f"segment_ids must be (batch, positions) = {(B, T)}, without a cache or an "
                              "attention_mask")
-        mask = self._mask(start, T, input_ids.device, attention_mask, segment_ids)
+        kinds = self.cfg.layer_types
+        if kinds is None:
+            window = self.cfg.sliding_window
+            mask = self._mask(start, T, input_ids.device, attention_mask, segment_ids, window)
+        else:
+            per_kind = self._layer_inputs(start, T, input_ids.device, attention_mask, segment_ids, rope, end,
+                                          position_ids)
         # named_children: a pipeline stage holds its blocks in a ModuleDict keyed by layer index.
         for name, layer in self.layers.named_children():
+            if kinds is not None:
+                rope, mask = per_kind[kinds[int(name)]]
             x = layer(x, rope, mask, None if cache is None else cache.layer(int(name)))
         if self.norm is None:
             return x  # (B, T, d_model): a pipeline stage before the last
         x = self.norm(x)
+        scaling = self.cfg.logits_scaling
         if head is not None:
-            return head(x, self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight)
+            weight = self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight
+            # The weight, not the hidden states, carries the scaling: a head that reads the hidden
+            # states (a reward model's score) sees them as they are.
+            return head(x, weight if scaling == 1.0 else weight / scaling)
         # Calling `output` (not F.linear on its weight) lets tensor parallelism hook the head.
         logits = F.linear(x, self.tok_embeddings.weight) if self.cfg.tie_embeddings else self.output(x)
+        if scaling != 1.0:
+            logits = logits / scaling
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         if cache is not None:
             cache.pos = end
         return logits

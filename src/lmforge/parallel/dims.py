@@ -175,6 +175,9 @@ class ParallelDims:
             what = "model.moe (the tensor-parallel plan splits a dense MLP)" if moe is not None else \
                 "model.qk_norm (one RMSNorm over the whole q/k projection, which tp would split)"
             raise ConfigError(f"parallel.tp={self.tp} with {what}; set parallel.tp=1")
+        if self.tp > 1 and model.norm_placement != "pre":
+            raise ConfigError(f"parallel.tp={self.tp} with model.norm_placement={model.norm_placement}: the "
+                              "tensor-parallel plan places the pre-norms only; set parallel.tp=1")
         if self.pp > 1:
             stages = self.pp * self.cfg.pp_stages_per_rank
             if model.n_layers % stages:

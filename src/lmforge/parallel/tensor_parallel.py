@@ -115,7 +115,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
     # -- blocks -----------------------------------------------------------------------------
     blocks = list(model.layers.children())
     for block in blocks:
-        parallelize_module(block, tp_mesh, _block_plan(sp, block.mlp.kind == "swiglu"))
+        parallelize_module(block, tp_mesh, _block_plan(sp, block.mlp.gated))
         if not sp:
             replicate_on(block.attn_norm, tp_mesh, local_output=True)
             replicate_on(block.mlp_norm, tp_mesh, local_output=True)

@@ -132,7 +132,7 @@ def _adapters(cfg: Config, layout, head: str) -> Adapters:
                               "regular expression, which lmforge estimate does not resolve: set "
                               "finetune.targets to the layers it adapts and unset init_adapter to estimate")
         r, targets = settings["r"], settings["targets"]
-    kinds = [n for n in BLOCK_LINEARS if m.mlp == "swiglu" or n != "mlp.w_gate"]
+    kinds = [n for n in BLOCK_LINEARS if m.mlp in ("swiglu", "geglu") or n != "mlp.w_gate"]
     names = [f"layers.{i}.{n}" for i in range(m.n_layers) for n in kinds]
     heads = ([] if m.tie_embeddings else ["output"]) + (["score"] if head == "score" else [])
     chosen = match_targets(names + heads, targets)

@@ -85,9 +85,11 @@ class SFT(Objective):
 
     def check_model(self, model: nn.Module) -> None:
         params = inspect.signature(model.forward).parameters
-        if "head" not in params or getattr(getattr(model, "output", None), "dropout_p", 0.0) > 0:
+        if ("head" not in params or getattr(getattr(model, "output", None), "dropout_p", 0.0) > 0
+                or getattr(getattr(model, "cfg", None), "final_logit_softcap", None) is not None):
             # A model of its own computes its logits whole; so does an adapted head with dropout (the
-            # head= path hands over its weight, which has no dropout).
+            # head= path hands over its weight, which has no dropout), and soft-capped logits (a
+            # transform after the projection that head= would skip).
             self.target_rows = False
         if self.packing and ("segment_ids" not in params or "position_ids" not in params):
             raise ConfigError(

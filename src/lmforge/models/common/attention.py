@@ -103,24 +103,51 @@ def document_block_mask(segment_ids: torch.Tensor, window: int | None = None):
     return create_block_mask(mask_mod, B, None, T, T, device=segment_ids.device, _compile=compile_it)
 
 
-def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, enable_gqa: bool) -> torch.Tensor:
-    """flex_attention over (B, H, T, D) tensors; compiled where the caller is not (on CUDA)."""
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask, enable_gqa: bool,
+         scale: float | None = None) -> torch.Tensor:
+    """flex_attention over (B, H, T, D) tensors; compiled where the caller is not (on CUDA). scale:
+    of the scores (None: 1/sqrt(D))."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    kw = dict(block_mask=block_mask, enable_gqa=enable_gqa, scale=scale)
     if torch.compiler.is_compiling():
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return flex_attention(q, k, v, **kw)
     if q.device.type == "cuda":
-        return _compiled_flex()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return _compiled_flex()(q, k, v, **kw)
     # Elsewhere (tests of this path on a CPU) the reference implementation, which warns that it is one.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+        return flex_attention(q, k, v, **kw)
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, cap: float,
+    dropout: float, causal: bool,
+) -> torch.Tensor:
+    """Attention whose scores are soft-capped, cap * tanh(s / cap), before the mask (Gemma 2): no fused
+    kernel takes a score transform, so the scores exist whole. q (B, H, T, D), k/v (B, Hkv, S, D); mask
+    as SDPA's (boolean, True = attend) or None (causal, top-left aligned, when `causal` and T > 1)."""
+    T, S = q.size(-2), k.size(-2)
+    if k.size(1) != q.size(1):
+        rep = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, S, D)
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale  # (B, H, T, S)
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None and causal and T > 1:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    weights = F.dropout(weights, p=dropout) if dropout > 0 else weights
+    return torch.matmul(weights, v)  # (B, H, T, D)
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
-                   mask: torch.Tensor | None, causal: bool, dropout: float) -> torch.Tensor:
+                   mask: torch.Tensor | None, causal: bool, dropout: float,
+                   scale: float | None = None) -> torch.Tensor:
     """Attention whose softmax has one more logit per query head, `sinks` (H,), which takes weight but
-    contributes no value: softmax([q.k / sqrt(D) for each key, sink]) without the sink's column.
+    contributes no value: softmax([q.k * scale for each key, sink]) without the sink's column (scale
+    None: 1 / sqrt(D), as SDPA's).
 
     q (B, H, T, D), k and v (B, Hkv, S, D), mask as Attention.forward takes it (a tensor or None) ->
     (B, H, T, D). SDPA has no place for the extra logit, so the scores are materialised; they are
@@ -132,7 +159,7 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: tor
     G = H // Hkv
     # Query heads grouped by the kv head they share (head h reads kv head h // G, as SDPA's enable_gqa).
     scores = q.view(B, Hkv, G, T, D) @ k.unsqueeze(2).transpose(-2, -1)  # (B, Hkv, G, T, S)
-    scores = scores.float() * D**-0.5
+    scores = scores.float() * (D**-0.5 if scale is None else scale)
     if mask is None and causal and T > 1:
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()  # SDPA's is_causal (top-left)
     if mask is not None:
@@ -160,15 +187,26 @@ class Attention(nn.Module):
         self.wq = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=qkv_bias)
         self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=qkv_bias)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=cfg.bias or cfg.attn_out_bias)
+        # "all" (OLMoE / OLMo-2): one RMSNorm over the whole q (and k) projection; "head" (Qwen3): each
+        # head's q and k normalised on their own, one weight of head_dim shared by the heads.
+        self.qk_norm = cfg.qk_norm and cfg.qk_norm_scope == "all"
+        self.qk_head_norm = cfg.qk_norm and cfg.qk_norm_scope == "head"
         if cfg.qk_norm:
-            # OLMoE / OLMo-2: one RMSNorm over the whole q (and k) projection, not per head.
-            self.q_norm = RMSNorm(self.n_heads * self.head_dim, eps=cfg.norm_eps)
-            self.k_norm = RMSNorm(self.n_kv_heads * self.head_dim, eps=cfg.norm_eps)
-        self.qk_norm = cfg.qk_norm
+            per_head = self.qk_head_norm
+            offset = cfg.norm_weight_offset  # Gemma 3's per-head norms are (1 + w) norms too
+            self.q_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_heads), cfg.norm_eps, offset)
+            self.k_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_kv_heads), cfg.norm_eps, offset)
+        # None: SDPA's default 1/sqrt(head_dim).
+        self.scale = cfg.attention_multiplier
         # gpt-oss: one learned softmax logit per query head (see sink_attention); None costs nothing.
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if cfg.attn_sinks else None
         self.dropout = cfg.dropout
+        # Gemma: scores scaled by query_pre_attn_scalar ** -0.5, and optionally soft-capped (then
+        # `softcapped_attention` replaces SDPA).
+        if cfg.query_pre_attn_scalar is not None:
+            self.scale = cfg.query_pre_attn_scalar**-0.5
+        self.softcap = cfg.attn_logit_softcap
         # An encoder (BERT) attends both ways: mask None then means "every key", not "causal".
         self.causal = cfg.arch != "encoder"
         # SDPA's enable_gqa shares kv heads without materialising copies: same result as
@@ -199,6 +237,8 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)  # (B, T, Hkv, D)
+        if self.qk_head_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, D)
@@ -209,12 +249,17 @@ class Attention(nn.Module):
             k, v = k_buf[:, :, : pos + T], v_buf[:, :, : pos + T]  # (B, Hkv, S, D)
         if self.sinks is not None:  # the Transformer builds no BlockMask for a model with sinks
             p = self.dropout if self.training else 0.0
-            out = sink_attention(q, k, v, self.sinks, mask, self.causal, p)  # (B, H, T, D)
+            out = sink_attention(q, k, v, self.sinks, mask, self.causal, p, self.scale)  # (B, H, T, D)
             return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask
-            out = flex(q, k, v, mask, self.gqa)
+            out = flex(q, k, v, mask, self.gqa, self.scale)
             out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
             return self.wo(out)
+        if self.softcap is not None:
+            scale = self.scale if self.scale is not None else self.head_dim**-0.5
+            dropout = self.dropout if self.training else 0.0
+            out = softcapped_attention(q, k, v, mask, scale, self.softcap, dropout, self.causal)
+            return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         out = F.scaled_dot_product_attention(
             q,
             k,
@@ -223,6 +268,7 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=self.causal and mask is None and T > 1,
             enable_gqa=self.gqa,
+            scale=self.scale,
         )  # (B, H, T, D)
         out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, H*D)
         return self.wo(out)

@@ -27,7 +27,7 @@ from torch import nn
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
-from lmforge.models.hf import bert, gpt2, gpt_oss, llama, moe
+from lmforge.models.hf import bert, gemma, gpt2, gpt_oss, llama, moe, olmo2
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 
@@ -40,7 +40,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    return {t: fam for fam in (llama, gpt2, bert, moe, gpt_oss) for t in fam.MODEL_TYPES}
+    return {t: fam for fam in (llama, gpt2, bert, moe, olmo2, gemma, gpt_oss) for t in fam.MODEL_TYPES}
 
 
 def _family(model_type: Any) -> ModuleType:
@@ -137,6 +137,12 @@ def model_config_to_hf(
     return out
 
 
+def export_model_type(cfg: ModelConfig, model_type: str | None = None) -> str:
+    """The Hugging Face model_type `cfg` exports as (`model_type` checked if given); LmforgeError
+    naming what the family cannot write otherwise."""
+    return _export_family(cfg, model_type).model_type_for(cfg, model_type)
+
+
 def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
     family = _export_family_of(cfg, model_type)
     if family is not gpt_oss and (only := gpt_oss.foreign_features(cfg)):
@@ -151,6 +157,9 @@ def _export_family_of(cfg: ModelConfig, model_type: str | None) -> ModuleType:
         return _family(model_type)
     if gpt_oss.foreign_features(cfg):
         return gpt_oss
+    for fam in (olmo2, gemma):  # families recognised by block features of their own
+        if fam.claims(cfg):
+            return fam
     if cfg.moe is not None:
         return moe
     if cfg.arch == "encoder":
@@ -313,6 +322,8 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
               "resolved_d_ff", "norm", "norm_eps", "pos_embedding", "mlp", "bias", "qkv_bias",
               "tie_embeddings", "sliding_window", "rope_theta", "arch", "type_vocab_size", "position_offset",
               "qk_norm", "rotary_fraction", "attn_sinks"]
+    fields += ["norm_placement", "norm_weight_offset", "embed_scale", "attn_logit_softcap",  # OLMo 2, Gemma
+               "final_logit_softcap", "query_pre_attn_scalar", "layer_types", "rope_local_theta"]
     if ours.pos_embedding == "learned":
         fields.append("max_seq_len")  # the position table is a weight
     diffs = [

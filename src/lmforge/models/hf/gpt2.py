@@ -14,6 +14,7 @@ import torch
 
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
+from lmforge.models.hf.blockflags import feature_problems
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("gpt2",)
@@ -94,6 +95,7 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
         (cfg.rope_scaling is None, "rope_scaling is set"),
     )
     problems += [msg for ok, msg in checks if not ok]
+    problems += feature_problems(cfg)  # norm placement, Gemma's features: not in GPT-2
     if problems:
         raise LmforgeError("this model cannot be exported as Hugging Face 'gpt2': " + "; ".join(problems))
     return "gpt2"

@@ -17,6 +17,7 @@ import torch
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.models.hf import rope
+from lmforge.models.hf.blockflags import feature_problems
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -160,6 +161,7 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
             requested = "mistral"
         else:
             requested = "llama"
+    problems += feature_problems(cfg)  # norm placement, Gemma's features: not in these families
     if requested == "llama" and cfg.sliding_window is not None:
         problems.append("sliding_window is set (Llama has none: use mistral or qwen2)")
     if requested == "llama" and cfg.qkv_bias and not cfg.bias:

@@ -26,6 +26,7 @@ import torch
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.models.hf import llama
+from lmforge.models.hf.blockflags import feature_problems
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "olmoe")
@@ -168,6 +169,7 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
                              ("rotary_fraction", cfg.rotary_fraction, 1.0)):
         if value != want:
             problems.append(f"{key}={value} (needs {want})")
+    problems += feature_problems(cfg)  # norm placement, Gemma's features: not in these families
     if m.bias_balancing:
         problems.append("moe.bias_balancing routes with a learned per-expert bias that transformers' "
                         f"{requested} has no place for")
