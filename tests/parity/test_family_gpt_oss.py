@@ -1,6 +1,6 @@
-"""gpt-oss against transformers: tiny random GptOssForCausalLM models (every layer full attention: the
-alternating sliding window is refused here; default RoPE, and YaRN past its original context) import
-with equal float32 logits (1e-5),
+"""gpt-oss against transformers: tiny random GptOssForCausalLM models (transformers' default alternation of
+sliding-window and full layers with T past the window, and every layer full; default RoPE, and YaRN past
+its original context) import with equal float32 logits (1e-5),
 also left-padded; export to a dir transformers loads with equal logits; greedy generation through our KV
 cache equals transformers' generate; the router's balance loss equals transformers'. The two block flags
 are checked on their own: attention sinks (a sink of -inf is plain attention; packed rows attend as
@@ -27,11 +27,14 @@ V, T, ATOL = 96, 16, 1e-5
 BASE = dict(vocab_size=V, max_position_embeddings=64, pad_token_id=0, bos_token_id=None, eos_token_id=None,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 CASES = {
-    # GQA 4:2, head_dim 12 != 32 / 4, untied head, q/k/v/o biases, a clamp that binds (limit 0.5).
-    "gqa_untied_bias": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    # GQA 4:2, head_dim 12 != 32 / 4, untied head, q/k/v/o biases, a clamp that binds (limit 0.5);
+    # layer_types left to transformers' default (sliding, full), a window of 5 < T.
+    "gqa_untied_bias": dict(layer_types=None, sliding_window=5,
+                            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                             head_dim=12, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
                             tie_word_embeddings=False, attention_bias=True, swiglu_limit=0.5),
     # No GQA (5:5), head_dim 8 = 40 / 5, tied embeddings, no attention biases, top-3 of 5, other alpha;
+    # every layer full attention;
     # YaRN as the released models have it (truncate false), T = 16 past its original 8 positions.
     "mha_tied_nobias": dict(hidden_size=40, num_hidden_layers=3, num_attention_heads=5, num_key_value_heads=5,
                             head_dim=8, intermediate_size=20, num_local_experts=5, num_experts_per_tok=3,
@@ -45,7 +48,8 @@ CASES = {
 
 def hf_config(name: str, **over):
     kw = {**BASE, **CASES[name], **over}
-    kw.setdefault("layer_types", ["full_attention"] * kw["num_hidden_layers"])
+    if "layer_types" not in kw:
+        kw["layer_types"] = ["full_attention"] * kw["num_hidden_layers"]
     return transformers.GptOssConfig(**kw)
 
 
@@ -219,8 +223,9 @@ def test_moe_flags_off_add_no_parameters():
 
 
 @pytest.mark.parametrize("over,needle", [
-    ({"layer_types": None}, "layer_types"),  # transformers' default: sliding on every other layer
-    ({"layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "layer_types"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),  # one entry for two layers
+    ({"sliding_window": None}, "sliding_window"),  # sliding layers need a window
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
     ({"attention_dropout": 0.1}, "attention_dropout"),
 ])
@@ -241,15 +246,24 @@ def test_config_without_rope_parameters_is_transformers_default_yarn():
     assert got == ("yarn", 32.0, 4096, 32.0, 1.0, False)
 
 
-def test_import_cli_refuses_the_released_layout_with_exit_2(tmp_path, capsys):
+def test_import_cli_takes_the_released_layout_and_refuses_with_exit_2(tmp_path, capsys):
+    """transformers' defaults (alternating sliding / full layers, YaRN) import; a setting lmforge cannot
+    build is one error line and exit status 2, and nothing is written."""
     from lmforge.cli import main
 
-    src = tmp_path / "src"
-    transformers.GptOssForCausalLM(transformers.GptOssConfig(**{**CASES["gqa_untied_bias"], "vocab_size": V})
-                                   ).save_pretrained(src)
-    assert main(["import", str(src), str(tmp_path / "out")]) == 2
+    shape = {k: v for k, v in CASES["gqa_untied_bias"].items() if k not in ("layer_types", "sliding_window")}
+    released = transformers.GptOssConfig(**shape, vocab_size=V)
+    assert "sliding_attention" in released.layer_types and released.rope_parameters["rope_type"] == "yarn"
+    transformers.GptOssForCausalLM(released).save_pretrained(tmp_path / "released")
+    assert main(["import", str(tmp_path / "released"), str(tmp_path / "ok")]) == 0
+    cfg = hf_to_model_config(released.to_dict())
+    assert (cfg.layer_types, cfg.sliding_window, cfg.rope_scaling.type) == (released.layer_types, 128, "yarn")
+    transformers.GptOssForCausalLM(transformers.GptOssConfig(**shape, vocab_size=V, attention_dropout=0.1)
+                                   ).save_pretrained(tmp_path / "src")
+    capsys.readouterr()
+    assert main(["import", str(tmp_path / "src"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "lmforge import: error:" in err and "layer_types" in err
+    assert "lmforge import: error:" in err and "attention_dropout" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -12,8 +12,9 @@ gate in the even columns and up in the odd ones, `gate_up_proj_bias` (E, 2 * d_f
 `down_proj` (E, d_ff, d) and `down_proj_bias` (E, d). The same layout is written back.
 
 RoPE is YaRN in the released models (`truncate: false`), or any type models/hf/rope.py reads. Layers
-alternate sliding-window and full attention there; per-layer windows are not expressible here yet, so
-such configs are refused naming layer_types (every layer full_attention imports and exports exactly).
+alternate sliding-window and full attention there (layer_types; transformers' default starts with a
+sliding layer): our ModelConfig.layer_types with sliding_window; a model whose layers are all
+full_attention imports with neither set.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.models.hf import llama, rope
+from lmforge.models.hf.blockflags import OTHER_FLAGS_OFF, feature_problems
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("gpt_oss",)
@@ -78,10 +80,15 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     # transformers' default alternates sliding_attention and full_attention, starting with sliding.
     types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                       for i in range(n_layers)]
-    if any(t != "full_attention" for t in types):
-        unsupported("layer_types", types, "full_attention on every layer (per-layer sliding windows are not "
-                    "supported for gpt_oss yet)")
-    # sliding_window is read only by sliding_attention layers, of which there are none now.
+    if len(types) != n_layers or not set(types) <= {"full_attention", "sliding_attention"}:
+        unsupported("layer_types", types, f"{n_layers} entries, each full_attention or sliding_attention")
+    # sliding_window is read only by sliding_attention layers: without any, the model has neither.
+    window = None
+    if "sliding_attention" in types:
+        window = hf.get("sliding_window", _DEFAULTS["sliding_window"])
+        if window is None:
+            unsupported("sliding_window", None, "a window for the sliding_attention layers of layer_types")
+        window = int(window)
     rope_hf = dict(hf)
     if not (hf.get("rope_scaling") or hf.get("rope_parameters")):
         rope_hf["rope_parameters"] = _DEFAULT_ROPE  # what GptOssConfig builds without one
@@ -107,6 +114,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         norm_eps=float(_get(hf, "rms_norm_eps")), pos_embedding="rope", rope_theta=theta,
         rope_scaling=scaling, mlp="swiglu", bias=bool(_get(hf, "attention_bias")), qkv_bias=False,
         tie_embeddings=bool(_get(hf, "tie_word_embeddings")), dropout=0.0, attn_sinks=True, moe=moe,
+        sliding_window=window, layer_types=list(types) if window is not None else None,
     )
 
 
@@ -146,8 +154,11 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
         problems.append("qkv_bias without bias (gpt-oss's attention_bias covers q/k/v/o)")
     if cfg.qk_norm:
         problems.append("qk_norm (gpt-oss has none)")
-    if cfg.sliding_window is not None:
-        problems.append("sliding_window (per-layer windows are not exported for gpt_oss yet)")
+    if cfg.rotary_fraction != 1.0:
+        problems.append(f"rotary_fraction={cfg.rotary_fraction} (gpt-oss rotates whole heads)")
+    problems += feature_problems(cfg, {"layer_types": any})  # Gemma / OLMo 2 block features
+    problems += [f"{key}={getattr(cfg, key)!r} (gpt-oss has no such setting)" for key, off in OTHER_FLAGS_OFF
+                 if getattr(cfg, key) != off]
     if cfg.score_head:
         problems.append("score_head (no gpt-oss reward-model class here)")
     if problems:
@@ -160,6 +171,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """config.json keys of a gpt_oss model (checked by `model_type_for`)."""
     m = cfg.moe
     rope_dict, max_pos = rope.scaling_to_hf(cfg)
+    every = "sliding_attention" if cfg.sliding_window else "full_attention"
+    kinds = cfg.layer_types or [every] * cfg.n_layers
     return {
         "architectures": [ARCHITECTURE], "model_type": model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "intermediate_size": m.d_ff_expert or cfg.resolved_d_ff,
@@ -171,8 +184,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         "attention_bias": cfg.bias, "attention_dropout": 0.0, "hidden_act": "silu",
         "swiglu_alpha": m.swiglu_alpha, "swiglu_limit": m.swiglu_limit,
         "router_aux_loss_coef": m.aux_loss_coef, "output_router_logits": False,
-        # No layer reads sliding_window, but transformers builds the sliding mask whatever the layer types.
-        "layer_types": ["full_attention"] * cfg.n_layers, "sliding_window": _DEFAULTS["sliding_window"],
+        # Without sliding layers no layer reads sliding_window, but transformers builds the sliding mask
+        # whatever the layer types: it needs a value.
+        "layer_types": kinds, "sliding_window": cfg.sliding_window or _DEFAULTS["sliding_window"],
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {**rope_dict, "rope_theta": cfg.rope_theta},
     }
