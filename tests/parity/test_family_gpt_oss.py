@@ -148,11 +148,11 @@ def test_balance_loss_equals_transformers(hf_dir):
 # ------------------------------------------------------------------------------- the flags alone
 
 
-def _sink_pair() -> tuple[Transformer, Transformer]:
+def _sink_pair(**over) -> tuple[Transformer, Transformer]:
     """The same weights with and without attention sinks (sinks -inf: no weight, plain attention)."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=V, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=12, d_ff=40,
-                      max_seq_len=64, bias=True)
+                      max_seq_len=64, bias=True, **over)
     plain = build_model(cfg).eval()
     sinks = build_model(cfg.model_copy(update={"attn_sinks": True})).eval()
     missing = sinks.load_state_dict(plain.state_dict(), strict=False).missing_keys
@@ -160,8 +160,9 @@ def _sink_pair() -> tuple[Transformer, Transformer]:
     return plain, sinks
 
 
-def test_sinks_off_is_plain_attention_and_minus_inf_sinks_equal_it():
-    plain, sinks = _sink_pair()
+@pytest.mark.parametrize("over", [{}, {"attention_multiplier": 0.3}], ids=["sdpa_scale", "own_scale"])
+def test_sinks_off_is_plain_attention_and_minus_inf_sinks_equal_it(over):
+    plain, sinks = _sink_pair(**over)
     assert not any("sinks" in n for n, _ in plain.named_parameters())
     with torch.no_grad():
         for layer in sinks.layers:
@@ -274,6 +275,8 @@ def test_invalid_flag_combinations_and_foreign_exports_are_refused(tmp_path):
         MoEConfig(swiglu_limit=7.0)
     with pytest.raises(ValueError, match="attn_sinks"):
         ModelConfig(arch="encoder", pos_embedding="learned", attn_sinks=True)
+    with pytest.raises(ValueError, match="does not soft-cap"):
+        ModelConfig(attn_sinks=True, attn_logit_softcap=50.0)
     cfg = hf_to_model_config(hf_config("gqa_untied_bias").to_dict())
     for model_type in ("mixtral", "llama"):
         with pytest.raises(LmforgeError, match="attn_sinks.*only gpt_oss"):
