@@ -288,16 +288,18 @@ def test_invalid_flag_combinations_and_foreign_exports_are_refused(tmp_path):
     assert not (tmp_path / "plain").exists() or not any((tmp_path / "plain").iterdir())
 
 
-def test_parallel_splits_that_would_drop_sinks_or_expert_biases_are_refused():
+def test_tensor_parallel_would_split_the_heads_from_their_sinks_and_is_refused():
+    """(Expert parallelism splits gpt-oss's experts with their biases:
+    tests/distributed/test_family_gpt_oss_ep.py.)"""
     from lmforge.config.schema import ParallelConfig
     from lmforge.errors import ConfigError
     from lmforge.parallel.dims import ParallelDims
 
     cfg = hf_to_model_config(hf_config("gqa_untied_bias").to_dict())
     no_moe = cfg.model_copy(update={"moe": None})  # tp refuses any MoE first: the sinks alone
-    for model, key, needle in ((no_moe, "tp", "attn_sinks"), (cfg, "ep", "experts_bias")):
-        with pytest.raises(ConfigError, match=needle):
-            ParallelDims.resolve(ParallelConfig(**{key: 2}), world_size=2, model=model)
+    with pytest.raises(ConfigError, match="attn_sinks"):
+        ParallelDims.resolve(ParallelConfig(tp=2), world_size=2, model=no_moe)
+    ParallelDims.resolve(ParallelConfig(dp_replicate=2, ep=2), world_size=2, model=cfg)
 
 
 # ------------------------------------------------------------------------------------ fine-tuning

@@ -158,10 +158,6 @@ class ParallelDims:
         if ep > 1 and moe.n_experts % ep:
             raise ConfigError(f"model.moe.n_experts={moe.n_experts} is not divisible by parallel.ep={ep}: "
                               "each expert-parallel rank holds the same number of experts")
-        if ep > 1 and (moe.experts_bias or moe.expert_act != "swiglu"):
-            raise ConfigError(f"parallel.ep={ep} runs the experts as plain bias-free SwiGLU on each rank; "
-                              f"model.moe.experts_bias={moe.experts_bias} / expert_act={moe.expert_act} "
-                              "(gpt-oss experts) are not split yet: set parallel.ep=1")
         if self.pp > 1 and moe is not None:
             raise ConfigError(
                 f"parallel.pp={self.pp} with model.moe: the router's auxiliary losses and statistics are "
