@@ -237,6 +237,19 @@ def test_config_settings_lmforge_cannot_build_are_refused(over, needle):
         hf_to_model_config(hf)
 
 
+def test_absent_and_null_keys_read_as_transformers_reads_them():
+    hf = hf_config("gqa_untied_bias").to_dict()
+    for key in ("num_key_value_heads", "head_dim"):
+        del hf[key]
+    hf["num_attention_heads"] = 16  # a multiple of the default 8 kv heads
+    cfg = hf_to_model_config(hf)
+    assert (cfg.resolved_kv_heads, cfg.resolved_head_dim) == (8, 64)  # GptOssConfig's class defaults
+    # transformers 4.x wrote null for "derive it" (5.x's strict config refuses null): n_heads, d / n_heads.
+    hf.update(num_key_value_heads=None, head_dim=None)
+    cfg = hf_to_model_config(hf)
+    assert (cfg.resolved_kv_heads, cfg.resolved_head_dim) == (16, 32 // 16)
+
+
 def test_config_without_rope_parameters_is_transformers_default_yarn():
     hf = hf_config("gqa_untied_bias").to_dict()
     del hf["rope_parameters"]

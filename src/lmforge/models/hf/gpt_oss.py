@@ -96,9 +96,14 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     max_pos = int(_get(hf, "max_position_embeddings"))
     theta, scaling, long_len = llama._rope_from_hf(rope_hf, max_pos)
     d_model, n_heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    n_kv = int(_get(hf, "num_key_value_heads"))
-    head_dim = int(_get(hf, "head_dim"))
+    # GptOssConfig: an absent key takes the class default (8 kv heads, head_dim 64), an explicit null
+    # the derived value (n_heads, d_model // n_heads).
+    n_kv = hf.get("num_key_value_heads", _DEFAULTS["num_key_value_heads"])
+    n_kv = n_heads if n_kv is None else int(n_kv)
+    head_dim = hf.get("head_dim", _DEFAULTS["head_dim"])
+    head_dim = d_model // n_heads if head_dim is None else int(head_dim)
     n_experts = int(hf.get("num_local_experts", hf.get("num_experts", 128)))
+    # hidden_act is not read: transformers' gpt-oss experts apply their clamped SwiGLU whatever it says.
     moe = dict(
         n_experts=n_experts, top_k=int(_get(hf, "num_experts_per_tok")), router_score="softmax",
         norm_topk_prob=True,  # a softmax over the chosen logits is the renormalised full softmax
