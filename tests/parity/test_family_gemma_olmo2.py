@@ -32,16 +32,17 @@ CASES = {
     # OLMo 2: post-norm blocks, q/k norms over the whole projections; GQA 2, untied, head_dim 12 != 8.
     "olmo2": lambda: transformers.Olmo2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2,
                                               head_dim=12, tie_word_embeddings=False, rope_theta=500.0),
-    # OLMo 2 with plain multi-head attention, tied embeddings, head_dim = d_model / n_heads.
+    # OLMo 2 with plain multi-head attention, tied embeddings, head_dim = d_model / n_heads, q/k/v/o biases.
     "olmo2_mha_tied": lambda: transformers.Olmo2Config(**COMMON, num_attention_heads=4, num_key_value_heads=4,
-                                                       tie_word_embeddings=True),
+                                                       tie_word_embeddings=True, attention_bias=True),
     # Gemma 2: soft-capped scores (small cap, so it binds) and logits, sliding / full / sliding layers.
     "gemma2": lambda: transformers.Gemma2Config(**COMMON, **GEMMA, num_attention_heads=4,
                                                 num_key_value_heads=2, attn_logit_softcapping=3.0,
                                                 final_logit_softcapping=4.0),
-    # Gemma 2, untied, MHA, its own layer pattern, no soft-capping.
+    # Gemma 2, untied, MHA, its own layer pattern, no soft-capping, q/k/v/o biases.
     "gemma2_mha_untied": lambda: transformers.Gemma2Config(
         **COMMON, **GEMMA, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
+        attention_bias=True,
         layer_types=["full_attention", "sliding_attention", "sliding_attention"], attn_logit_softcapping=None,
         final_logit_softcapping=None),
     # Gemma 3: per-head (1 + w) q/k norms; sliding layers rotate with their own base (100), the full
@@ -50,24 +51,25 @@ CASES = {
         **COMMON, **GEMMA, num_attention_heads=4, num_key_value_heads=2, rope_theta=1000.0,
         rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
         layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-    # Gemma 3, MHA, untied, transformers' default layer pattern (here every layer slides), soft-capped logits.
+    # Gemma 3, MHA, untied, transformers' default layer pattern (here every layer slides), soft-capped
+    # logits, q/k/v/o biases.
     "gemma3_mha_untied": lambda: transformers.Gemma3TextConfig(
         **COMMON, **GEMMA, num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False,
-        final_logit_softcapping=5.0),
+        final_logit_softcapping=5.0, attention_bias=True),
 }
 CLASSES = {"olmo2": "Olmo2ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def randomize(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights; norm weights around their identity ((1 + w) norms: around 0). Embeddings are
-    small (Gemma scales them by sqrt(d_model)): with tied embeddings, large ones make a random model
-    repeat its input token, and greedy generation would check little."""
+    """Random weights; norm weights around their identity ((1 + w) norms: around 0). Embeddings and
+    biases are small (Gemma scales embeddings by sqrt(d_model)): large ones make a random model repeat
+    one token, and greedy generation would check little."""
     g = torch.Generator().manual_seed(seed)
     offset = 0.0 if model.config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=g)
-            std = 0.05 if "embed" in name else 0.2
+            std = 0.05 if "embed" in name or name.endswith("bias") else 0.2
             p.copy_(offset + 0.1 * noise if "norm" in name else std * noise)
 
 
@@ -88,7 +90,10 @@ def _ids(seed: int = 0, n: int = 2, t: int = T) -> torch.Tensor:
 
 
 def test_import_gives_equal_logits(family):
+    from lmforge.models.flops import count_params
+
     _, _, hf, ours = family
+    assert count_params(ours.cfg) == sum(p.numel() for p in ours.parameters())  # sandwich: 4 norms a block
     ids = _ids()
     with torch.no_grad():
         ref = hf(ids).logits
@@ -302,18 +307,26 @@ def test_impossible_combinations_are_refused(kw, needle):
 
 
 @pytest.mark.parametrize("case,key,value", [
-    ("olmo2", "attention_bias", True),
     ("olmo2", "hidden_act", "gelu"),
     ("gemma2", "hidden_activation", "gelu"),
     ("gemma2", "use_bidirectional_attention", True),
     ("gemma2", "attention_dropout", 0.1),
     ("gemma2", "sliding_window", None),
     ("gemma3", "attn_logit_softcapping", 20.0),
+    ("gemma3", "layer_types", "sliding_attention"),
 ])
 def test_hf_settings_lmforge_cannot_build_are_refused(case, key, value):
     hf = CASES[case]().to_dict()
     hf[key] = value
     with pytest.raises(LmforgeError, match=key):
+        hf_to_model_config(hf)
+
+
+def test_gemma3_bad_layer_pattern_is_refused():
+    hf = CASES["gemma3"]().to_dict()
+    del hf["layer_types"]
+    hf["sliding_window_pattern"] = 0
+    with pytest.raises(LmforgeError, match="sliding_window_pattern"):
         hf_to_model_config(hf)
 
 
@@ -354,6 +367,17 @@ def test_refused_import_exits_2_and_keeps_the_source(tmp_path, capsys):
     assert "hidden_activation='gelu'" in err and "Traceback" not in err
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == before
     assert not (tmp_path / "out").exists()
+
+
+def test_biases_outside_attention_are_refused_on_export(tmp_path):
+    from lmforge.models.transformer import build_model
+
+    for family, kw in (("olmo2", dict(norm_placement="post", qk_norm=True)),
+                       ("gemma2", dict(norm_placement="sandwich", norm_weight_offset=1.0, embed_scale=True,
+                                       mlp="geglu"))):
+        for bias, needle in ((dict(bias=True), "bias=true"), (dict(qkv_bias=True), "attn_out_bias=False")):
+            with pytest.raises(LmforgeError, match=needle):
+                to_hf(build_model(_cfg(**kw, **bias)), tmp_path / family, model_type=family)
 
 
 def test_export_as_a_family_without_the_features_is_refused(family, tmp_path):
@@ -560,3 +584,27 @@ def test_default_layer_pattern_matches_transformers(model_type, n_layers, extra)
     raw = {k: v for k, v in theirs.to_dict().items() if k not in ("layer_types", "_sliding_window_pattern")}
     assert hf_to_model_config(raw).layer_types == theirs.layer_types
     assert "full_attention" in theirs.layer_types and "sliding_attention" in theirs.layer_types
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8},
+], ids=lambda s: s["rope_type"])
+def test_gemma3_scaled_rope_on_full_layers_only(tmp_path, scaling):
+    """Gemma 3's other RoPE scalings apply to the full-attention layers alone, as transformers applies
+    them (dynamic NTK past its original 16 positions too)."""
+    config = transformers.Gemma3TextConfig(
+        **{**COMMON, "max_position_embeddings": 16}, **GEMMA, num_attention_heads=4, num_key_value_heads=2,
+        rope_theta=1000.0, rope_local_base_freq=100.0, rope_scaling=scaling,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    hf = transformers.Gemma3ForCausalLM(config).eval()
+    randomize(hf)
+    hf.save_pretrained(tmp_path)
+    ours = from_hf(tmp_path).eval()
+    assert ours.cfg.rope_scaling.type == scaling["rope_type"] and ours.cfg.rope_local_theta == 100.0
+    ids = _ids(t=30 if scaling["rope_type"] == "dynamic" else 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=0, atol=ATOL)

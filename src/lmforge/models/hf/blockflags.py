@@ -26,7 +26,7 @@ _FEATURES: dict[str, tuple[Any, str]] = {
 # Other areas' block flags (issue 34: Qwen3 / Granite / SmolLM3) that OLMo 2 and Gemma do not have:
 # (flag, its off value).
 OTHER_FLAGS_OFF: tuple[tuple[str, Any], ...] = (
-    ("attn_out_bias", False), ("embedding_multiplier", 1.0), ("residual_multiplier", 1.0),
+    ("embedding_multiplier", 1.0), ("residual_multiplier", 1.0),
     ("attention_multiplier", None), ("logits_scaling", 1.0), ("nope_layers", []),
 )
 
@@ -60,13 +60,27 @@ def shape_kwargs(hf: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]
     )
 
 
+def attention_bias(hf: dict[str, Any]) -> dict[str, Any]:
+    """attention_bias: biases on q/k/v/o and none in the MLP, our qkv_bias + attn_out_bias."""
+    on = bool(hf.get("attention_bias", False))
+    return dict(qkv_bias=on, attn_out_bias=on)
+
+
+def attention_bias_problems(cfg: ModelConfig) -> list[str]:
+    """What keeps `cfg`'s biases from being one attention_bias flag (q/k/v/o together, none elsewhere)."""
+    if cfg.bias:
+        return ["bias=true (biases in the MLP too; these families have attention biases only: set qkv_bias "
+                "and attn_out_bias)"]
+    if cfg.qkv_bias != cfg.attn_out_bias:
+        return [f"qkv_bias={cfg.qkv_bias} with attn_out_bias={cfg.attn_out_bias} (attention_bias puts biases "
+                "on q/k/v/o together)"]
+    return []
+
+
 def refuse_common(hf: dict[str, Any]) -> None:
     """The settings of both families that our blocks do not build."""
     if float(hf.get("attention_dropout") or 0.0) > 0:
         unsupported("attention_dropout", hf["attention_dropout"],
                     "0.0 (lmforge's one dropout also acts on residuals and embeddings: set model.dropout)")
-    if hf.get("attention_bias"):
-        # q/k/v/o biases without MLP biases: our `bias` also adds them to the MLP, `qkv_bias` omits o_proj.
-        unsupported("attention_bias", hf["attention_bias"], "false (no attention biases)")
     if hf.get("use_bidirectional_attention"):
         unsupported("use_bidirectional_attention", hf["use_bidirectional_attention"], "false (causal)")

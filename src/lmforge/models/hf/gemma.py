@@ -24,7 +24,14 @@ import torch
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.models.hf import llama
-from lmforge.models.hf.blockflags import OTHER_FLAGS_OFF, feature_problems, refuse_common, shape_kwargs
+from lmforge.models.hf.blockflags import (
+    OTHER_FLAGS_OFF,
+    attention_bias,
+    attention_bias_problems,
+    feature_problems,
+    refuse_common,
+    shape_kwargs,
+)
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("gemma2", "gemma3_text")
@@ -49,10 +56,10 @@ KEYS = KeyMap([
     ("layers.{i}.attn_post_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
     ("layers.{i}.mlp_norm.weight", "model.layers.{i}.pre_feedforward_layernorm.weight"),
     ("layers.{i}.mlp_post_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
-    ("layers.{i}.attn.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.attn.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.attn.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.attn.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attn.wq.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
+    ("layers.{i}.attn.wk.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
+    ("layers.{i}.attn.wv.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
+    ("layers.{i}.attn.wo.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
     ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
     ("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
     ("layers.{i}.mlp.w_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
@@ -74,6 +81,8 @@ def _layer_types(hf: dict[str, Any], n_layers: int) -> list[str]:
     if types is None:
         # Gemma 2 slides on even layers; Gemma 3 on all but every sliding_window_pattern-th.
         pattern = 2 if hf["model_type"] == "gemma2" else int(_get(hf, "sliding_window_pattern"))
+        if pattern < 1:
+            unsupported("sliding_window_pattern", pattern, "a positive integer (every n-th layer is full)")
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
     bad = sorted(set(types) - {"sliding_attention", "full_attention"})
     if bad or len(types) != n_layers:
@@ -142,7 +151,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         attn_logit_softcap=None if attn_cap is None else float(attn_cap),
         final_logit_softcap=None if final_cap is None else float(final_cap),
         layer_types=types, rope_local_theta=local_theta,
-        **_qk_norm_kwargs(model_type),
+        **_qk_norm_kwargs(model_type), **attention_bias(hf),
     )
 
 
@@ -163,9 +172,9 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
     allowed = {"norm_placement": "sandwich", "norm_weight_offset": 1.0, "embed_scale": True,
                "query_pre_attn_scalar": any, "layer_types": any, "final_logit_softcap": any,
                "attn_logit_softcap": None if gemma3 else any, "rope_local_theta": any if gemma3 else None}
-    problems = feature_problems(cfg, allowed)
-    wants = (("norm", "rmsnorm"), ("mlp", "geglu"), ("pos_embedding", "rope"), ("bias", False),
-             ("qkv_bias", False), ("qk_norm", gemma3), ("moe", None), ("score_head", False),
+    problems = feature_problems(cfg, allowed) + attention_bias_problems(cfg)
+    wants = (("norm", "rmsnorm"), ("mlp", "geglu"), ("pos_embedding", "rope"), ("qk_norm", gemma3),
+             ("moe", None), ("score_head", False),
              *OTHER_FLAGS_OFF)
     if gemma3:
         wants += (("qk_norm_scope", "head"),)
@@ -188,7 +197,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     out.update(
         architectures=[ARCHITECTURES[model_type]], model_type=model_type,
         hidden_activation="gelu_pytorch_tanh",
-        attention_bias=False, use_bidirectional_attention=False, layer_types=types,
+        attention_bias=cfg.qkv_bias, use_bidirectional_attention=False, layer_types=types,
         sliding_window=cfg.sliding_window,
         query_pre_attn_scalar=cfg.query_pre_attn_scalar or cfg.resolved_head_dim,
         attn_logit_softcapping=cfg.attn_logit_softcap, final_logit_softcapping=cfg.final_logit_softcap,

@@ -4,6 +4,7 @@ A Llama-style decoder (SwiGLU, RoPE, RMSNorm) with two differences, both flags o
   post-norm blocks, x + norm(attn(x)) and x + norm(mlp(x)), with no norm on the inputs
       (our norm_placement=post: `post_attention_layernorm` / `post_feedforward_layernorm`);
   one RMSNorm over the whole q and k projections before RoPE (our qk_norm, as OLMoE).
+attention_bias puts biases on q/k/v/o and none in the MLP: our qkv_bias + attn_out_bias (as in Gemma).
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import torch
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.models.hf import llama
-from lmforge.models.hf.blockflags import OTHER_FLAGS_OFF, feature_problems, refuse_common, shape_kwargs
+from lmforge.models.hf.blockflags import (
+    OTHER_FLAGS_OFF,
+    attention_bias,
+    attention_bias_problems,
+    feature_problems,
+    refuse_common,
+    shape_kwargs,
+)
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("olmo2",)
@@ -30,10 +38,10 @@ KEYS = KeyMap([
     ("output.weight", "lm_head.weight"),
     ("layers.{i}.attn_post_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
     ("layers.{i}.mlp_post_norm.weight", "model.layers.{i}.post_feedforward_layernorm.weight"),
-    ("layers.{i}.attn.wq.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.attn.wk.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.attn.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.attn.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.attn.wq.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
+    ("layers.{i}.attn.wk.{p}", "model.layers.{i}.self_attn.k_proj.{p}"),
+    ("layers.{i}.attn.wv.{p}", "model.layers.{i}.self_attn.v_proj.{p}"),
+    ("layers.{i}.attn.wo.{p}", "model.layers.{i}.self_attn.o_proj.{p}"),
     ("layers.{i}.attn.q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
     ("layers.{i}.attn.k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
     ("layers.{i}.mlp.w_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
@@ -56,7 +64,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         norm_eps=float(hf.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"])),
         pos_embedding="rope", rope_theta=theta, rope_scaling=scaling, mlp="swiglu",
         tie_embeddings=bool(hf.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])),
-        dropout=0.0, norm_placement="post", qk_norm=True,
+        dropout=0.0, norm_placement="post", qk_norm=True, **attention_bias(hf),
     )
 
 
@@ -68,9 +76,9 @@ def claims(cfg: ModelConfig) -> bool:
 def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
     """'olmo2', after checking that `cfg` is an OLMo 2; LmforgeError naming what is not."""
     requested = requested or "olmo2"
-    problems = feature_problems(cfg, {"norm_placement": "post"})
+    problems = feature_problems(cfg, {"norm_placement": "post"}) + attention_bias_problems(cfg)
     for key, want in (("norm", "rmsnorm"), ("mlp", "swiglu"), ("pos_embedding", "rope"), ("qk_norm", True),
-                      ("bias", False), ("qkv_bias", False), ("sliding_window", None), ("moe", None),
+                      ("sliding_window", None), ("moe", None),
                       ("score_head", False), ("qk_norm_scope", "all"), *OTHER_FLAGS_OFF):
         if getattr(cfg, key) != want:
             problems.append(f"{key}={getattr(cfg, key)} (OLMo 2 has {key}={want})")
@@ -81,11 +89,11 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
 
 
 def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
-    """config.json keys of OLMo 2: Llama's shape and RoPE keys, no biases."""
+    """config.json keys of OLMo 2: Llama's shape and RoPE keys, attention_bias for q/k/v/o biases."""
     out = llama.config_to_hf(cfg, "llama")
     for key in ("attention_bias", "mlp_bias"):
         out.pop(key, None)
-    out.update(architectures=["Olmo2ForCausalLM"], model_type="olmo2", attention_bias=False)
+    out.update(architectures=["Olmo2ForCausalLM"], model_type="olmo2", attention_bias=cfg.qkv_bias)
     return out
 
 
