@@ -191,6 +191,19 @@ class MoEConfig(Section):
     dense_layers: int = Field(
         0, ge=0, description="The first dense_layers blocks keep a dense SwiGLU MLP of model.d_ff instead of "
         "the mixture (DeepSeek-V3's first_k_dense_replace).")
+    # [issue-34 area: gpt-oss] router and expert biases, the clamped SwiGLU
+    router_bias: bool = Field(False, description="The router's gate has a learned bias, added to its logits "
+                              "(gpt-oss's router.bias).")
+    experts_bias: bool = Field(False, description="Every expert's gate, up and down projections have biases "
+                               "(gpt-oss's gate_up_proj_bias / down_proj_bias).")
+    expert_act: Literal["swiglu", "clamped_swiglu"] = Field(
+        "swiglu", description="swiglu: silu(gate) * up; clamped_swiglu (gpt-oss): gate clamped to at most "
+        "swiglu_limit, up to [-swiglu_limit, swiglu_limit], then (up + 1) * gate * sigmoid(swiglu_alpha * "
+        "gate).")
+    swiglu_alpha: float | None = Field(
+        None, gt=0.0, description="clamped_swiglu: the sigmoid's gain (gpt-oss 1.702); set only with it.")
+    swiglu_limit: float | None = Field(
+        None, gt=0.0, description="clamped_swiglu: the clamp bound (gpt-oss 7.0); set only with it.")
 
     @model_validator(mode="after")
     def _check(self) -> MoEConfig:
@@ -211,6 +224,12 @@ class MoEConfig(Section):
             if self.topk_group > self.n_group or self.top_k > self.topk_group * per:
                 raise ValueError(f"moe.topk_group={self.topk_group} must be <= n_group={self.n_group} and "
                                  f"leave at least top_k={self.top_k} experts ({per} per group)")
+        clamped = self.expert_act == "clamped_swiglu"
+        if clamped != (self.swiglu_alpha is not None) or clamped != (self.swiglu_limit is not None):
+            raise ValueError(
+                f"moe.expert_act={self.expert_act} with swiglu_alpha={self.swiglu_alpha}, swiglu_limit="
+                f"{self.swiglu_limit}: clamped_swiglu needs both set (gpt-oss: 1.702 and 7.0); swiglu uses "
+                "neither, so leave them unset")
         return self
 
 
@@ -414,6 +433,10 @@ class ModelConfig(Section):
         None, description="Multi-head latent attention in place of every block's attention (None: "
         "grouped-query attention); n_kv_heads and head_dim then stay unset.")
     # [issue-34 area: gpt-oss]
+    attn_sinks: bool = Field(
+        False, description="A learned logit per query head that joins every attention softmax's denominator "
+        "(a sink that adds no value: gpt-oss's sinks). Attention then runs as explicit maths (scores "
+        "materialised), not through SDPA.")
 
     @model_validator(mode="before")
     @classmethod
@@ -450,6 +473,12 @@ class ModelConfig(Section):
             raise ValueError("quant.head=true quantizes an untied output head; this model ties it to the "
                              "embeddings (tie_embeddings=true), which stay in full precision: set "
                              "quant.head=false")
+        if self.attn_sinks and self.arch == "encoder":
+            raise ValueError("model.attn_sinks applies to the decoder's attention; model.arch=encoder has no "
+                             "sinks: set attn_sinks=false")
+        if self.attn_sinks and self.attn_logit_softcap is not None:
+            raise ValueError(f"model.attn_sinks with attn_logit_softcap={self.attn_logit_softcap}: the sink "
+                             "attention does not soft-cap its scores; unset one of them")
         self._check_gemma_olmo2()
         return self
 

@@ -203,6 +203,8 @@ class Transformer(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, mean=0.0, std=edge_std)
+            elif isinstance(m, Attention) and m.sinks is not None:
+                nn.init.zeros_(m.sinks)  # a sink logit of 0: weight exp(0) beside the keys' at the start
             elif isinstance(m, GroupedExperts):
                 m.init_weights(cfg.init, std, out_std)
             elif isinstance(m, Router) and m.expert_bias is not None:
@@ -292,6 +294,8 @@ class Transformer(nn.Module):
         if self.cfg.attn_logit_softcap is not None:
             return "mask"  # soft-capped scores run the explicit attention, which takes a dense mask
         dropout = self.cfg.dropout if self.training else 0.0
+        if self.cfg.attn_sinks:
+            return "mask"  # flex attention has no sink logit: sink_attention takes the dense mask
         return packed_kernel(self.packed_attention, device, dropout, self.cfg.resolved_head_dim)
 
     def _mask(

@@ -168,6 +168,9 @@ class ParallelDims:
             raise ConfigError(f"parallel.tp={self.tp} with model.mla: the tensor-parallel plan splits the "
                               "q/k/v projections of grouped-query attention, which latent attention has not; "
                               "set parallel.tp=1 (data parallelism or FSDP split it)")
+        if self.tp > 1 and model.attn_sinks:
+            raise ConfigError(f"parallel.tp={self.tp} with model.attn_sinks: the per-head sink logits are "
+                              "not split with the heads; set parallel.tp=1")
         if self.tp > 1 and (moe is not None or model.qk_norm):
             what = "model.moe (the tensor-parallel plan splits a dense MLP)" if moe is not None else \
                 "model.qk_norm (not in the tensor-parallel plan: an RMSNorm over the whole q/k projection, " \

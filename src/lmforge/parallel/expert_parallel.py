@@ -111,8 +111,11 @@ def _ep_forward(experts: nn.Module, group: ProcessGroup) -> Callable[..., torch.
     def local_experts(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # The model's own expert maths on this rank's weight shards: to_local's backward hands their
         # gradients to the DTensor parameters.
+        biases = None
+        if experts.has_bias:  # sharded over the experts like the weights
+            biases = tuple(b.to_local() for b in (experts.b_gate, experts.b_up, experts.b_down))
         return grouped_swiglu(rows, counts, experts.w_gate.to_local(), experts.w_up.to_local(),
-                              experts.w_down.to_local())
+                              experts.w_down.to_local(), biases=biases, clamp=experts.clamp)
 
     def forward(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return dispatch_combine(local_experts, x, counts, group)

@@ -155,6 +155,37 @@ def softcapped_attention(
     return torch.matmul(weights, v)  # (B, H, T, D)
 
 
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor,
+                   mask: torch.Tensor | None, causal: bool, dropout: float,
+                   scale: float | None = None) -> torch.Tensor:
+    """Attention whose softmax has one more logit per query head, `sinks` (H,), which takes weight but
+    contributes no value: softmax([q.k * scale for each key, sink]) without the sink's column (scale
+    None: 1 / sqrt(D), as SDPA's).
+
+    q (B, H, T, D), k and v (B, Hkv, S, D), mask as Attention.forward takes it (a tensor or None) ->
+    (B, H, T, D). SDPA has no place for the extra logit, so the scores are materialised; they are
+    softmaxed in float32 (also under bf16), where an all-masked row is well defined (all weight on the sink).
+    """
+    assert mask is None or isinstance(mask, torch.Tensor), "a dense mask, not a BlockMask"
+    B, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = H // Hkv
+    # Query heads grouped by the kv head they share (head h reads kv head h // G, as SDPA's enable_gqa).
+    scores = q.view(B, Hkv, G, T, D) @ k.unsqueeze(2).transpose(-2, -1)  # (B, Hkv, G, T, S)
+    scores = scores.float() * (D**-0.5 if scale is None else scale)
+    if mask is None and causal and T > 1:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril()  # SDPA's is_causal (top-left)
+    if mask is not None:
+        mask = mask if mask.dim() == 2 else mask.unsqueeze(2)  # (T, S) or (B, 1, 1, T, S)
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, Hkv, G, 1, 1).expand(B, Hkv, G, T, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :S]  # (B, Hkv, G, T, S)
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout)
+    out = probs.to(v.dtype) @ v.unsqueeze(2)  # (B, Hkv, G, T, D)
+    return out.view(B, H, T, D)
+
+
 class Attention(nn.Module):
     """Causal self-attention with optional RoPE, grouped-query heads and biases.
 
@@ -181,6 +212,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim * (1 if per_head else self.n_kv_heads), cfg.norm_eps, offset)
         # None: SDPA's default 1/sqrt(head_dim).
         self.scale = cfg.attention_multiplier
+        # gpt-oss: one learned softmax logit per query head (see sink_attention); None costs nothing.
+        self.sinks = nn.Parameter(torch.empty(self.n_heads)) if cfg.attn_sinks else None
         self.dropout = cfg.dropout
         # Gemma: scores scaled by query_pre_attn_scalar ** -0.5, and optionally soft-capped (then
         # `softcapped_attention` replaces SDPA).
@@ -227,6 +260,10 @@ class Attention(nn.Module):
             k_buf[:, :, pos : pos + T] = k
             v_buf[:, :, pos : pos + T] = v
             k, v = k_buf[:, :, : pos + T], v_buf[:, :, : pos + T]  # (B, Hkv, S, D)
+        if self.sinks is not None:  # the Transformer builds no BlockMask for a model with sinks
+            p = self.dropout if self.training else 0.0
+            out = sink_attention(q, k, v, self.sinks, mask, self.causal, p, self.scale)  # (B, H, T, D)
+            return self.wo(out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask
             out = flex(q, k, v, mask, self.gqa, self.scale)
             out = out.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)

@@ -33,6 +33,7 @@ from lmforge.models.hf import (
     deepseek,
     gemma,
     gpt2,
+    gpt_oss,
     granite,
     llama,
     moe,
@@ -55,7 +56,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    families = (llama, gpt2, bert, moe, qwen3, granite, smollm3, phi3, deepseek, olmo2, gemma)
+    families = (llama, gpt2, bert, moe, qwen3, granite, smollm3, phi3, deepseek, olmo2, gemma, gpt_oss)
     return {t: fam for fam in families for t in fam.MODEL_TYPES}
 
 
@@ -160,11 +161,22 @@ def export_model_type(cfg: ModelConfig, model_type: str | None = None) -> str:
 
 
 def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
+    family = _export_family_of(cfg, model_type)
+    if family is not gpt_oss and (only := gpt_oss.foreign_features(cfg)):
+        name = model_type or family.MODEL_TYPES[0]
+        raise LmforgeError(f"this model cannot be exported as Hugging Face {name!r}: {', '.join(only)} (only "
+                           "gpt_oss has them)")
+    return family
+
+
+def _export_family_of(cfg: ModelConfig, model_type: str | None) -> ModuleType:
     model_type = model_type or cfg.hf_model_type
     if model_type is not None:
         return _family(model_type)
     if cfg.mla is not None:
         return deepseek
+    if gpt_oss.foreign_features(cfg):
+        return gpt_oss
     for fam in (olmo2, gemma):  # families recognised by block features of their own
         if fam.claims(cfg):
             return fam
@@ -390,7 +402,9 @@ def _moe_signature(cfg: ModelConfig) -> dict[str, Any] | None:
     return dict(n_experts=m.n_experts, top_k=m.top_k, d_ff_expert=expert_d_ff(cfg),
                 shared_d_ff=shared_d_ff(cfg), shared_gate=m.shared_gate, router_score=m.router_score,
                 norm_topk_prob=m.norm_topk_prob, n_group=m.n_group, topk_group=m.topk_group,
-                routed_scaling=m.routed_scaling, dense_layers=m.dense_layers)
+                routed_scaling=m.routed_scaling, dense_layers=m.dense_layers, router_bias=m.router_bias,
+                experts_bias=m.experts_bias, expert_act=m.expert_act, swiglu_alpha=m.swiglu_alpha,
+                swiglu_limit=m.swiglu_limit)
 
 
 def _rope_signature(cfg: ModelConfig) -> dict[str, Any] | None:
