@@ -54,10 +54,14 @@ FAMILIES = {
         num_key_value_heads=4, intermediate_size=64, moe_intermediate_size=24, n_routed_experts=4,
         num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
         q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8, v_head_dim=8, pad_token_id=0)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+        attention_bias=True, pad_token_id=0)),
 }
-# LoRA targets whose adapters have a PEFT form (DeepSeek-V3: its attention; peft reads any MLP target
-# there as the routed experts); the rest adapt every block linear.
-TARGETS = {"deepseek_v3": "[q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]"}
+# LoRA targets whose adapters have a PEFT form (DeepSeek-V3: its attention, as peft reads any MLP target
+# there as the routed experts; gpt-oss: its attention); the rest adapt every block linear.
+TARGETS = {"deepseek_v3": "[q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]",
+           "gpt_oss": "[q_proj,k_proj,v_proj,o_proj]"}
 
 
 @pytest.fixture(scope="module")
