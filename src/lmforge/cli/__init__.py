@@ -515,8 +515,9 @@ VERBS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
                          "checkpoint"),
     "server": (cmd_server, "a REST job server: submit, watch (SSE), cancel, resume and download runs with "
                "bearer tokens (`server token create`); OpenAPI docs at /docs"),
-    "import": (cmd_import, "convert a Hugging Face model dir (Llama, Mistral, Qwen2/3, Granite, SmolLM3, "
-               "GPT-2, mixtures of experts, ...) to an lmforge run"),
+    "import": (cmd_import, "convert a Hugging Face model dir (Llama, Mistral, Qwen2/3, Gemma 2/3, Phi-3/4, "
+               "OLMo 2, Granite, SmolLM3, GPT-2, DeepSeek-V3, gpt-oss, mixtures of experts, BERT) to an "
+               "lmforge run"),
     "export": (cmd_export, "write a run, checkpoint or imported model as a Hugging Face model dir"),
     "merge": (cmd_merge, "fold a LoRA / DoRA / QLoRA run's adapters into its weights: a new run dir"),
     "prune": (cmd_prune, "prune a run (magnitude, 2:4, whole heads or MLP channels), optionally with a short "
