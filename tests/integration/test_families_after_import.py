@@ -1,8 +1,9 @@
 """Everything after import works on every family lmforge opens: for a tiny random checkpoint of each
 Hugging Face model type, saved by transformers with a tokenizer and a ChatML template, `lmforge import`,
-then LoRA SFT with its adapters exported to PEFT (PeftModel's logits equal lmforge's within 1e-5), QLoRA
-SFT, DPO (LoRA), `generate --chat`, full SFT exported to Hugging Face (transformers' logits equal within
-1e-5), GRPO, task evaluation, int8 quantization, and an OpenAI-compatible server answering a chat request.
+then LoRA and DoRA SFT with the adapters exported to PEFT (PeftModel's logits equal lmforge's within
+1e-5), QLoRA SFT, DPO (LoRA), `generate --chat`, full SFT exported to Hugging Face (transformers' logits
+equal within 1e-5), GRPO, task evaluation, int8 quantization, and an OpenAI-compatible server answering
+a chat request.
 
 The README's families table cites this file for the columns after import. One family per parameter;
 the per-family parity of the model itself (logits, generation) lives in tests/parity/."""
@@ -110,10 +111,11 @@ def _train(verb: str, run, base, data, *extra: str, targets: str = "[all-linear]
     assert main([verb, *_sets(*common, f"finetune.targets={targets}", *inputs, *extra)]) == 0
 
 
-def test_lora_sft_exports_to_peft_with_equal_logits(family, data, tmp_path):
+@pytest.mark.parametrize("method", ["lora", "dora"])
+def test_lora_and_dora_sft_export_to_peft_with_equal_logits(family, data, tmp_path, method):
     name, root = family
-    run = tmp_path / "lora"
-    _train("sft", run, root / "imported", data, "finetune.method=lora",
+    run = tmp_path / method
+    _train("sft", run, root / "imported", data, f"finetune.method={method}",
            targets=TARGETS.get(name, "[all-linear]"))
     out = tmp_path / "export"
     assert main(["export", str(run), str(out), "--adapter"]) == 0
