@@ -35,6 +35,11 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(intermediate_size=64)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(intermediate_size=48, num_local_experts=4,
                                                             num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        intermediate_size=64, moe_intermediate_size=24, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(intermediate_size=24, num_experts=4,
+                                                      num_experts_per_tok=2, pad_token_id=0)),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(intermediate_size=64, head_dim=16)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(intermediate_size=64, head_dim=16,
                                                                 moe_intermediate_size=24, num_experts=4,
@@ -60,9 +65,10 @@ FAMILIES = {
         attention_bias=True, pad_token_id=0)),
 }
 # LoRA targets whose adapters have a PEFT form (DeepSeek-V3: its attention, as peft reads any MLP target
-# there as the routed experts; gpt-oss: its attention); the rest adapt every block linear.
+# there as the routed experts; gpt-oss: its attention; Qwen2-MoE: its attention, as its shared expert's
+# adapters have no PEFT names yet, which export refuses by name); the rest adapt every block linear.
 TARGETS = {"deepseek_v3": "[q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj]",
-           "gpt_oss": "[q_proj,k_proj,v_proj,o_proj]"}
+           "gpt_oss": "[q_proj,k_proj,v_proj,o_proj]", "qwen2_moe": "[q_proj,k_proj,v_proj,o_proj]"}
 
 
 @pytest.fixture(scope="module")
