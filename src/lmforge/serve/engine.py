@@ -326,10 +326,7 @@ class Engine:
         """Prefill prompt p (once per prompt), place choice `index` in the next slot and sample its
         first token."""
         if p not in req.prefills:
-            ids = torch.tensor([req.prompts[p]], dtype=torch.long, device=self.device)  # (1, L)
-            cache = KVCache(self.model, 1, ids.shape[1], device=self.device, dtype=self.dtype)
-            logits = self.model(ids, cache=cache)[:, -1]  # (1, V)
-            req.prefills[p] = (cache.k, cache.v, logits)
+            req.prefills[p] = self._prefill(req, p)
         ks, vs, logits = req.prefills[p]
         if not any(q == p for _, q in req.pending):
             del req.prefills[p]  # the last choice of this prompt
@@ -355,9 +352,22 @@ class Engine:
                 gen.manual_seed(seed)
         seq = _Seq(req, index, L, start, min(params.max_tokens, self.max_len - L), gen)
         self.rows.append(seq)
-        self._emit(seq, self._sample([seq], logits)[0])
+        self._emit(seq, self._next_tokens([seq], logits)[0])
         if seq.finished:
             self._remove([seq])
+
+    def _prefill(self, req: _Request, p: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """Prompt p of `req` alone through the model: its keys and values (one (1, H, L, D) tensor
+        per layer each) and the logits (1, V) of its last position."""
+        ids = torch.tensor([req.prompts[p]], dtype=torch.long, device=self.device)  # (1, L)
+        cache = KVCache(self.model, 1, ids.shape[1], device=self.device, dtype=self.dtype)
+        logits = self._forward([req], ids, cache=cache)[:, -1]  # (1, V)
+        return cache.k, cache.v, logits
+
+    def _forward(self, reqs: list[_Request], ids: torch.Tensor, **kw) -> torch.Tensor:
+        """The model on `ids` (B, T), row i for request reqs[i]: every forward of the engine goes
+        through here (the one place that knows what a row needs beyond its tokens)."""
+        return self.model(ids, **kw)
 
     def _move(self, new_off: int) -> None:
         """Move the window's columns [off, pos) of the running rows to start at column new_off."""
@@ -381,13 +391,19 @@ class Engine:
         mask = (torch.arange(S + 1, device=self.device)[None] >= starts[:, None]).long()  # (B, S + 1)
         positions = (S - starts)[:, None]  # (B, 1): each row's own token count
         view = _Window(self.k, self.v, B, self.off, self.pos)
-        logits = self.model(ids, cache=view, attention_mask=mask, position_ids=positions)[:, -1]  # (B, V)
+        logits = self._forward([r.req for r in self.rows], ids, cache=view, attention_mask=mask,
+                               position_ids=positions)[:, -1]  # (B, V)
         self.pos += 1
         self.steps += 1
-        for r, tok in zip(self.rows, self._sample(self.rows, logits)):
+        for r, tok in zip(self.rows, self._next_tokens(self.rows, logits)):
             self._emit(r, tok)
         if any(r.finished for r in self.rows):
             self._remove([r for r in self.rows if r.finished])
+
+    def _next_tokens(self, rows: list[_Seq], logits: torch.Tensor) -> list[int]:
+        """The next token of each row from the step's logits (B, V): what a row may emit is decided
+        here, then sampled; what the reply reports about the choice is recorded with the token."""
+        return self._sample(rows, logits)
 
     def _sample(self, rows: list[_Seq], logits: torch.Tensor) -> list[int]:
         """The next token of each row from its logits (B, V): greedy rows by argmax, the others with
