@@ -16,8 +16,10 @@ cancels its sequences.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +33,7 @@ from lmforge.data.template_pool import pool
 from lmforge.errors import LmforgeError
 from lmforge.eval.chat import PromptTooLong, chat_prompt_ids
 from lmforge.serve.engine import Engine, EngineBusy, Event, SamplingParams
+from lmforge.serve.logprobs import Shaper, TokenText, merge
 from lmforge.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,6 +74,7 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
     # fine-tuned) still ends the reply: as a stop string.
     eot = template.end_of_turn
     chat_stop_text = (eot,) if eot and tokenizer.token_id(eot) is None else ()
+    token_text = TokenText(tokenizer)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -109,7 +113,14 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
             ids = (tokenizer.encode(p) or [tokenizer.eos_id]) if isinstance(p, str) else p  # "" -> EOS as BOS
             prompts.append(ids)
         params = _params(engine, body, prompts, body.max_tokens, frozenset({tokenizer.eos_id}), ())
-        return await _respond(request, engine, body, prompts, params, model_name, chat=False)
+        k, shaper = body.logprobs_k(), None
+        if k is not None or body.echo:
+            echo = None
+            if body.echo:  # the prompt as given, or the text of its token ids
+                echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompt_list()]
+            shaper = Shaper(token_text, chat=False, k=k, n=body.n, echo=echo)
+            params = dataclasses.replace(params, logprobs=k, prompt_logprobs=k if body.echo else None)
+        return await _respond(request, engine, body, prompts, params, model_name, chat=False, shaper=shaper)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -129,7 +140,11 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
             raise ApiError(400, f"the chat template cannot render these messages: {e}",
                            param="messages") from None
         params = _params(engine, body, [ids], body.limit(), chat_stops, chat_stop_text)
-        return await _respond(request, engine, body, [ids], params, model_name, chat=True)
+        shaper = None
+        if (k := body.logprobs_k()) is not None:
+            shaper = Shaper(token_text, chat=True, k=k)
+            params = dataclasses.replace(params, logprobs=k)
+        return await _respond(request, engine, body, [ids], params, model_name, chat=True, shaper=shaper)
 
     return app
 
@@ -156,6 +171,9 @@ def _parse(raw: bytes, schema):
         errors = e.errors(include_url=False)
         first = errors[0]
         param = ".".join(str(x) for x in first["loc"]) or None
+        if param is None:  # a check across fields: its message begins with the field it refuses
+            named = re.match(r"Value error, '(\w+)'", first["msg"])
+            param = named.group(1) if named else None
         if first["type"] == "extra_forbidden":
             raise ApiError(400, f"Unrecognized request argument supplied: {param}", param=param) from None
         parts = []
@@ -187,8 +205,9 @@ def _params(engine: Engine, body, prompts: list[list[int]], limit: int | None, s
 
 
 async def _respond(request: Request, engine: Engine, body, prompts: list[list[int]], params: SamplingParams,
-                   model_name: str, chat: bool):
-    """Run the request on the engine; a JSON response, or an SSE stream with `stream`."""
+                   model_name: str, chat: bool, shaper: Shaper | None = None):
+    """Run the request on the engine; a JSON response, or an SSE stream with `stream`. shaper: the
+    logprobs (and echoed prompts) of the reply, when the request asks."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event | None] = asyncio.Queue()
     try:
@@ -203,9 +222,10 @@ async def _respond(request: Request, engine: Engine, body, prompts: list[list[in
     obj = "chat.completion" if chat else "text_completion"
     if body.stream:
         return StreamingResponse(_stream(queue, handle, k, rid, created, model_name, chat, prompt_tokens,
-                                         body.include_usage()), media_type="text/event-stream",
+                                         body.include_usage(), shaper), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     texts, tokens, reasons = [""] * k, [0] * k, [None] * k
+    pieces: list[list[dict]] = [[] for _ in range(k)]
     watcher = asyncio.create_task(_on_disconnect(request, queue))
     try:
         left = k
@@ -215,7 +235,12 @@ async def _respond(request: Request, engine: Engine, body, prompts: list[list[in
                 return JSONResponse(error_body(400, "client disconnected"), status_code=400)
             if ev.error is not None:
                 raise ApiError(500, "generation failed (see the server's log)", type="server_error")
-            texts[ev.index] += ev.text
+            text = ev.text
+            if shaper is not None:
+                text, piece = shaper.event(ev.index, text, ev.logprobs, ev.prompt_logprobs)
+                if piece is not None:
+                    pieces[ev.index].append(piece)
+            texts[ev.index] += text
             tokens[ev.index] = ev.tokens
             if ev.finish_reason is not None:
                 reasons[ev.index] = ev.finish_reason
@@ -223,12 +248,13 @@ async def _respond(request: Request, engine: Engine, body, prompts: list[list[in
     finally:
         watcher.cancel()
         handle.cancel()  # a no-op once every choice has finished
+    lps = [merge(p) if shaper is not None and shaper.k is not None else None for p in pieces]
     if chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                    "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
+                    "finish_reason": r} for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+                   for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
     return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
             "usage": usage(prompt_tokens, sum(tokens))}
 
@@ -243,7 +269,7 @@ async def _on_disconnect(request: Request, queue: asyncio.Queue) -> None:
 
 
 async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, model_name: str, chat: bool,
-                  prompt_tokens: int, include_usage: bool):
+                  prompt_tokens: int, include_usage: bool, shaper: Shaper | None = None):
     """Server-sent events: one chunk per piece of text or finish, then usage (if asked) and [DONE]."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
@@ -267,13 +293,16 @@ async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, 
                 yield f"data: {json.dumps(body)}\n\n"
                 break
             tokens[ev.index] = ev.tokens
-            if not ev.text and ev.finish_reason is None:
+            text, piece = ev.text, None
+            if shaper is not None:
+                text, piece = shaper.event(ev.index, text, ev.logprobs, ev.prompt_logprobs)
+            if not text and ev.finish_reason is None:
                 continue
-            choice = {"index": ev.index, "logprobs": None, "finish_reason": ev.finish_reason}
+            choice = {"index": ev.index, "logprobs": piece, "finish_reason": ev.finish_reason}
             if chat:
-                choice["delta"] = {"content": ev.text} if ev.text else {}
+                choice["delta"] = {"content": text} if text else {}
             else:
-                choice["text"] = ev.text
+                choice["text"] = text
             yield chunk([choice])
             if ev.finish_reason is not None:
                 left -= 1

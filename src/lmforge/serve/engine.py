@@ -43,6 +43,7 @@ from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache, cache_shapes
 from lmforge.models.common.rope import refuse_stale_cache
 from lmforge.models.generation import sample_next
+from lmforge.serve.logprobs import TokenLogprob, chosen_logprobs, prompt_logprobs
 
 
 class EngineBusy(LmforgeError):
@@ -53,7 +54,7 @@ class EngineBusy(LmforgeError):
 class SamplingParams:
     """How the choices of one request are sampled and when they end.
 
-    max_tokens: tokens to generate at most (each choice is also capped by the model's context).
+    max_tokens: tokens to generate at most (each choice is also capped by the model's context; 0: none).
     temperature 0 is greedy; top_k None and top_p 1.0 keep every token. n: choices per prompt.
     seed: choice j draws with a generator seeded seed + j (None: a random seed).
     stop: strings that end a reply (excluded from its text); stop_ids: token ids that do (EOS,
@@ -67,6 +68,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_ids: frozenset[int] = frozenset()
+    # log-probabilities (lmforge.serve.logprobs): None reports none (and computes none); k reports the
+    # chosen token's with the k most likely. prompt_logprobs: the prompt's tokens too (with
+    # max_tokens 0: the prompt scored, nothing generated).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
@@ -75,13 +81,17 @@ class Event:
 
     index: prompt_index * n + choice (OpenAI's order). tokens: generated so far by this choice.
     finish_reason: None while running, then "stop" or "length". error: set (index -1) when the
-    request failed in the engine; no further events follow."""
+    request failed in the engine; no further events follow. logprobs: the generated tokens whose text
+    this event carries (a token held back with its text comes with the event that releases it);
+    prompt_logprobs: the prompt's, on the first event of a choice (both only when asked)."""
 
     index: int
     text: str
     tokens: int
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class _Request:
@@ -91,6 +101,7 @@ class _Request:
         self.prompts, self.params, self.on_event = prompts, params, on_event
         self.pending = deque((p * params.n + j, p) for p in range(len(prompts)) for j in range(params.n))
         self.prefills: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]] = {}
+        self.prompt_lps: dict[int, tuple[TokenLogprob, ...]] = {}  # prompt -> its logprobs (if asked)
         self.cancelled = False
         self.failed = False
 
@@ -114,6 +125,8 @@ class _Seq:
     text_ids: list[int] = field(default_factory=list)  # generated tokens that are text
     sent: int = 0  # characters of the decoded text already reported
     finished: bool = False
+    lp_pending: list[TokenLogprob] = field(default_factory=list)  # recorded, not yet reported
+    prompt_lp: tuple[TokenLogprob, ...] | None = None  # reported with the choice's first event
 
 
 class _Window:
@@ -252,8 +265,8 @@ class Engine:
         # original length: a row on either side would get other maths than alone. Only wholly short rows.
         longest = max(len(p) for p in prompts) + params.max_tokens
         refuse_stale_cache(self.model.cfg.rope_scaling, 1, longest, "the serving engine")
-        if params.max_tokens < 1 or params.n < 1:
-            raise LmforgeError(f"max_tokens and n must be >= 1, got {params.max_tokens} and {params.n}")
+        if params.max_tokens < 0 or params.n < 1:  # max_tokens 0: the prompt alone (its logprobs)
+            raise LmforgeError(f"max_tokens must be >= 0 and n >= 1, got {params.max_tokens} and {params.n}")
         bad_k = params.top_k is not None and params.top_k < 1
         if params.temperature < 0 or not 0 < params.top_p <= 1 or bad_k:
             raise LmforgeError("temperature must be >= 0, top_p in (0, 1] and top_k >= 1 (or None)")
@@ -328,9 +341,14 @@ class Engine:
         if p not in req.prefills:
             req.prefills[p] = self._prefill(req, p)
         ks, vs, logits = req.prefills[p]
+        prompt_lp = req.prompt_lps.get(p)
         if not any(q == p for _, q in req.pending):
             del req.prefills[p]  # the last choice of this prompt
+            req.prompt_lps.pop(p, None)
         L = len(req.prompts[p])
+        if req.params.max_tokens == 0:  # only the prompt scored: no slot, no token
+            req.on_event(Event(index, "", 0, "length", logprobs=(), prompt_logprobs=prompt_lp))
+            return
         if not self.rows:
             self.off = self.pos = 0
         if self.pos < L:  # make room on the left: move the window right
@@ -350,7 +368,7 @@ class Engine:
                 gen.seed()
             else:
                 gen.manual_seed(seed)
-        seq = _Seq(req, index, L, start, min(params.max_tokens, self.max_len - L), gen)
+        seq = _Seq(req, index, L, start, min(params.max_tokens, self.max_len - L), gen, prompt_lp=prompt_lp)
         self.rows.append(seq)
         self._emit(seq, self._next_tokens([seq], logits)[0])
         if seq.finished:
@@ -361,8 +379,10 @@ class Engine:
         per layer each) and the logits (1, V) of its last position."""
         ids = torch.tensor([req.prompts[p]], dtype=torch.long, device=self.device)  # (1, L)
         cache = KVCache(self.model, 1, ids.shape[1], device=self.device, dtype=self.dtype)
-        logits = self._forward([req], ids, cache=cache)[:, -1]  # (1, V)
-        return cache.k, cache.v, logits
+        logits = self._forward([req], ids, cache=cache)  # (1, L, V)
+        if req.params.prompt_logprobs is not None:
+            req.prompt_lps[p] = prompt_logprobs(logits[0, :-1], req.prompts[p], req.params.prompt_logprobs)
+        return cache.k, cache.v, logits[:, -1]
 
     def _forward(self, reqs: list[_Request], ids: torch.Tensor, **kw) -> torch.Tensor:
         """The model on `ids` (B, T), row i for request reqs[i]: every forward of the engine goes
@@ -403,7 +423,20 @@ class Engine:
     def _next_tokens(self, rows: list[_Seq], logits: torch.Tensor) -> list[int]:
         """The next token of each row from the step's logits (B, V): what a row may emit is decided
         here, then sampled; what the reply reports about the choice is recorded with the token."""
-        return self._sample(rows, logits)
+        tokens = self._sample(rows, logits)
+        self._record_logprobs(rows, logits, tokens)
+        return tokens
+
+    def _record_logprobs(self, rows: list[_Seq], logits: torch.Tensor, tokens: list[int]) -> None:
+        """Keep the chosen tokens' log-probabilities for the rows whose request asks (only those rows'
+        logits are normalised: a request that does not ask costs nothing)."""
+        asking = [i for i, r in enumerate(rows) if r.req.params.logprobs is not None]
+        if not asking:
+            return
+        ks = [rows[i].req.params.logprobs for i in asking]
+        records = chosen_logprobs(logits[asking], [tokens[i] for i in asking], ks)
+        for i, rec in zip(asking, records):
+            rows[i].lp_pending.append(rec)
 
     def _sample(self, rows: list[_Seq], logits: torch.Tensor) -> list[int]:
         """The next token of each row from its logits (B, V): greedy rows by argmax, the others with
@@ -422,6 +455,8 @@ class Engine:
         reason = None
         if tok in p.stop_ids:
             reason = "stop"
+            if r.lp_pending:  # a stop token is not reported, like its text
+                r.lp_pending.pop()
         else:
             r.text_ids.append(tok)
             r.last = tok
@@ -438,7 +473,12 @@ class Engine:
             delta, r.sent = text[r.sent : max(end, r.sent)], max(end, r.sent)
             if reason is not None:
                 r.finished = True
-            r.req.on_event(Event(r.index, delta, r.n, reason))
+            lps = prompt_lps = None
+            if p.logprobs is not None:
+                lps, r.lp_pending = tuple(r.lp_pending), []
+            if r.prompt_lp is not None:
+                prompt_lps, r.prompt_lp = r.prompt_lp, None
+            r.req.on_event(Event(r.index, delta, r.n, reason, logprobs=lps, prompt_logprobs=prompt_lps))
 
     def _remove(self, gone: list[_Seq]) -> None:
         """Drop rows, moving the later rows down so that the running ones fill slots 0..B-1."""

@@ -15,18 +15,16 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
+from lmforge.serve.logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
+
 MAX_N = 16  # choices per prompt
 MAX_SEQUENCES = 64  # prompts x n per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
 MAX_PROMPTS = 32
 
-# Neutral values of the fields lmforge accepts but does not implement (logprobs: none yet, so any
-# top_logprobs, even 0, asks for something lmforge would not return).
+# Neutral values of the fields lmforge accepts but does not implement.
 _UNSUPPORTED = {
-    "logprobs": (None, False),
-    "top_logprobs": (None,),
-    "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "logit_bias": (None, {}),
@@ -113,14 +111,30 @@ class _Common(_Strict):
 TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)
 
     @model_validator(mode="after")
     def _prompts(self):
+        lp = self.logprobs
+        if not (lp is None or lp is False or (_is_int(lp) and 0 <= lp <= MAX_COMPLETION_LOGPROBS)):
+            raise ValueError(f"'logprobs' takes an integer from 0 to {MAX_COMPLETION_LOGPROBS} (the most "
+                             f"likely tokens to report at each position), got {json.dumps(lp, default=repr)}")
+        if self.top_logprobs is not None:
+            raise ValueError("'top_logprobs' is a chat completions field; on /v1/completions 'logprobs': k "
+                             "reports the k most likely tokens")
+        if self.echo is not None and not isinstance(self.echo, bool):
+            raise ValueError(f"'echo' takes true or false, got {json.dumps(self.echo, default=repr)}")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("'max_tokens' must be >= 1 ('max_tokens': 0 is allowed only with 'echo': true, "
+                             "to score the prompt)")
         if isinstance(self.prompt, list):
             if not self.prompt:
                 raise ValueError("'prompt' is an empty list")
@@ -129,6 +143,10 @@ class CompletionRequest(_Common):
         if self.n * len(self.prompt_list()) > MAX_SEQUENCES:
             raise ValueError(f"prompts x n must be at most {MAX_SEQUENCES}")
         return self
+
+    def logprobs_k(self) -> int | None:
+        """The alternatives to report per token, or None for no logprobs."""
+        return None if self.logprobs is None or self.logprobs is False else int(self.logprobs)
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts: strings or token id lists."""
@@ -168,7 +186,22 @@ class ChatCompletionRequest(_Common):
     def _limits(self):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ValueError("give 'max_tokens' or 'max_completion_tokens', not both")
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):
+            raise ValueError(f"'logprobs' takes true or false, got {json.dumps(self.logprobs, default=repr)}")
+        top = self.top_logprobs
+        if top is not None:
+            if not (_is_int(top) and 0 <= top <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"'top_logprobs' takes an integer from 0 to {MAX_TOP_LOGPROBS}, got "
+                                 f"{json.dumps(top, default=repr)}")
+            if self.logprobs is not True:
+                raise ValueError("'top_logprobs' needs 'logprobs': true")
+        if self.echo is not None and self.echo is not False:
+            raise ValueError("'echo' is a /v1/completions field; chat completions do not echo the prompt")
         return self
+
+    def logprobs_k(self) -> int | None:
+        """The alternatives to report per token, or None for no logprobs."""
+        return (self.top_logprobs or 0) if self.logprobs is True else None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
