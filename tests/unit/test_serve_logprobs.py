@@ -1,8 +1,9 @@
 """Log-probabilities in the serving engine and their OpenAI shapes: generated tokens' logprobs equal the
 raw model's log_softmax over the whole sequence (greedy and sampled, alone and in a batch), held-back
-tokens travel with the text that releases them, stop tokens are not reported, prompt logprobs equal
-lmforge's scorer per token (max_tokens 0 scores the prompt alone), a request that does not ask costs no
-log_softmax and gets exactly what it got before; the request fields are honoured or refused."""
+tokens travel with the text that releases them, stop tokens are reported (one entry per generated
+token), prompt logprobs equal lmforge's scorer per token (max_tokens 0 scores the prompt alone), a
+request that does not ask costs no log_softmax and gets exactly what it got before; the request fields
+are honoured or refused."""
 
 from __future__ import annotations
 
@@ -107,7 +108,7 @@ def test_asking_costs_nothing_for_the_others_and_changes_no_output(monkeypatch):
     assert rows_normalised == []
 
 
-def test_held_back_tokens_go_with_the_text_that_releases_them_and_stop_tokens_are_not_reported():
+def test_held_back_tokens_go_with_the_text_that_releases_them_and_stop_tokens_are_reported():
     model = tiny()
     greedy = run(Engine(model, text), [[3, 4, 5]], SamplingParams(max_tokens=10, temperature=0))[0]
     ids = [ord(c) - 0x100 for c in "".join(e.text for e in greedy)]
@@ -120,10 +121,11 @@ def test_held_back_tokens_go_with_the_text_that_releases_them_and_stop_tokens_ar
         assert text(r.token for r in e.logprobs) == e.text
     assert [r.token for e in events for r in e.logprobs] == ids[:6]  # the stop string's tokens too
     assert [r.token for r in events[-1].logprobs] == ids[4:6]  # the held-back one with the last
-    # a stop token: generated and counted, not reported
+    # a stop token: generated, counted and reported (as vLLM), though its text is not in the reply
     params = SamplingParams(max_tokens=10, temperature=0, stop_ids=frozenset({ids[2]}), logprobs=1)
     events = run(Engine(model, text), [[3, 4, 5]], params)[0]
-    assert [r.token for e in events for r in e.logprobs] == ids[:2]
+    assert [r.token for e in events for r in e.logprobs] == ids[:3]
+    assert "".join(e.text for e in events) == text(ids[:2])
     assert events[-1].tokens == 3 and events[-1].finish_reason == "stop"
 
 

@@ -455,8 +455,6 @@ class Engine:
         reason = None
         if tok in p.stop_ids:
             reason = "stop"
-            if r.lp_pending:  # a stop token is not reported, like its text
-                r.lp_pending.pop()
         else:
             r.text_ids.append(tok)
             r.last = tok

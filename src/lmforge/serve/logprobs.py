@@ -3,9 +3,11 @@ here into OpenAI's two forms.
 
 What is reported: log_softmax of the model's logits in float32, before temperature, top-k and top-p
 (the raw model's distribution, as OpenAI and vLLM report it by default), for the chosen token and the
-`k` most likely ones. A stop token (EOS, end of turn) is not reported, like its text (OpenAI shows no
-end-of-turn token); a token whose text a stop string cuts is (it was generated and is counted in
-usage). Prompt tokens (completions `echo`) have the log-probability of each token given those before
+`k` most likely ones. Every generated token is reported, one entry per token of
+usage.completion_tokens, as vLLM does: a stop token (EOS, end of turn) too, though its text is not in
+the reply (OpenAI's chat shows no end-of-turn token, but a harness that scores with `echo` and
+`max_tokens: 1` drops the last entry as the generated one, whatever it was), and tokens whose text a
+stop string cuts. Prompt tokens (completions `echo`) have the log-probability of each token given those before
 it; the first has none (null), as in OpenAI and vLLM.
 
 - /v1/completions, `logprobs: k` (0..5): {"tokens", "token_logprobs", "top_logprobs" (a {token:
