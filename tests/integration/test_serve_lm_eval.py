@@ -162,6 +162,11 @@ def test_echo_scores_the_prompt_like_the_scorer(client, ref):
     want = scorer.loglikelihood_tokens([(ids[:i], [ids[i]]) for i in range(1, len(ids))])
     assert lp.token_logprobs[1:] == pytest.approx([w[0] for w in want], abs=ATOL)
     assert all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2,
+                                            stream=True))
+    streamed = [c for ch in chunks for c in ch.choices]
+    assert "".join(c.text for c in streamed) == prompt and streamed[-1].finish_reason == "length"
+    assert [x for c in streamed for x in c.logprobs.token_logprobs] == lp.token_logprobs
     # echo with generation: the prompt, then the reply; its offsets go on past the prompt
     r = client.completions.create(model="tiny", prompt=ids, max_tokens=5, echo=True, logprobs=0,
                                   temperature=0)
