@@ -184,6 +184,22 @@ def test_token_text_and_shapes():
     assert Shaper(tt, chat=False, k=None, echo=["p"]).event(0, "x", None, None) == ("px", None)
 
 
+def test_token_text_of_a_sentencepiece_style_vocabulary():
+    """Llama-style vocabularies: "▁" stands for a space and <0xNN> tokens for single bytes."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "</s>": 1, "<0xC3>": 2, "<0xA9>": 3, "▁h": 4, "i": 5, "▁": 6}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tt = TokenText(Tokenizer(hf, eos_id=1))
+    assert tt(4) == (" h", [32, 104]) and tt(5) == ("i", [105])
+    assert tt(2) == ("bytes:\\xc3", [0xC3]) and tt(3)[1] == [0xA9]
+    assert bytes(tt(2)[1] + tt(3)[1]).decode() == "é"
+
+
 COMPLETION = {"model": "tiny", "prompt": "x"}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
 

@@ -23,6 +23,7 @@ splits some) is written "bytes:\\xe2\\x80" as OpenAI writes it; `bytes` always h
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,7 @@ import torch
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for the legacy completions' `logprobs`
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's `top_logprobs`
 _CHUNK = 256  # prompt positions per log_softmax: (chunk, V) float32 at a time, not (L, V)
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,10 @@ class TokenText:
             raw = self._added.get(token, "").encode("utf-8")
         elif self._byte_map is not None and all(c in self._byte_map for c in piece):
             raw = bytes(self._byte_map[c] for c in piece)
-        else:  # not byte-level (SentencePiece-style): its decoded text stands for its bytes
-            raw = self.tokenizer.decode([token]).encode("utf-8")
+        elif _BYTE_FALLBACK.fullmatch(piece):  # SentencePiece's byte fallback: <0xE2> is one byte
+            raw = bytes([int(piece[3:5], 16)])
+        else:  # SentencePiece-style: "▁" is a space (decoding one token alone would drop a leading one)
+            raw = piece.replace("\u2581", " ").encode("utf-8")
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
