@@ -1,6 +1,7 @@
 """Scoring against `lmforge serve`: lm-evaluation-harness's `local-completions` model pointed at the
 server gives the per-document log-likelihoods and greedy flags of `lmforge eval --tasks` (run_task with
-lmforge's Scorer) on the same model within 1e-5, and the same generations; through the official
+lmforge's Scorer) on the same model within 1e-5, and the same generations, with token-id prompts
+and with text prompts (tokenized_requests=False); through the official
 `openai` client, logprobs of completions and chat (streamed equal to not streamed), `echo` with
 `max_tokens: 0` equal to the scorer per token, and refusals naming the field."""
 
@@ -145,6 +146,15 @@ def test_local_completions_equals_lmforge_eval_tasks(setup, ref, server):
                 assert bool(t["resps"][0][0][1]) == bool(s["greedy"])
     flags = [s["resps"][0][0][1] for s in theirs["samples"]["t_ll"]]
     assert any(flags) and not all(flags)  # greedy read from top_logprobs, both ways
+    # text prompts (tokenized_requests=False): the server tokenizes; the harness still needs the
+    # tokenizer to count the context's tokens, and both count the same
+    texts = simple_evaluate(model="local-completions", model_args=args.replace("tokenized_requests=True",
+                            "tokenized_requests=False"), tasks=["t_ll"], task_manager=tm, log_samples=True,
+                            bootstrap_iters=0)
+    got = [s["resps"][0][0] for s in sorted(texts["samples"]["t_ll"], key=lambda s: s["doc_id"])]
+    want = [s["resps"][0][0] for s in sorted(theirs["samples"]["t_ll"], key=lambda s: s["doc_id"])]
+    assert [g[0] for g in got] == pytest.approx([w[0] for w in want], abs=ATOL)
+    assert [g[1] for g in got] == [w[1] for w in want]
 
 
 def test_echo_scores_the_prompt_like_the_scorer(client, ref):
