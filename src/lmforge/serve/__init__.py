@@ -31,6 +31,8 @@ __all__ = ["Engine", "EngineBusy", "Event", "SamplingParams", "Server", "resolve
 
 ENV_KEY = "LMFORGE_API_KEY"
 MAX_BATCH = whole(1, 1024)  # rows of the engine's KV cache, allocated at start (the CLI's range too)
+PREFIX_MB = whole(0, 1_048_576)  # the prefix cache's budget in MiB (the CLI's range too)
+PREFIX_CACHE_MB = 256  # the default budget (cli/args.py's too); see `serve`
 
 
 def _require_extra():
@@ -132,12 +134,14 @@ def bind(host: str, port: int) -> socket.socket:
 def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
                  api_keys: Sequence[str] | None, model_name: str | None = None, max_batch_size: int = 8,
                  weights: str = "model", overrides: Sequence[str] = (), threads: int | None = None,
-                 max_queue: int = 1024, log_level: str = "warning") -> Server:
+                 max_queue: int = 1024, log_level: str = "warning",
+                 prefix_cache_mb: int = PREFIX_CACHE_MB) -> Server:
     """Load a run (run dir, checkpoint dir or Hugging Face dir), bind host:port and build the app;
     the engine thread is running, the server not yet (call `run()` or `start()`).
 
     api_keys: accepted keys, None for no authentication (see `resolve_api_keys`). threads: torch's CPU
-    threads (process-wide; None leaves them as they are)."""
+    threads (process-wide; None leaves them as they are). prefix_cache_mb: the prefix cache's budget
+    in MiB (0: off)."""
     _require_extra()
     from lmforge.eval.entry import chat_template_of, load_run
     from lmforge.serve.app import create_app
@@ -145,13 +149,15 @@ def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
     MAX_BATCH.check(max_batch_size, "--max-batch-size")  # the KV cache holds this many rows
     if threads is not None:
         THREADS.check(threads, "--threads")
+    PREFIX_MB.check(prefix_cache_mb, "--prefix-cache-mb")
     sock = bind(host, port)  # before loading: a busy port fails fast
     try:
         run = load_run(path, list(overrides), weights)
         if threads is not None:
             torch.set_num_threads(threads)
         name = model_name or run.cfg.run.name or Path(path).name
-        engine = Engine(run.model, run.tokenizer.decode, max_batch_size=max_batch_size, max_queue=max_queue)
+        engine = Engine(run.model, run.tokenizer.decode, max_batch_size=max_batch_size, max_queue=max_queue,
+                        prefix_cache_bytes=prefix_cache_mb << 20)
         app = create_app(engine, run.tokenizer, chat_template_of(run), model_name=name, api_keys=api_keys)
     except BaseException:
         sock.close()
@@ -169,7 +175,7 @@ def start_server(path: str | Path, *, api_keys: Sequence[str] | None, host: str 
 def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys: Sequence[str] = (),
           no_auth: bool = False, model_name: str | None = None, max_batch_size: int = 8,
           weights: str = "model", overrides: Sequence[str] = (), threads: int | None = None,
-          say=print) -> None:
+          prefix_cache_mb: int = PREFIX_CACHE_MB, say=print) -> None:
     """`lmforge serve`: serve a run on host:port until interrupted.
 
     threads: torch's CPU threads; default one core fewer than the machine has (at most 8), leaving one
@@ -180,7 +186,7 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys:
     threads = threads or max(1, min(8, (os.cpu_count() or 2) - 1))
     server = build_server(path, host, port, api_keys=keys, model_name=model_name,
                           max_batch_size=max_batch_size, weights=weights, overrides=overrides,
-                          threads=threads)
+                          threads=threads, prefix_cache_mb=prefix_cache_mb)
     cfg = server.engine.model.cfg
     n_params = sum(p.numel() for p in server.engine.model.parameters())
     n_threads = torch.get_num_threads()
