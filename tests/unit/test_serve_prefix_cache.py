@@ -10,10 +10,12 @@ import pytest
 import torch
 
 from lmforge.config import ModelConfig
+from lmforge.config.schema import QuantConfig
 from lmforge.models import Transformer
 from lmforge.models.common.attention import KVCache
+from lmforge.models.transformer import build_model
 from lmforge.serve.engine import Engine, SamplingParams
-from lmforge.serve.prefix_cache import PrefixCache, unsupported
+from lmforge.serve.prefix_cache import PrefixCache, skips_head, unsupported
 
 V, B = 61, 8  # vocabulary, block tokens
 
@@ -75,10 +77,10 @@ SAMPLED = SamplingParams(max_tokens=6, temperature=0.9, top_k=20, seed=7, n=2)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("kw", [{}, {"sliding_window": 12},
+@pytest.mark.parametrize("kw", [{}, {"sliding_window": 12}, {"final_logit_softcap": 3.0},
                                 {"n_kv_heads": None, "mla": {"kv_lora_rank": 16, "qk_nope_head_dim": 8,
                                                              "qk_rope_head_dim": 8, "v_head_dim": 8}}],
-                         ids=["gqa", "sliding", "mla"])
+                         ids=["gqa", "sliding", "softcap", "mla"])
 def test_replies_equal_off_cold_warm(params, kw):
     model = tiny(**kw)
     ps = prompts()
@@ -101,19 +103,29 @@ def test_prefill_bits_equal_cold_and_warm():
     ps = prompts()
     cache = PrefixCache(1 << 20, B)
 
-    def prefill(p):
+    def prefill(p, skip_head):
         kv = KVCache(model, 1, len(p))
         with torch.inference_mode():
-            logits = cache.prefill(p, lambda ids, c: model(ids, cache=c), kv)
+            logits = cache.prefill(p, lambda ids, c, **kw: model(ids, cache=c, **kw), kv, skip_head=skip_head)
         return logits, kv
 
-    cold = [prefill(p) for p in ps]
+    cold = [prefill(p, False) for p in ps]
     hit_before = cache.stats.hit_tokens
-    warm = [prefill(p) for p in ps]
+    warm = [prefill(p, True) for p in ps]  # the projection skipped before the last chunk: same bits
     assert cache.stats.hit_tokens > hit_before
     for (l1, c1), (l2, c2) in zip(cold, warm):
         assert torch.equal(l1, l2)
         assert all(torch.equal(a, b) for a, b in zip(c1.k + c1.v, c2.k + c2.v))
+
+
+def test_head_is_skipped_only_where_it_is_a_plain_weight():
+    assert skips_head(tiny()) and skips_head(tiny(tie_embeddings=True))
+    assert not skips_head(tiny(final_logit_softcap=30.0))  # head= is refused with a soft-cap
+    cfg = tiny().cfg.model_copy(update={"quant": QuantConfig(bits=8, head=True, group_size=None)})
+    assert skips_head(build_model(cfg))  # a quantized head reads as its dequantized weight
+    wrapped = tiny()
+    wrapped.output = torch.nn.Sequential(wrapped.output)  # a head with no weight of its own
+    assert not skips_head(wrapped)
 
 
 def test_block_aligned_prompt_still_computes_its_last_token():

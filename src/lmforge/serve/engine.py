@@ -43,7 +43,7 @@ from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache, cache_shapes
 from lmforge.models.common.rope import refuse_stale_cache
 from lmforge.models.generation import sample_next
-from lmforge.serve.prefix_cache import BLOCK_TOKENS, PrefixCache, unsupported
+from lmforge.serve.prefix_cache import BLOCK_TOKENS, PrefixCache, skips_head, unsupported
 
 
 class EngineBusy(LmforgeError):
@@ -172,6 +172,7 @@ class Engine:
             print(f"lmforge serve: prefix cache off: {why_not}", file=sys.stderr)
         elif prefix_cache_bytes:
             self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block_tokens)
+            self._skip_head = skips_head(model)
 
     # -- the public side -------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -370,8 +371,9 @@ class Engine:
         per layer each) and the logits (1, V) of its last position."""
         if self.prefix_cache is not None:
             cache = KVCache(self.model, 1, len(req.prompts[p]), device=self.device, dtype=self.dtype)
-            forward = lambda ids, c: self._forward([req], ids, cache=c)  # noqa: E731
-            logits = self.prefix_cache.prefill(req.prompts[p], forward, cache, self._cache_namespace(req))
+            forward = lambda ids, c, **kw: self._forward([req], ids, cache=c, **kw)  # noqa: E731
+            logits = self.prefix_cache.prefill(req.prompts[p], forward, cache, self._cache_namespace(req),
+                                               self._skip_head)
             return cache.k, cache.v, logits
         ids = torch.tensor([req.prompts[p]], dtype=torch.long, device=self.device)  # (1, L)
         cache = KVCache(self.model, 1, ids.shape[1], device=self.device, dtype=self.dtype)

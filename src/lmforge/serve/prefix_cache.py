@@ -88,6 +88,22 @@ def unsupported(cfg) -> str | None:
     return None
 
 
+def skips_head(model) -> bool:
+    """Whether the chunks before a prompt's last may run `model` without its output projection (a
+    `head=` that returns nothing): where the head is a plain weight and no soft-cap refuses `head=`.
+    On the test machine the projection of every prompt position was most of a chunked prefill's
+    extra cost (bench/serve_prefix.py)."""
+    cfg = model.cfg
+    if cfg.final_logit_softcap is not None:
+        return False
+    out = model.tok_embeddings if cfg.tie_embeddings else getattr(model, "output", None)
+    return isinstance(getattr(out, "weight", None), torch.Tensor)
+
+
+def _no_logits(hidden: torch.Tensor, weight: torch.Tensor) -> None:
+    return None
+
+
 class PrefixCache:
     """Keys/values of prompt blocks under an LRU byte budget, used by `Engine._prefill` (one thread)."""
 
@@ -109,12 +125,13 @@ class PrefixCache:
             out.append(prev)
         return out
 
-    def prefill(self, tokens: Sequence[int], forward: Callable[[torch.Tensor, KVCache], torch.Tensor],
-                cache: KVCache, namespace: bytes = b"") -> torch.Tensor:
+    def prefill(self, tokens: Sequence[int], forward: Callable[..., torch.Tensor], cache: KVCache,
+                namespace: bytes = b"", skip_head: bool = False) -> torch.Tensor:
         """Fill `cache` (a fresh KVCache of batch 1 and at least len(tokens) positions) with the
         prompt's keys/values: cached blocks copied, the rest computed chunk by chunk through
-        `forward(ids (1, T), cache) -> logits (1, T, V)` and stored. Returns the logits (1, V) of the
-        prompt's last position."""
+        `forward(ids (1, T), cache, **kw) -> logits (1, T, V)` and stored. Returns the logits (1, V)
+        of the prompt's last position. skip_head (see `skips_head`): the chunks before the last are
+        run with kw head= a projection that computes nothing (their logits are never read)."""
         L = len(tokens)
         keys = self.keys(tokens, namespace)
         hit: list[_Block] = []
@@ -136,7 +153,9 @@ class PrefixCache:
             ids = torch.tensor([list(tokens)], dtype=torch.long, device=cache.k[0].device)  # (1, L)
             logits = None
             for s in range(n, L, self.block):
-                logits = forward(ids[:, s : s + self.block], cache)
+                kw = {"head": _no_logits} if skip_head and s + self.block < L else {}
+                logits = forward(ids[:, s : s + self.block], cache, **kw)
+                cache.pos = min(s + self.block, L)  # a forward with head= returns before advancing it
                 if s + self.block <= L:
                     self._store(keys[s // self.block], cache, s)
         finally:
