@@ -18,7 +18,7 @@ network stack); each round builds fresh engines, so every "on" round starts with
 Sides "off" (--prefix-cache-mb 0, today's one-pass prefill) and "on" (the cache, blocks of
 --block tokens) alternate which goes first every round; medians over rounds. The greedy replies of
 both sides are compared (they must be equal). A second table gives the cost of the chunked prefill on
-a miss: one prompt of --system tokens prefilled in one pass vs in blocks of 16, 32, 64 tokens (fresh
+a miss: one prompt of --system tokens prefilled in one pass vs in blocks of 16 to 128 tokens (fresh
 cache each time), median over repeats; that cost decides the default block size.
 Never asserts; writes bench/results/serve_prefix.json with the numbers and the machine.
 """
@@ -38,7 +38,7 @@ from lmforge.config import ModelConfig
 from lmforge.models import Transformer
 from lmforge.models.common.attention import KVCache
 from lmforge.serve.engine import Engine, SamplingParams
-from lmforge.serve.prefix_cache import PrefixCache
+from lmforge.serve.prefix_cache import BLOCK_TOKENS, PrefixCache
 from machine import machine_info, print_markdown_table  # bench/machine.py (on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--block", type=int, default=32, help="the cache's block tokens")
+    ap.add_argument("--block", type=int, default=BLOCK_TOKENS, help="the cache's block tokens")
     ap.add_argument("--mb", type=int, default=256, help="the cache's budget (MiB)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="one round, 6 requests")
@@ -159,7 +159,7 @@ def main() -> None:
     med = lambda xs: statistics.median(xs)  # noqa: E731
     mismatches = sum(a != b for a, b in zip(replies["off"], replies["on"]))
     mismatches += sum(a != b for a, b in zip(replies["off batched"], replies["on batched"]))
-    cost = chunk_cost(m, prompts[0][: args.system], [16, 32, 64], 3 if args.quick else 5)
+    cost = chunk_cost(m, prompts[0][: args.system], [16, 32, 64, 128], 3 if args.quick else 5)
     results = {
         "ttft_ms": {s: med(ttft[s]) * 1e3 for s in sides},
         "ttft_cold_ms": {s: med(cold[s]) * 1e3 for s in sides},

@@ -212,3 +212,18 @@ def test_models_whose_keys_depend_on_the_whole_forward_get_no_cache(kw, word, ca
 def test_bad_budget_refused():
     with pytest.raises(ValueError, match="budget_bytes"):
         PrefixCache(0)
+
+
+def test_a_prompt_longer_than_the_budget_keeps_its_first_blocks():
+    """Under a budget of 2 blocks a 4-block prompt stores its first 2 (not its last 2, which could
+    never be matched without their parents), and the same prompt then reuses them."""
+    model = tiny()
+    block_bytes = 2 * 2 * (2 * B * 8) * 4
+    cache = PrefixCache(2 * block_bytes, B)
+    p = list(range(4 * B + 1))
+    keys = cache.keys(p)
+    for _ in range(2):
+        with torch.inference_mode():
+            cache.prefill(p, lambda ids, c: model(ids, cache=c), KVCache(model, 1, len(p)))
+    assert keys[0] in cache and keys[1] in cache and len(cache) == 2
+    assert cache.stats.hit_tokens == 2 * B and cache.stats.evicted == 0
