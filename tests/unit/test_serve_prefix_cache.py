@@ -227,3 +227,15 @@ def test_a_prompt_longer_than_the_budget_keeps_its_first_blocks():
             cache.prefill(p, lambda ids, c: model(ids, cache=c), KVCache(model, 1, len(p)))
     assert keys[0] in cache and keys[1] in cache and len(cache) == 2
     assert cache.stats.hit_tokens == 2 * B and cache.stats.evicted == 0
+
+
+def test_the_cli_flag_reaches_serve(monkeypatch):
+    import lmforge.serve
+    from lmforge.cli import main
+
+    got = {}
+    monkeypatch.setattr(lmforge.serve, "serve", lambda path, **kw: got.update(kw))
+    assert main(["serve", "runs/x", "--no-auth", "--prefix-cache-mb", "0"]) == 0
+    assert got["prefix_cache_mb"] == 0
+    assert main(["serve", "runs/x", "--no-auth"]) == 0
+    assert got["prefix_cache_mb"] == lmforge.serve.PREFIX_CACHE_MB == 256

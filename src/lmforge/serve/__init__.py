@@ -181,7 +181,13 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys:
     threads: torch's CPU threads; default one core fewer than the machine has (at most 8), leaving one
     to the HTTP loop (tokenizing, streaming). A decode step is a handful of small matmuls, which lose
     more to thread synchronisation than they gain on a busy machine: the demo model decoded 16
-    sequences at 688 tokens/s with 1 thread and 62 with 2 on 2 shared cores (load 8)."""
+    sequences at 688 tokens/s with 1 thread and 62 with 2 on 2 shared cores (load 8).
+
+    prefix_cache_mb: the prefix cache (serve/prefix_cache.py) is on by default, as in vLLM and SGLang:
+    requests sharing a 1k-token system prompt got their first token 20x sooner (bench/serve_prefix.py),
+    a miss costs about what it did without it, and the memory is bounded and taken only as prompts
+    fill it. 0 turns it off: each prompt is prefilled in one forward, as before it existed (replies
+    equal bit for bit to a build without it)."""
     keys = resolve_api_keys(api_keys, no_auth)
     threads = threads or max(1, min(8, (os.cpu_count() or 2) - 1))
     server = build_server(path, host, port, api_keys=keys, model_name=model_name,
@@ -191,7 +197,8 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys:
     n_params = sum(p.numel() for p in server.engine.model.parameters())
     n_threads = torch.get_num_threads()
     say(f"lmforge serve: {server.model_name} ({n_params:,} parameters, context {cfg.max_seq_len} tokens) at "
-        f"{server.url} (max batch {max_batch_size}, {n_threads} thread{'s' * (n_threads != 1)}); "
+        f"{server.url} (max batch {max_batch_size}, {n_threads} thread{'s' * (n_threads != 1)}, "
+        f"prefix cache {f'{prefix_cache_mb} MiB' if server.engine.prefix_cache is not None else 'off'}); "
         + ("API key required" if keys is not None else "NO authentication"))
     if keys is None and not _is_loopback(host):
         say(f"lmforge serve: warning: --no-auth on {host}: anyone who can reach this port can use the model")
