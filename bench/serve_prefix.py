@@ -19,7 +19,8 @@ Sides "off" (--prefix-cache-mb 0, today's one-pass prefill) and "on" (the cache,
 --block tokens) alternate which goes first every round; medians over rounds. The greedy replies of
 both sides are compared (they must be equal). A second table gives the cost of the chunked prefill on
 a miss: one prompt of --system tokens prefilled in one pass vs in blocks of 16 to 128 tokens (fresh
-cache each time), median over repeats; that cost decides the default block size.
+cache each time), median over repeats; that cost decides the default block size. Last: whether the
+chunked prefill changes the logits of the workload's prompts against the one-pass prefill (bits).
 Never asserts; writes bench/results/serve_prefix.json with the numbers and the machine.
 """
 
@@ -116,6 +117,20 @@ def chunk_cost(m, prompt: list[int], blocks: list[int], repeats: int) -> dict[st
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+@torch.inference_mode()
+def chunked_vs_one_pass(m, prompts: list[list[int]], block: int) -> dict:
+    """Last-position logits of each prompt prefilled in one pass (the cache off) and in blocks (the
+    cache on, cold): how many are the same bits, and the largest difference."""
+    equal, diff = 0, 0.0
+    for p in prompts:
+        one = m(torch.tensor([p]), cache=KVCache(m, 1, len(p)))[:, -1]
+        chunked = PrefixCache(1 << 30, block).prefill(p, lambda ids, c, **kw: m(ids, cache=c, **kw),
+                                                       KVCache(m, 1, len(p)), skip_head=True)
+        equal += torch.equal(one, chunked)
+        diff = max(diff, (one - chunked).abs().max().item())
+    return {"prompts": len(prompts), "bit_equal": equal, "max_abs_diff": diff}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--system", type=int, default=1024, help="tokens of the shared system prompt")
@@ -160,6 +175,7 @@ def main() -> None:
     mismatches = sum(a != b for a, b in zip(replies["off"], replies["on"]))
     mismatches += sum(a != b for a, b in zip(replies["off batched"], replies["on batched"]))
     cost = chunk_cost(m, prompts[0][: args.system], [16, 32, 64, 128], 3 if args.quick else 5)
+    bits = chunked_vs_one_pass(m, prompts, args.block)
     results = {
         "ttft_ms": {s: med(ttft[s]) * 1e3 for s in sides},
         "ttft_cold_ms": {s: med(cold[s]) * 1e3 for s in sides},
@@ -170,6 +186,7 @@ def main() -> None:
         "cache_stats_on": stats.get("on"),
         "reply_mismatches": mismatches,
         "miss_prefill_ms": {k: v * 1e3 for k, v in cost.items()},
+        "chunked_vs_one_pass_logits": bits,
     }
     info["loadavg_at_end"] = list(__import__("os").getloadavg())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -183,6 +200,8 @@ def main() -> None:
           f"hit rate {(stats.get('on') or {}).get('hit_rate')}")
     print_markdown_table(["prefill of a miss", "ms"],
                          [[k, f"{v:.1f}"] for k, v in results["miss_prefill_ms"].items()])
+    print(f"last-position logits, blocks of {args.block} vs one pass: {bits['bit_equal']}/{bits['prompts']} "
+          f"prompts the same bits, max |diff| {bits['max_abs_diff']:.2e}")
 
 
 if __name__ == "__main__":

@@ -14,10 +14,11 @@ Exactness. With the cache on, every prompt is prefilled in block-aligned chunks,
 by copies of what an earlier miss computed in exactly that way, so the keys/values and logits of a
 prompt are the same bits whether its prefix was cached or not (tests/unit/test_serve_prefix_cache.py).
 They may differ in the last bits from the cache-off path, which runs the prompt in one forward (other
-matmul shapes): measured on the test models, most prompts give identical logits and the others differ
-by about 1e-6 (the replies in the tests are identical); a prompt of at most one block is one forward,
-as without the cache (the same bits). At least the prompt's last token is always computed, so its
-logits exist even when the whole prompt is cached.
+matmul shapes), as a batched decode step already may (engine.py): measured, the tiny test models' short
+prompts mostly gave the same logits and the bench's 1k-token prompts none, differing by at most 2.5e-6
+(bench/serve_prefix.py); the replies, greedy and seeded, were the same in every test and in the bench.
+A prompt of at most one block is one forward, as without the cache (the same bits). At least the
+prompt's last token is always computed, so its logits exist even when the whole prompt is cached.
 
 Memory. The cache holds at most `budget_bytes` of keys/values; past it, the least recently used
 blocks are evicted. A prompt's blocks are touched deepest first, so a block is always older than its
@@ -44,10 +45,10 @@ import torch
 from lmforge.models.common.attention import KVCache
 
 # Tokens per block, which is also the prefill's chunk. Measured (bench/serve_prefix.py, 1 thread, 2 shared
-# cores, a 4-layer d_model-256 model): a 1024-token miss in chunks of 32 / 64 / 128 took 1.09 / 0.91 /
-# 0.75x the one-pass prefill, a 256-token one 1.31 / 1.08 / 0.98x; small chunks lose to per-forward
-# overhead and narrow matmuls. 64 keeps a miss about as fast as without the cache while a hit still
-# reuses all but at most 64 tokens of the shared prefix.
+# cores, a 4-layer d_model-256 model; three runs, noisy): a 1024-token miss in chunks of 16 / 32 / 64 / 128
+# took 1.5-2.9 / 1.1-1.8 / 0.8-1.1 / 0.75-1.0x the one-pass prefill (whose head projects every position);
+# small chunks lose to per-forward overhead and narrow matmuls. 64 keeps a miss about as fast as without
+# the cache while a hit still reuses all but at most 64 tokens of the shared prefix.
 BLOCK_TOKENS = 64
 
 
