@@ -43,6 +43,8 @@ def test_every_numeric_flag_uses_the_bounded_type():
     (["serve", "run", "--port", "70000"], "--port"),
     (["serve", "run", "--port", "-1"], "--port"),
     (["serve", "run", "--max-batch-size", "100000000"], "--max-batch-size"),
+    (["serve", "run", "--prefix-cache-mb", "-1"], "--prefix-cache-mb"),
+    (["serve", "run", "--prefix-cache-mb", "1e12"], "--prefix-cache-mb"),
     (["constitution", "run", "--temperature", "nan"], "--temperature"),
     (["constitution", "run", "--temperature", "inf"], "--temperature"),
     (["scaling", "plan", "--compute", "nan"], "--compute"),

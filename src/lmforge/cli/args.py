@@ -12,6 +12,7 @@ from lmforge.cli.numbers import (
     OPEN_FRACTION,
     PORT,
     POSITIVE,
+    PREFIX_MB,
     RECORDS,
     SEED,
     SERVE_BATCH,
@@ -27,6 +28,7 @@ from lmforge.cli.numbers import (
 from lmforge.errors import LmforgeError
 
 PROCS = whole(1, 1_000_000)  # the job server's process and thread bounds (api/limits.py: the same range)
+PREFIX_CACHE_MB = 256  # serve's default prefix-cache budget (lmforge.serve.PREFIX_CACHE_MB: the same)
 GIGABYTES = real(0.0, float(1 << 20), lo_open=True)  # memory in GiB: above 0, at most a petabyte
 
 WEIGHTS = ("model", "ema", "swa")
@@ -191,6 +193,9 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--model-name", help="the model id clients ask for (default: the run's name)")
         p.add_argument("--max-batch-size", type=number(SERVE_BATCH), default=8,
                        help="sequences decoded together")
+        p.add_argument("--prefix-cache-mb", type=number(PREFIX_MB), default=PREFIX_CACHE_MB, metavar="MB",
+                       help="memory for the keys/values of prompt prefixes reused across requests (system "
+                       f"prompts, chat history); 0 turns the prefix cache off (default {PREFIX_CACHE_MB})")
         p.add_argument("--threads", type=number(THREADS), default=None,
                        help="torch CPU threads (default: the cores "
                        "less one, at most 8)")

@@ -35,6 +35,7 @@ COUNT = whole(1, 10**9)  # "the first N" limits: no work beyond what the inputs 
 RECORDS = whole(1, 1_000_000)  # records `tasks` holds in memory (a few hundred bytes each) before writing
 BATCH = whole(1, 4096)  # sequences decoded or scored together (memory grows with it)
 SERVE_BATCH = whole(1, 1024)  # serve's KV-cache rows (lmforge.serve.MAX_BATCH: the same range)
+PREFIX_MB = whole(0, 1_048_576)  # serve's prefix-cache MiB (lmforge.serve.PREFIX_MB: the same range)
 WORLD = whole(1, 1_000_000)  # ranks a schedule or estimate is planned for
 TOKENS = whole(1, 1_048_576)  # tokens generated / per window: above any model's context today
 FEWSHOT = whole(0, 1000)  # harness tasks use at most a few dozen

@@ -92,8 +92,10 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
             "max_model_len": engine.max_len}
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        # Counts only (no prompts): how much of the prompts the prefix cache served.
+        cache = getattr(engine, "prefix_cache", None)
+        return {"status": "ok"} if cache is None else {"status": "ok", "prefix_cache": cache.stats.as_dict()}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

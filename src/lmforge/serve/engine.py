@@ -44,6 +44,7 @@ from lmforge.models.common.attention import KVCache, cache_shapes
 from lmforge.models.common.rope import refuse_stale_cache
 from lmforge.models.generation import sample_next
 from lmforge.serve.logprobs import TokenLogprob, chosen_logprobs, prompt_logprobs
+from lmforge.serve.prefix_cache import BLOCK_TOKENS, PrefixCache, skips_head, unsupported
 
 
 class EngineBusy(LmforgeError):
@@ -146,12 +147,14 @@ class Engine:
     """Continuous-batching generation over `model` (an lmforge Transformer) in a background thread.
 
     decode: token ids -> text (the tokenizer's decode). max_batch_size: sequences decoded together.
-    max_queue: sequences that may wait for a slot; more is EngineBusy. Call `start()` (or use it as a
-    context manager) before submitting, `close()` to stop the thread.
+    max_queue: sequences that may wait for a slot; more is EngineBusy. prefix_cache_bytes: the budget
+    of the prefix cache (serve/prefix_cache.py; 0: none), blocks of prefix_block_tokens tokens. Call
+    `start()` (or use it as a context manager) before submitting, `close()` to stop the thread.
     """
 
     def __init__(self, model: nn.Module, decode: Callable[[list[int]], str], *, max_batch_size: int = 8,
-                 max_queue: int = 1024) -> None:
+                 max_queue: int = 1024, prefix_cache_bytes: int = 0,
+                 prefix_block_tokens: int = BLOCK_TOKENS) -> None:
         if max_batch_size < 1:
             raise LmforgeError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
@@ -176,6 +179,13 @@ class Engine:
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self.prefix_cache: PrefixCache | None = None
+        why_not = unsupported(cfg) if prefix_cache_bytes else None
+        if why_not:
+            print(f"lmforge serve: prefix cache off: {why_not}", file=sys.stderr)
+        elif prefix_cache_bytes:
+            self.prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block_tokens)
+            self._skip_head = skips_head(model)
 
     # -- the public side -------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -377,12 +387,24 @@ class Engine:
     def _prefill(self, req: _Request, p: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """Prompt p of `req` alone through the model: its keys and values (one (1, H, L, D) tensor
         per layer each) and the logits (1, V) of its last position."""
+        # Prompt logprobs (echo) need every position's logits; the cached prefill keeps only the last.
+        if self.prefix_cache is not None and req.params.prompt_logprobs is None:
+            cache = KVCache(self.model, 1, len(req.prompts[p]), device=self.device, dtype=self.dtype)
+            forward = lambda ids, c, **kw: self._forward([req], ids, cache=c, **kw)  # noqa: E731
+            logits = self.prefix_cache.prefill(req.prompts[p], forward, cache, self._cache_namespace(req),
+                                               self._skip_head)
+            return cache.k, cache.v, logits
         ids = torch.tensor([req.prompts[p]], dtype=torch.long, device=self.device)  # (1, L)
         cache = KVCache(self.model, 1, ids.shape[1], device=self.device, dtype=self.dtype)
         logits = self._forward([req], ids, cache=cache)  # (1, L, V)
         if req.params.prompt_logprobs is not None:
             req.prompt_lps[p] = prompt_logprobs(logits[0, :-1], req.prompts[p], req.params.prompt_logprobs)
         return cache.k, cache.v, logits[:, -1]
+
+    def _cache_namespace(self, req: _Request) -> bytes:
+        """What besides its tokens a request's keys/values depend on (e.g. an adapter, with its version):
+        the prefix cache shares blocks only between requests with the same namespace."""
+        return b""
 
     def _forward(self, reqs: list[_Request], ids: torch.Tensor, **kw) -> torch.Tensor:
         """The model on `ids` (B, T), row i for request reqs[i]: every forward of the engine goes
