@@ -293,7 +293,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(_run_path(args), host=args.host, port=args.port, api_keys=args.api_key, no_auth=args.no_auth,
           model_name=args.model_name, max_batch_size=args.max_batch_size, weights=args.weights,
-          overrides=args.set, threads=args.threads)
+          overrides=args.set, threads=args.threads, loras=args.lora, admin_key=args.admin_key,
+          adapter_root=args.adapter_root, max_adapters=args.max_adapters, max_lora_rank=args.max_lora_rank)
     return 0
 
 

@@ -34,10 +34,36 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import lora_layers
+
+
+class AdapterError(LmforgeError):
+    """A refused load or unload; `param` is the request field at fault (lora_name or lora_path)."""
+
+    def __init__(self, message: str, param: str = "lora_path") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class LoadAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's shape): the name clients will ask for, and the adapter dir
+    (relative to --adapter-root, or absolute under it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(max_length=128)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(max_length=128)
+
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
 MAX_FILES = 10_000  # files looked at under one adapter dir while checking that it stays under the root
@@ -152,10 +178,11 @@ class AdapterSet:
         """Read the adapter at `path` and serve it as `name`. confined: `path` (relative to the root,
         or absolute) must lie under the root, symlinks resolved."""
         if not isinstance(name, str) or not NAME.fullmatch(name):
-            raise LmforgeError(f"lora_name {name!r}: use 1 to 128 letters, digits and ._:@+- (starting "
-                               "with a letter or digit)")
+            raise AdapterError(f"lora_name {name!r}: use 1 to 128 letters, digits and ._:@+- (starting "
+                               "with a letter or digit)", "lora_name")
         if name == self.base_name:
-            raise LmforgeError(f"lora_name {name!r} is the base model's name; give the adapter another")
+            raise AdapterError(f"lora_name {name!r} is the base model's name; give the adapter another",
+                               "lora_name")
         with self._loading:
             self._check_room(name)
             where = self._confine(path) if confined else Path(path)
@@ -195,11 +222,12 @@ class AdapterSet:
 
     def _check_room(self, name: str) -> None:
         if name in self._adapters:
-            raise LmforgeError(f"an adapter named {name!r} is already loaded; unload it first or pick "
-                               "another lora_name")
+            raise AdapterError(f"an adapter named {name!r} is already loaded; unload it first or pick "
+                               "another lora_name", "lora_name")
         if self.held() >= self.max_adapters:
-            raise LmforgeError(f"{self.held()} adapters are held (max_adapters={self.max_adapters}, unloaded "
-                               "ones still in use by running requests included); unload one first")
+            raise AdapterError(f"{self.held()} adapters are held (max_adapters={self.max_adapters}, "
+                               "unloaded ones still in use by running requests included); unload one first",
+                               "lora_name")
 
     def _confine(self, path: str | Path) -> Path:
         if self.root is None:
@@ -358,4 +386,5 @@ def parse_lora_specs(specs: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
-__all__ = ["Adapter", "AdapterSet", "parse_lora_specs"]
+__all__ = ["Adapter", "AdapterError", "AdapterSet", "LoadAdapterRequest", "UnloadAdapterRequest",
+           "parse_lora_specs"]
