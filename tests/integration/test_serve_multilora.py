@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, tiny_overrides
+from conftest import CORPUS, TINY, tiny_overrides
 from lmforge.config import load_config
 from lmforge.errors import LmforgeError
 from lmforge.eval.entry import load_run
@@ -213,3 +213,72 @@ def test_cli_refuses_half_given_admin_settings(runs, capsys, monkeypatch):
     assert main(["serve", str(runs["base"]), "--api-key", KEY, "--admin-key", KEY, "--adapter-root",
                  str(runs["root"])]) == 2
     assert "differ from every API key" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a train job in a job server child process: ~35 s on 2 cores
+def test_job_server_publishes_a_finished_adapter(runs, merged, tmp_path, monkeypatch):
+    """End to end: a LoRA train job on `lmforge server` (a child process holding the admin key), then
+    POST /v1/jobs/{id}/publish loads its adapter into a running `lmforge serve`, whose replies for it
+    equal the job's merged model."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from lmforge.api.server import server_process
+    from lmforge.serve import start_server
+
+    ws = tmp_path / "ws"
+    (ws / "jobs").mkdir(parents=True)
+    sets = [f"data.sources=[{CORPUS}]", "data.max_chars=null",
+            "logging.progress=none", f"model.init_from={runs['base']}", "finetune.method=lora",
+            "finetune.r=4", "finetune.alpha=8", "optim.lr=3e-2", *BASE, "train.max_steps=3"]
+    with start_server(runs["base"], api_keys=[KEY], model_name="base", admin_key=ADMIN,
+                      adapter_root=ws / "jobs") as srv:
+        monkeypatch.setenv("LMFORGE_ADMIN_KEY", ADMIN)  # the job server's copy of the admin key
+        with server_process(ws, "--allow-root", str(runs["top"]), "--allow-root", str(CORPUS.parent),
+                            "--publish-url", srv.url) as js:
+            token = subprocess.run([sys.executable, "-m", "lmforge", "server", "token", "create",
+                                    "--workspace", str(ws), "--user", "alice"], capture_output=True,
+                                   text=True, check=True).stdout.strip()
+            jobs = httpx.Client(base_url=js.url, headers={"Authorization": f"Bearer {token}"}, timeout=120)
+            config = yaml.safe_load(TINY.read_text())
+            # The job's config.yaml states every model key: the base's, so that they agree with init_from.
+            config["model"] = yaml.safe_load((runs["base"] / "config.yaml").read_text())["model"]
+            r = jobs.post("/v1/jobs", json={"config": config, "set": sets, "name": "lora"})
+            assert r.status_code == 201, r.text
+            job_id = r.json()["id"]
+            r = jobs.post(f"/v1/jobs/{job_id}/publish", json={"server_url": srv.url, "lora_name": "early"})
+            assert r.status_code == 409 and r.json()["error"]["code"] == "not_publishable"  # still running
+            job = _wait(jobs, job_id)
+            assert job["status"] == "succeeded", jobs.get(f"/v1/jobs/{job_id}/logs").json()
+            r = jobs.post(f"/v1/jobs/{job_id}/publish", json={"server_url": "http://example.com:1/v1",
+                                                              "lora_name": "x"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "server_url"
+            anonymous = httpx.post(f"{js.url}/v1/jobs/{job_id}/publish", json={"server_url": srv.url})
+            assert anonymous.status_code == 401
+            r = jobs.post(f"/v1/jobs/{job_id}/publish", json={"server_url": srv.url, "lora_name": "from-job"})
+            assert r.status_code == 200, r.text
+            assert r.json()["adapter"]["id"] == "from-job" and r.json()["adapter"]["kind"] == "lora"
+            r = jobs.post(f"/v1/jobs/{job_id}/publish", json={"server_url": srv.url, "lora_name": "from-job"})
+            assert r.status_code == 400 and "already loaded" in r.json()["error"]["message"]
+        client = openai.OpenAI(base_url=srv.url, api_key=KEY, max_retries=0, timeout=60)
+        model = merge_lora(copy.deepcopy(load_run(ws / "jobs" / job_id / "run").model)).eval()
+        tok = merged["base"].tokenizer
+        for prompt in PROMPTS[:2]:
+            out = generate(model, tok.encode(prompt), 10, temperature=0.0, eos_id=[tok.eos_id])[0]
+            expect = tok.decode(out[:-1] if out and out[-1] == tok.eos_id else out)
+            r = client.completions.create(model="from-job", prompt=prompt, max_tokens=10, temperature=0)
+            assert r.choices[0].text == expect
+
+
+def _wait(client, job_id: str, timeout: float = 180.0) -> dict:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["status"] in ("succeeded", "failed", "cancelled", "interrupted"):
+            return job
+        assert time.monotonic() < deadline, f"timed out; job is {job}"
+        time.sleep(0.2)

@@ -277,3 +277,24 @@ def test_parse_lora_specs():
     for bad in (["a"], ["=x"], ["a="], ["a=x", "a=y"]):
         with pytest.raises(LmforgeError, match="--lora"):
             parse_lora_specs(bad)
+
+
+def test_publisher_sends_the_key_only_to_the_configured_servers():
+    from lmforge.api.jobs import RequestError
+    from lmforge.api.publish import Publisher, normalize_url
+
+    assert normalize_url("http://Host:8000/v1/") == normalize_url("http://host:8000") == "http://host:8000"
+    for bad in ("ftp://h", "http://user:pw@h:1", "h:8000", "http://h/?x=1"):
+        with pytest.raises(LmforgeError, match="--publish-url"):
+            normalize_url(bad)
+    with pytest.raises(LmforgeError, match="admin key"):
+        Publisher(["http://h:1"], None)
+    pub = Publisher(["http://127.0.0.1:8000/v1"], "admin")
+    assert pub.parse(b'{"server_url": "http://127.0.0.1:8000", "lora_name": "a"}').server_url == \
+        "http://127.0.0.1:8000"
+    for body, param in ((b'{"server_url": "http://127.0.0.1:8001/v1", "lora_name": "a"}', "server_url"),
+                        (b'{"server_url": "http://127.0.0.1:8000", "lora_name": "a", "x": 1}', "x"),
+                        (b'{"lora_name": "a"}', "server_url")):
+        with pytest.raises(RequestError) as e:
+            pub.parse(body)
+        assert e.value.status == 400 and e.value.param == param

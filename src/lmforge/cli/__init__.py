@@ -480,7 +480,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     serve_jobs(args.workspace, host=args.host, port=args.port, max_running=args.max_running,
                allow_roots=args.allow_root, jobs_per_minute=args.jobs_per_minute, job_burst=args.job_burst,
                backend=args.backend, ray_address=args.ray_address, ray_gpus=args.ray_gpus_per_process,
-               limits=limits)
+               limits=limits, publish_urls=args.publish_url, publish_key=args.publish_key)
     return 0
 
 

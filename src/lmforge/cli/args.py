@@ -389,6 +389,11 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-gpus-per-process", type=number(real(0.0, 1024.0)), default=0.0, metavar="G",
                    help="GPUs each job "
                    "process reserves on the Ray cluster (Ray then sets CUDA_VISIBLE_DEVICES; 0: CPU jobs)")
+    p.add_argument("--publish-url", action="append", default=[], metavar="URL", help="a running `lmforge "
+                   "serve` that POST /v1/jobs/ID/publish may load finished adapters into (repeatable; its "
+                   "--adapter-root must contain this workspace's jobs/)")
+    p.add_argument("--publish-key", metavar="KEY", help="the admin key of the --publish-url servers "
+                   "(default: $LMFORGE_ADMIN_KEY)")
     sub = p.add_subparsers(dest="server_cmd", metavar="token")
     tok = sub.add_parser("token", help="create, list or revoke bearer tokens")
     acts = tok.add_subparsers(dest="token_action", required=True, metavar="ACTION")
