@@ -81,8 +81,9 @@ def setup(tmp_path_factory):
     base = tiny()
     root = tmp_path_factory.mktemp("adapters")
     out = {"base": base, "root": root}
-    for name, dora, seed in (("lo", False, 1), ("do", True, 2)):
-        model, merged = adapted(base, dora=dora, seed=seed)
+    for name, dora, seed, r in (("lo", False, 1, 4), ("do", True, 2, 4), ("lo2", False, 3, 2)):
+        model, merged = adapted(base, dora=dora, seed=seed, r=r, targets=("all-linear", "lm_head")
+                                if name != "lo2" else ("q_proj", "v_proj", "down_proj"))
         save_peft_adapter(model, root / name, None, base.cfg)
         out[name] = merged
     return out
@@ -107,9 +108,18 @@ def open_set(setup, **kw) -> AdapterSet:
 
 def served(setup, **kw) -> AdapterSet:
     adapters = open_set(setup, **kw)
-    adapters.load("lo", "lo")
-    adapters.load("do", "do")
+    for name in ("lo", "do", "lo2"):
+        adapters.load(name, name)
     return adapters
+
+
+@pytest.fixture(params=["grouped", "gathered"])
+def mode(request, monkeypatch):
+    """Rows grouped by adapter, or (from GATHER_FROM adapters in a batch) gathered from stacks."""
+    import lmforge.serve.adapters as module
+
+    monkeypatch.setattr(module, "GATHER_FROM", 99 if request.param == "grouped" else 1)
+    return request.param
 
 
 class _Req:
@@ -117,31 +127,31 @@ class _Req:
         self.params = SamplingParams(adapter=adapter)
 
 
-def test_mixed_batch_logits_equal_each_merged_model(setup):
+def test_mixed_batch_logits_equal_each_merged_model(setup, mode):
     base = setup["base"]
     adapters = served(setup)
     engine = Engine(base, text, adapters=adapters)
-    ids = torch.randint(0, 61, (5, 9), generator=torch.Generator().manual_seed(3))
-    rows = [None, adapters.get("lo"), adapters.get("do"), adapters.get("lo"), None]
+    ids = torch.randint(0, 61, (6, 9), generator=torch.Generator().manual_seed(3))
+    rows = [None, adapters.get("lo"), adapters.get("do"), adapters.get("lo"), None, adapters.get("lo2")]
     with torch.inference_mode():
         got = engine._forward([_Req(a) for a in rows], ids)
         plain = base(ids)
-        want_lo, want_do = setup["lo"](ids), setup["do"](ids)
+        want_lo, want_do, want_lo2 = setup["lo"](ids), setup["do"](ids), setup["lo2"](ids)
     assert torch.equal(got[0], plain[0]) and torch.equal(got[4], plain[4])  # the base: bit for bit
-    for i, want in ((1, want_lo), (2, want_do), (3, want_lo)):
+    for i, want in ((1, want_lo), (2, want_do), (3, want_lo), (5, want_lo2)):
         torch.testing.assert_close(got[i], want[i], rtol=0, atol=1e-5)
         assert (got[i] - plain[i]).abs().max() > 1e-2  # the adapter does change the logits
     with torch.inference_mode():  # every row one adapter: the path without a gather
-        torch.testing.assert_close(engine._forward([_Req(rows[2])] * 5, ids), want_do, rtol=0, atol=1e-5)
+        torch.testing.assert_close(engine._forward([_Req(rows[2])] * 6, ids), want_do, rtol=0, atol=1e-5)
 
 
-def test_mixed_batch_greedy_replies_equal_each_merged_model(setup):
+def test_mixed_batch_greedy_replies_equal_each_merged_model(setup, mode):
     base = setup["base"]
     adapters = served(setup)
     engine = Engine(base, text, max_batch_size=4, adapters=adapters)
-    prompts = [[1, 2, 3], [7, 5], [11, 3, 9, 4], [20], [33, 2, 8]]
-    which = [None, "lo", "do", "lo", "do"]
-    models = {None: base, "lo": setup["lo"], "do": setup["do"]}
+    prompts = [[1, 2, 3], [7, 5], [11, 3, 9, 4], [20], [33, 2, 8], [5, 6]]
+    which = [None, "lo", "do", "lo2", "do", "lo"]
+    models = {None: base, "lo": setup["lo"], "do": setup["do"], "lo2": setup["lo2"]}
     collects = []
     for p, name in zip(prompts, which):
         c = Collect()
@@ -155,7 +165,7 @@ def test_mixed_batch_greedy_replies_equal_each_merged_model(setup):
     assert len({c.text() for c in collects}) > 2
 
 
-def test_base_rows_are_bit_for_bit_the_server_without_adapters(setup):
+def test_base_rows_are_bit_for_bit_the_server_without_adapters(setup, mode):
     base = setup["base"]
     prompts = [[1, 2, 3], [7, 5, 6, 1]]
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=5)
@@ -166,8 +176,9 @@ def test_base_rows_are_bit_for_bit_the_server_without_adapters(setup):
         c = Collect()
         engine.submit(prompts, params, c)
         if engine is with_adapters:  # an adapter row in the same batch changes nothing for the base rows
-            lo = SamplingParams(max_tokens=6, adapter=engine.adapters.get("lo"))
-            engine.submit([[4, 4]], lo, Collect())
+            for name in ("lo", "do", "lo2"):
+                lora = SamplingParams(max_tokens=6, adapter=engine.adapters.get(name))
+                engine.submit([[4, 4]], lora, Collect())
         drive(engine)
         outs.append([c.text(0), c.text(1)])
     assert outs[0] == outs[1]
@@ -177,14 +188,14 @@ def test_base_rows_are_bit_for_bit_the_server_without_adapters(setup):
 
 
 def test_unload_lets_running_requests_finish_and_frees_the_slot(setup):
-    adapters = served(setup, max_adapters=2)
+    adapters = served(setup, max_adapters=3)
     engine = Engine(setup["base"], text, adapters=adapters)
     c = Collect()
     engine.submit([[1, 2, 3]], SamplingParams(max_tokens=6, temperature=0, adapter=adapters.get("lo")), c)
     engine.step()
     adapters.unload("lo")
-    assert adapters.get("lo") is None and adapters.names() == ["do"]
-    with pytest.raises(LmforgeError, match="2 adapters are held"):  # "lo" is still in use
+    assert adapters.get("lo") is None and adapters.names() == ["do", "lo2"]
+    with pytest.raises(LmforgeError, match="3 adapters are held"):  # "lo" is still in use
         adapters.load("again", "lo")
     drive(engine)
     assert c.text() == text(generate(setup["lo"], [1, 2, 3], 6, temperature=0.0)[0])
@@ -192,6 +203,7 @@ def test_unload_lets_running_requests_finish_and_frees_the_slot(setup):
     adapters.load("again", "lo")  # the running request ended: its adapter's memory is free
     adapters.unload("again")
     adapters.unload("do")
+    adapters.unload("lo2")
     assert not adapters._hooks  # nothing loaded: the base model has no hooks left
     with pytest.raises(KeyError):
         adapters.unload("do")

@@ -66,6 +66,10 @@ class UnloadAdapterRequest(BaseModel):
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,127}")
+# From this many different adapters in one forward, rows gather their adapter's A and B from a stack
+# and the whole batch does two bmm's per layer; below it, rows are grouped by adapter (a pair of small
+# matmuls per adapter). Measured on 2 CPU cores, bench/serve_multilora.py: see the module docstring.
+GATHER_FROM = 2
 MAX_FILES = 10_000  # files looked at under one adapter dir while checking that it stays under the root
 
 
@@ -152,6 +156,9 @@ class AdapterSet:
         self._gone: list[weakref.ref] = []  # unloaded adapters that running requests may still hold
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         self._groups: list[tuple[Adapter, torch.Tensor | None]] = []
+        self._rows: torch.Tensor | None = None  # gather mode: each row's slot in the stacks (0: the base)
+        self._stack_key: tuple[Adapter, ...] = ()
+        self._stacks: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self._lock = threading.RLock()  # held by a forward and by changes of the hooks
         self._loading = threading.Lock()  # one load at a time (each may hold a model copy in memory)
         self._linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -189,6 +196,11 @@ class AdapterSet:
             if not where.exists():
                 raise LmforgeError(f"lora_path {path}: no such adapter dir")
             layers, kind, rank = self._read(where, str(path))
+            odd = next((n for n in layers if n not in self._linears), None)
+            if odd is not None:  # a quantized layer (`lmforge quantize`): DoRA needs its plain weight
+                kind_of = type(self.model.get_submodule(odd)).__name__
+                raise AdapterError(f"{path}: the served model's {odd} is a {kind_of}, not a plain Linear "
+                                   "layer; serve adapters over an unquantized base")
             adapter = Adapter(name, kind, rank, str(path), layers)
             with self._lock:
                 self._check_room(name)
@@ -206,6 +218,7 @@ class AdapterSet:
                 raise KeyError(name)
             self._gone.append(weakref.ref(adapter))
             del adapter
+            self._stack_key, self._stacks = (), {}  # the stacks must not keep it alive
             if self.held() == 0:  # nothing can use the hooks any more: the base is as it was
                 for handle in self._hooks.values():
                     handle.remove()
@@ -216,6 +229,7 @@ class AdapterSet:
         with self._lock:
             self._adapters.clear()
             self._gone.clear()
+            self._stack_key, self._stacks = (), {}
             for handle in self._hooks.values():
                 handle.remove()
             self._hooks.clear()
@@ -344,10 +358,40 @@ class AdapterSet:
             device = next(self.model.parameters()).device
             self._groups = [(a, None if len(idx) == len(adapters) else torch.tensor(idx, device=device))
                             for a, idx in rows.values()]
+            if len(rows) >= GATHER_FROM:
+                distinct = tuple(a for a, _ in rows.values())
+                self._stack(distinct)
+                slot = {id(a): i + 1 for i, a in enumerate(distinct)}
+                self._rows = torch.tensor([0 if a is None else slot[id(a)] for a in adapters], device=device)
             try:
                 yield
             finally:
-                self._groups = []
+                self._groups, self._rows = [], None
+
+    def _stack(self, distinct: tuple[Adapter, ...]) -> None:
+        """Per layer, the adapters' A (k + 1, r_max, in), s B (k + 1, out, r_max) and, if any is DoRA,
+        their row scales (k + 1, out); slot 0 and the adapters without the layer are zeros (and scale 1),
+        smaller ranks zero-padded. Kept while the batch holds the same adapters (decode steps)."""
+        if distinct == self._stack_key:
+            return
+        stacks = {}
+        for name in dict.fromkeys(n for a in distinct for n in a.layers):
+            present = [a.layers.get(name) for a in distinct]
+            first = next(d for d in present if d is not None)
+            r = max(d.a.shape[0] for d in present if d is not None)
+            (_, n_in), n_out = first.a.shape, first.b.shape[0]
+            a_all = first.a.new_zeros(len(present) + 1, r, n_in)
+            b_all = first.b.new_zeros(len(present) + 1, n_out, r)
+            dora = any(d is not None and d.scale is not None for d in present)
+            scale = first.b.new_ones(len(present) + 1, n_out) if dora else None
+            for i, d in enumerate(present, 1):
+                if d is not None:
+                    a_all[i, : d.a.shape[0]] = d.a
+                    b_all[i, :, : d.b.shape[1]] = d.b * d.scaling
+                    if d.scale is not None:
+                        scale[i] = d.scale
+            stacks[name] = (a_all, b_all, scale)
+        self._stack_key, self._stacks = distinct, stacks
 
 
 class _Hook:
@@ -357,10 +401,13 @@ class _Hook:
         self.owner, self.name = owner, name
 
     def __call__(self, module: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor | None:
-        groups = self.owner._groups
+        owner = self.owner
+        groups = owner._groups
         if not groups:
             return None
         x = args[0]  # (B, T, in)
+        if owner._rows is not None and x.dim() == 3:
+            return self._gathered(module, x, y)
         for adapter, idx in groups:
             delta = adapter.layers.get(self.name)
             if delta is None:
@@ -370,6 +417,23 @@ class _Hook:
             else:
                 y = y.index_add(0, idx, delta(x.index_select(0, idx), y.index_select(0, idx)))
         return y
+
+
+    def _gathered(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Every row's adapter at once: its A and s B gathered from the stacks, two bmm's. The base's rows
+        (and adapters without this layer) gather zeros and scale 1: y + 0, exactly y."""
+        stack = self.owner._stacks.get(self.name)
+        if stack is None:
+            return None
+        a_all, b_all, scale_all = stack
+        rows = self.owner._rows
+        u = torch.bmm(x.to(a_all.dtype), a_all.index_select(0, rows).transpose(1, 2))  # (B, T, r)
+        lora = torch.bmm(u, b_all.index_select(0, rows).transpose(1, 2))  # (B, T, out)
+        if scale_all is None:
+            return y + lora.to(y.dtype)
+        scale = scale_all.index_select(0, rows)[:, None, :]  # (B, 1, out)
+        base_out = y if module.bias is None else y - module.bias
+        return y + ((scale - 1) * base_out + scale * lora).to(y.dtype)
 
 
 def parse_lora_specs(specs: Sequence[str]) -> list[tuple[str, str]]:
