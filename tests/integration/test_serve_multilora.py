@@ -125,6 +125,18 @@ def test_concurrent_adapters_batch_together_and_equal_the_merged_models(client, 
         client.completions.create(model="nope", prompt="x", max_tokens=2)
 
 
+def test_streamed_chat_of_an_adapter_equals_its_reply(client):
+    messages = [{"role": "user", "content": "Lists are mutable sequences"}]
+    whole = client.chat.completions.create(model="dora", messages=messages, max_tokens=10, temperature=0)
+    stream = client.chat.completions.create(model="dora", messages=messages, max_tokens=10, temperature=0,
+                                            stream=True)
+    chunks = list(stream)
+    assert {c.model for c in chunks} == {"dora"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    base = client.chat.completions.create(model="base", messages=messages, max_tokens=10, temperature=0)
+    assert base.choices[0].message.content != whole.choices[0].message.content
+
+
 def test_engine_logits_equal_the_merged_models(server, merged):
     """A mixed batch through the engine's forward: the base's rows bit for bit, each adapter's within
     1e-5 of its merged model (fp32)."""
