@@ -181,6 +181,24 @@ def test_runtime_load_and_unload(client, server, merged, runs):
     assert [m.id for m in client.models.list().data] == ["base", "lora", "dora"]
 
 
+def test_hostile_admin_bodies_get_a_400_naming_the_field(server):
+    for body, param in (({"lora_name": "../../etc", "lora_path": "peft/adapter"}, "lora_name"),
+                        ({"lora_name": "x" * 129, "lora_path": "peft/adapter"}, "lora_name"),
+                        ({"lora_name": "base", "lora_path": "peft/adapter"}, "lora_name"),
+                        ({"lora_name": "x", "lora_path": "/" + "a" * 5000}, "lora_path"),
+                        ({"lora_name": "x", "lora_path": "../../../etc/passwd"}, "lora_path"),
+                        ({"lora_name": "x", "lora_path": "nothing/here"}, "lora_path"),
+                        ({"lora_name": ["x"], "lora_path": "peft/adapter"}, "lora_name"),
+                        ({"lora_path": "peft/adapter"}, "lora_name")):
+        r = admin(server, "load_lora_adapter", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    r = httpx.post(f"{server.url}/load_lora_adapter", content=b"{not json", timeout=30,
+                   headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    assert [m.id for m in openai.OpenAI(base_url=server.url, api_key=KEY).models.list().data] == \
+        ["base", "lora", "dora"]
+
+
 def test_symlink_out_of_the_root_is_refused(server, runs):
     link = runs["root"] / "escape"
     os.symlink(runs["lora"], link)
