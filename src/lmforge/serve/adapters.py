@@ -182,13 +182,16 @@ class AdapterSet:
 
     def held(self) -> int:
         """Adapters in memory: the loaded ones and the unloaded ones running requests still use."""
-        self._gone = [r for r in self._gone if r() is not None]
-        return len(self._adapters) + len(self._gone)
+        with self._lock:
+            self._gone = [r for r in self._gone if r() is not None]
+            return len(self._adapters) + len(self._gone)
 
     # -- load / unload ---------------------------------------------------------------------------
     def load(self, name: str, path: str | Path, *, confined: bool = True) -> Adapter:
         """Read the adapter at `path` and serve it as `name`. confined: `path` (relative to the root,
-        or absolute) must lie under the root, symlinks resolved."""
+        or absolute) must lie under the root, symlinks resolved. An lmforge run is read by loading its
+        whole checkpoint (a second copy of the model while it loads: its base weights are checked
+        against the served ones); a PEFT dir reads only the adapter tensors."""
         if not isinstance(name, str) or not NAME.fullmatch(name):
             raise AdapterError(f"lora_name {name!r}: use 1 to 128 letters, digits and ._:@+- (starting "
                                "with a letter or digit)", "lora_name")
