@@ -8,6 +8,8 @@
     GET    /v1/jobs/{id}/logs?tail=N&stream=    the last N lines of stdout / stderr
     POST   /v1/jobs/{id}/cancel                 SIGTERM: a train job saves a checkpoint and stops
     POST   /v1/jobs/{id}/resume                 a cancelled / interrupted / failed train job continues
+    POST   /v1/jobs/{id}/publish                a finished LoRA/DoRA job's adapter onto a running
+                                                `lmforge serve` (api/publish.py; with --publish-url)
     DELETE /v1/jobs/{id}?artifacts=true         refused while it runs; artifacts=true removes its dir
     GET    /v1/jobs/{id}/artifacts[/{name}]     metrics.jsonl, curves.png, config.yaml, eval reports...
 
@@ -39,6 +41,7 @@ from lmforge.api.jobs import RequestError, build_job, job_json, parse_request
 from lmforge.api.launch import STDERR, STDOUT
 from lmforge.api.limits import Limits
 from lmforge.api.progress import Progress, Tail, tail_lines
+from lmforge.api.publish import Publisher
 from lmforge.api.runner import Runner
 from lmforge.api.store import RESUMABLE, STATUSES, TERMINAL, Job, Store
 
@@ -89,9 +92,10 @@ class _BodyLimit:
 def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tuple[str, ...] = (),
                max_body_bytes: int = MAX_BODY_BYTES, jobs_per_minute: float = 30.0, job_burst: int = 10,
                limits: Limits | None = None, runner: Runner | None = None,
-               start_runner: bool = True) -> FastAPI:
+               start_runner: bool = True, publisher: Publisher | None = None) -> FastAPI:
     """The job server's app over `workspace` (server.db, jobs/); its runner starts and stops with it.
-    `limits`: what one job may ask and what runs at once (default: from this machine)."""
+    `limits`: what one job may ask and what runs at once (default: from this machine). `publisher`:
+    the model servers finished adapters may be published to (None: the publish route refuses)."""
     workspace = Path(workspace).resolve()
     limits = limits or (runner.limits if runner is not None else Limits.for_machine(max_running=max_running))
     (workspace / "jobs").mkdir(parents=True, exist_ok=True)
@@ -241,6 +245,22 @@ def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tupl
             raise RequestError(409, f"job {job_id} changed state; look again", "id", "conflict")
         runner.wake()
         return view(store.get(job.id) or job)
+
+    @app.post("/v1/jobs/{job_id}/publish", tags=["jobs"])
+    async def publish(job_id: str, request: Request, user: str = Depends(user_of)) -> dict[str, Any]:
+        """Load a succeeded LoRA/DoRA train job's adapter into a running `lmforge serve` (one of the
+        job server's --publish-url) as model `lora_name`."""
+        job = own_job(job_id, user)
+        if publisher is None:
+            raise RequestError(409, "this job server publishes to no model server (its operator starts it "
+                               "with --publish-url URL and the model server's admin key)", None, "no_publish")
+        req = publisher.parse(await request.body())
+        if job.kind != "train" or job.status != "succeeded":
+            raise RequestError(409, f"job {job_id} ({job.kind}, {job.status}) has no finished adapter: only "
+                               "a succeeded train job can be published", "id", "not_publishable")
+        answer = await asyncio.to_thread(publisher.publish, jdir(job) / "run", req)
+        return {"object": "lmforge.job.published", "id": job.id, "server_url": req.server_url,
+                "lora_name": req.lora_name, "adapter": answer}
 
     @app.delete("/v1/jobs/{job_id}", tags=["jobs"])
     async def delete(job_id: str, artifacts: bool = False, user: str = Depends(user_of)) -> dict[str, Any]:

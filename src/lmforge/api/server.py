@@ -53,7 +53,8 @@ def lock_workspace(ws: Path) -> PidLock:
 def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_running: int = 1,
                allow_roots: Sequence[str] = (), jobs_per_minute: float = 30.0, job_burst: int = 10,
                max_body_bytes: int = 1 << 20, backend: str = "local", ray_address: str | None = None,
-               ray_gpus: float = 0.0, limits: dict | None = None) -> None:
+               ray_gpus: float = 0.0, limits: dict | None = None, publish_urls: Sequence[str] = (),
+               publish_key: str | None = None) -> None:
     """Serve the job API until interrupted. Running jobs outlive the server (the next start re-attaches
     them). `backend="ray"` hands the jobs to the Ray cluster at `ray_address` (see ray_backend.py), each
     process reserving one CPU and `ray_gpus` GPUs. `limits`: Limits.for_machine's keyword arguments (what
@@ -78,6 +79,14 @@ def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_ru
     for r in allow_roots:
         if not Path(r).is_dir():
             raise LmforgeError(f"--allow-root {r} is not a directory")
+    publisher = None
+    if publish_urls:
+        from lmforge.api.publish import Publisher
+
+        publisher = Publisher(publish_urls, publish_key or os.environ.get("LMFORGE_ADMIN_KEY"))
+    elif publish_key:
+        raise LmforgeError("--publish-key is the admin key of the model servers named by --publish-url: "
+                           "give those too")
     ws, runner, where = _workspace(workspace).resolve(), None, "here"
     lock = lock_workspace(ws)
     try:
@@ -90,7 +99,7 @@ def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_ru
             where = f"on the Ray cluster at {ray.address}"
         app = create_app(ws, max_running=max_running, allow_roots=tuple(allow_roots), runner=runner,
                          limits=lim, jobs_per_minute=jobs_per_minute, job_burst=job_burst,
-                         max_body_bytes=max_body_bytes)
+                         max_body_bytes=max_body_bytes, publisher=publisher)
         print(f"lmforge server: http://{host}:{port} (API docs at /docs), workspace {ws}, {max_running} "
               f"job(s) at a time, {where}; a job may ask {lim.max_procs_per_job} process(es), "
               f"{lim.max_threads_per_job} thread(s), {lim.max_memory_per_job / (1 << 30):.1f} GiB; all jobs "

@@ -293,7 +293,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(_run_path(args), host=args.host, port=args.port, api_keys=args.api_key, no_auth=args.no_auth,
           model_name=args.model_name, max_batch_size=args.max_batch_size, weights=args.weights,
-          overrides=args.set, threads=args.threads, prefix_cache_mb=args.prefix_cache_mb)
+          overrides=args.set, threads=args.threads, prefix_cache_mb=args.prefix_cache_mb, loras=args.lora,
+          admin_key=args.admin_key, adapter_root=args.adapter_root, max_adapters=args.max_adapters,
+          max_lora_rank=args.max_lora_rank)
     return 0
 
 
@@ -479,7 +481,7 @@ def cmd_server(args: argparse.Namespace) -> int:
     serve_jobs(args.workspace, host=args.host, port=args.port, max_running=args.max_running,
                allow_roots=args.allow_root, jobs_per_minute=args.jobs_per_minute, job_burst=args.job_burst,
                backend=args.backend, ray_address=args.ray_address, ray_gpus=args.ray_gpus_per_process,
-               limits=limits)
+               limits=limits, publish_urls=args.publish_url, publish_key=args.publish_key)
     return 0
 
 

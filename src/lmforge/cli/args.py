@@ -200,6 +200,17 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        help="torch CPU threads (default: the cores "
                        "less one, at most 8)")
         p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
+        p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH", help="serve a LoRA/DoRA "
+                       "adapter (an lmforge run dir or a PEFT adapter dir) as model NAME beside the base "
+                       "(repeatable); requests for different adapters decode in one batch")
+        p.add_argument("--max-adapters", type=number(whole(1, 1024)), default=8,
+                       help="adapters held at once (default 8)")
+        p.add_argument("--max-lora-rank", type=number(whole(1, 4096)), default=64,
+                       help="the largest adapter rank accepted (default 64)")
+        p.add_argument("--adapter-root", metavar="DIR", help="enable POST /v1/load_lora_adapter and "
+                       "/v1/unload_lora_adapter, reading adapters only from under DIR (needs the admin key)")
+        p.add_argument("--admin-key", metavar="KEY", help="the key of the adapter admin routes (default: "
+                       "$LMFORGE_ADMIN_KEY); they accept it instead of an API key")
     if name == "sweep":
         p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="a config key and "
                        "its values (repeatable; the grid is every combination); KEY=LOW..HIGH is a range "
@@ -383,6 +394,11 @@ def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ray-gpus-per-process", type=number(real(0.0, 1024.0)), default=0.0, metavar="G",
                    help="GPUs each job "
                    "process reserves on the Ray cluster (Ray then sets CUDA_VISIBLE_DEVICES; 0: CPU jobs)")
+    p.add_argument("--publish-url", action="append", default=[], metavar="URL", help="a running `lmforge "
+                   "serve` that POST /v1/jobs/ID/publish may load finished adapters into (repeatable; its "
+                   "--adapter-root must contain this workspace's jobs/)")
+    p.add_argument("--publish-key", metavar="KEY", help="the admin key of the --publish-url servers "
+                   "(default: $LMFORGE_ADMIN_KEY)")
     sub = p.add_subparsers(dest="server_cmd", metavar="token")
     tok = sub.add_parser("token", help="create, list or revoke bearer tokens")
     acts = tok.add_subparsers(dest="token_action", required=True, metavar="ACTION")

@@ -30,9 +30,12 @@ __all__ = ["Engine", "EngineBusy", "Event", "SamplingParams", "Server", "resolve
            "start_server"]
 
 ENV_KEY = "LMFORGE_API_KEY"
+ENV_ADMIN_KEY = "LMFORGE_ADMIN_KEY"
 MAX_BATCH = whole(1, 1024)  # rows of the engine's KV cache, allocated at start (the CLI's range too)
 PREFIX_MB = whole(0, 1_048_576)  # the prefix cache's budget in MiB (the CLI's range too)
 PREFIX_CACHE_MB = 256  # the default budget (cli/args.py's too); see `serve`
+MAX_ADAPTERS = whole(1, 1024)  # adapters held at once (serve/adapters.py)
+MAX_LORA_RANK = whole(1, 4096)
 
 
 def _require_extra():
@@ -135,18 +138,27 @@ def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
                  api_keys: Sequence[str] | None, model_name: str | None = None, max_batch_size: int = 8,
                  weights: str = "model", overrides: Sequence[str] = (), threads: int | None = None,
                  max_queue: int = 1024, log_level: str = "warning",
-                 prefix_cache_mb: int = PREFIX_CACHE_MB) -> Server:
+                 prefix_cache_mb: int = PREFIX_CACHE_MB, loras: Sequence[tuple[str, str]] = (),
+                 admin_key: str | None = None, adapter_root: str | Path | None = None,
+                 max_adapters: int = 8, max_lora_rank: int = 64) -> Server:
     """Load a run (run dir, checkpoint dir or Hugging Face dir), bind host:port and build the app;
     the engine thread is running, the server not yet (call `run()` or `start()`).
 
     api_keys: accepted keys, None for no authentication (see `resolve_api_keys`). threads: torch's CPU
     threads (process-wide; None leaves them as they are). prefix_cache_mb: the prefix cache's budget
-    in MiB (0: off)."""
+    in MiB (0: off). loras: (name, path) adapters served beside the base; admin_key and adapter_root:
+    runtime loads from under that dir (`resolve_admin_key`)."""
     _require_extra()
     from lmforge.eval.entry import chat_template_of, load_run
     from lmforge.serve.app import create_app
 
     MAX_BATCH.check(max_batch_size, "--max-batch-size")  # the KV cache holds this many rows
+    MAX_ADAPTERS.check(max_adapters, "--max-adapters")
+    MAX_LORA_RANK.check(max_lora_rank, "--max-lora-rank")
+    if (admin_key is None) != (adapter_root is None):
+        raise LmforgeError("runtime adapter loads need both an admin key and --adapter-root")
+    if len(loras) > max_adapters:
+        raise LmforgeError(f"{len(loras)} --lora adapters exceed --max-adapters {max_adapters}")
     if threads is not None:
         THREADS.check(threads, "--threads")
     PREFIX_MB.check(prefix_cache_mb, "--prefix-cache-mb")
@@ -156,9 +168,21 @@ def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
         if threads is not None:
             torch.set_num_threads(threads)
         name = model_name or run.cfg.run.name or Path(path).name
+        adapters = None
+        if loras or admin_key is not None:
+            from lmforge.serve.adapters import AdapterSet
+
+            adapters = AdapterSet(run.model, name, max_adapters=max_adapters, max_rank=max_lora_rank,
+                                  root=adapter_root)
+            for lora_name, lora_path in loras:  # the operator's own paths: not confined to the root
+                try:
+                    adapters.load(lora_name, lora_path, confined=False)
+                except LmforgeError as e:
+                    raise LmforgeError(f"--lora {lora_name}={lora_path}: {e}") from None
         engine = Engine(run.model, run.tokenizer.decode, max_batch_size=max_batch_size, max_queue=max_queue,
-                        prefix_cache_bytes=prefix_cache_mb << 20)
-        app = create_app(engine, run.tokenizer, chat_template_of(run), model_name=name, api_keys=api_keys)
+                        prefix_cache_bytes=prefix_cache_mb << 20, adapters=adapters)
+        app = create_app(engine, run.tokenizer, chat_template_of(run), model_name=name, api_keys=api_keys,
+                         admin_key=admin_key)
     except BaseException:
         sock.close()
         raise
@@ -175,7 +199,9 @@ def start_server(path: str | Path, *, api_keys: Sequence[str] | None, host: str 
 def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys: Sequence[str] = (),
           no_auth: bool = False, model_name: str | None = None, max_batch_size: int = 8,
           weights: str = "model", overrides: Sequence[str] = (), threads: int | None = None,
-          prefix_cache_mb: int = PREFIX_CACHE_MB, say=print) -> None:
+          prefix_cache_mb: int = PREFIX_CACHE_MB, loras: Sequence[str] = (), admin_key: str | None = None,
+          adapter_root: str | None = None, max_adapters: int = 8, max_lora_rank: int = 64,
+          say=print) -> None:
     """`lmforge serve`: serve a run on host:port until interrupted.
 
     threads: torch's CPU threads; default one core fewer than the machine has (at most 8), leaving one
@@ -188,11 +214,16 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys:
     a miss costs about what it did without it, and the memory is bounded and taken only as prompts
     fill it. 0 turns it off: each prompt is prefilled in one forward, as before it existed (replies
     equal bit for bit to a build without it)."""
+    from lmforge.serve.adapters import parse_lora_specs
+
     keys = resolve_api_keys(api_keys, no_auth)
+    admin = resolve_admin_key(admin_key, adapter_root, keys)
     threads = threads or max(1, min(8, (os.cpu_count() or 2) - 1))
     server = build_server(path, host, port, api_keys=keys, model_name=model_name,
                           max_batch_size=max_batch_size, weights=weights, overrides=overrides,
-                          threads=threads, prefix_cache_mb=prefix_cache_mb)
+                          threads=threads, prefix_cache_mb=prefix_cache_mb, loras=parse_lora_specs(loras),
+                          admin_key=admin, adapter_root=adapter_root, max_adapters=max_adapters,
+                          max_lora_rank=max_lora_rank)
     cfg = server.engine.model.cfg
     n_params = sum(p.numel() for p in server.engine.model.parameters())
     n_threads = torch.get_num_threads()
@@ -200,6 +231,11 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys:
         f"{server.url} (max batch {max_batch_size}, {n_threads} thread{'s' * (n_threads != 1)}, "
         f"prefix cache {f'{prefix_cache_mb} MiB' if server.engine.prefix_cache is not None else 'off'}); "
         + ("API key required" if keys is not None else "NO authentication"))
+    adapters = server.engine.adapters
+    if adapters is not None:
+        served = ", ".join(adapters.names()) or "(none yet)"
+        runtime = f"; runtime loads from {adapter_root} with the admin key" if admin is not None else ""
+        say(f"lmforge serve: adapters {served} (max {max_adapters}, rank <= {max_lora_rank}){runtime}")
     if keys is None and not _is_loopback(host):
         say(f"lmforge serve: warning: --no-auth on {host}: anyone who can reach this port can use the model")
     try:
@@ -207,6 +243,27 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys:
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl-C: the normal way out
         pass
     say("lmforge serve: stopped")
+
+
+def resolve_admin_key(admin_key: str | None, adapter_root: str | Path | None, api_keys: Sequence[str] | None,
+                      env: dict[str, str] | None = None) -> str | None:
+    """The key of the adapter admin routes (--admin-key, else $LMFORGE_ADMIN_KEY), which runtime loads
+    (--adapter-root) need; None when there are none. It must differ from every API key."""
+    env = os.environ if env is None else env
+    if adapter_root is None:
+        if admin_key is not None:
+            raise LmforgeError("--admin-key enables loading adapters at run time, which reads them only "
+                               "from --adapter-root DIR: give that too")
+        return None
+    key = admin_key if admin_key is not None else env.get(ENV_ADMIN_KEY)
+    if not key:
+        raise LmforgeError(f"--adapter-root needs an admin key for /v1/load_lora_adapter: give --admin-key "
+                           f"KEY or set {ENV_ADMIN_KEY}")
+    if key != key.strip() or not key.isprintable():
+        raise LmforgeError("the admin key must be printable text without surrounding spaces")
+    if key in (api_keys or ()):
+        raise LmforgeError("the admin key must differ from every API key (a client would be an admin)")
+    return key
 
 
 def _is_loopback(host: str) -> bool:

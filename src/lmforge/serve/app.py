@@ -4,6 +4,11 @@
     GET  /v1/models              the served model (and /v1/models/{id})
     POST /v1/completions         prompt: a string, token ids, or a list of either
     POST /v1/chat/completions    messages rendered by the run's chat template
+    POST /v1/load_lora_adapter   {"lora_name", "lora_path"}, and /v1/unload_lora_adapter {"lora_name"}:
+                                 only with an admin key, which they need instead of an API key
+
+With adapters (serve/adapters.py) the request's `model` is the base's name or an adapter's, and
+/v1/models lists the adapters too, each with its `parent` (vLLM's shape).
 
 Every /v1 route needs `Authorization: Bearer KEY` (keys compared in constant time) unless the app was
 made without keys; the check and a body size limit run before the body is read, in a plain ASGI
@@ -45,6 +50,7 @@ from lmforge.serve.protocol import (
 from lmforge.utils.jsontext import BadJSON, loads
 
 MAX_BODY_BYTES = 1 << 20
+ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # their own key, not the API keys
 RENDER_WORKERS = 2  # processes rendering an untrusted chat template: one refused render holds up no one
 
 
@@ -58,13 +64,17 @@ class ApiError(HTTPException):
 
 
 def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name: str,
-               api_keys: Sequence[str] | None, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               api_keys: Sequence[str] | None, max_body_bytes: int = MAX_BODY_BYTES,
+               admin_key: str | None = None) -> FastAPI:
     """The app serving `engine` (started and closed by the caller) under `model_name`.
 
-    api_keys: the accepted keys; None serves without authentication (`--no-auth`)."""
+    api_keys: the accepted keys; None serves without authentication (`--no-auth`). admin_key: enables
+    the adapter admin routes (the engine's `adapters` must be set), which accept only it."""
     app = FastAPI(title="lmforge", docs_url=None, redoc_url=None, openapi_url=None)
+    adapters = engine.adapters
+    admin = admin_key is not None and adapters is not None
     app.add_middleware(_Guard, keys=None if api_keys is None else [k.encode() for k in api_keys],
-                       max_body=max_body_bytes)
+                       max_body=max_body_bytes, own_auth=ADMIN_ROUTES if admin else ())
     created = now()
     if not template.trusted:
         pool().resize(max(pool().size, RENDER_WORKERS))
@@ -99,22 +109,51 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card, *(adapters.cards() if adapters is not None else ())]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        _check_model(model_id, model_name)
-        return card
+        adapter = _route(model_id, model_name, adapters)
+        return card if adapter is None else adapter.card(model_name)
+
+    if admin:
+        from lmforge.serve.adapters import LoadAdapterRequest, UnloadAdapterRequest
+
+        secret = admin_key.encode()
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request):
+            _check_admin(request, secret)
+            body = _parse(await request.body(), LoadAdapterRequest)
+            try:  # in a thread: reading an adapter takes a while and must not hold up the event loop
+                adapter = await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path)
+            except LmforgeError as e:
+                raise ApiError(400, str(e), param=getattr(e, "param", "lora_path")) from None
+            return {"object": "lora_adapter", "id": adapter.name, "kind": adapter.kind, "rank": adapter.rank,
+                    "parent": model_name, "status": "loaded"}
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request):
+            _check_admin(request, secret)
+            body = _parse(await request.body(), UnloadAdapterRequest)
+            try:
+                adapters.unload(body.lora_name)
+            except KeyError:
+                raise ApiError(404, f"no adapter named `{body.lora_name}` is loaded", code="model_not_found",
+                               param="lora_name") from None
+            return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = _parse(await request.body(), CompletionRequest)
-        _check_model(body.model, model_name)
+        adapter = _route(body.model, model_name, adapters)
         prompts = []
         for p in body.prompt_list():
             ids = (tokenizer.encode(p) or [tokenizer.eos_id]) if isinstance(p, str) else p  # "" -> EOS as BOS
             prompts.append(ids)
         params = _params(engine, body, prompts, body.max_tokens, frozenset({tokenizer.eos_id}), ())
+        if adapter is not None:
+            params = dataclasses.replace(params, adapter=adapter)
         k, shaper = body.logprobs_k(), None
         if k is not None or body.echo:
             echo = None
@@ -122,12 +161,12 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
                 echo = [p if isinstance(p, str) else tokenizer.decode(p) for p in body.prompt_list()]
             shaper = Shaper(token_text, chat=False, k=k, n=body.n, echo=echo)
             params = dataclasses.replace(params, logprobs=k, prompt_logprobs=k if body.echo else None)
-        return await _respond(request, engine, body, prompts, params, model_name, chat=False, shaper=shaper)
+        return await _respond(request, engine, body, prompts, params, body.model, chat=False, shaper=shaper)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = _parse(await request.body(), ChatCompletionRequest)
-        _check_model(body.model, model_name)
+        adapter = _route(body.model, model_name, adapters)
         messages = body.conversation()
         for i, m in enumerate(messages):
             bad = next((s for s in specials if s and s in m["content"]), None)
@@ -142,11 +181,13 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
             raise ApiError(400, f"the chat template cannot render these messages: {e}",
                            param="messages") from None
         params = _params(engine, body, [ids], body.limit(), chat_stops, chat_stop_text)
+        if adapter is not None:
+            params = dataclasses.replace(params, adapter=adapter)
         shaper = None
         if (k := body.logprobs_k()) is not None:
             shaper = Shaper(token_text, chat=True, k=k)
             params = dataclasses.replace(params, logprobs=k)
-        return await _respond(request, engine, body, [ids], params, model_name, chat=True, shaper=shaper)
+        return await _respond(request, engine, body, [ids], params, body.model, chat=True, shaper=shaper)
 
     return app
 
@@ -155,6 +196,27 @@ def _check_model(name: str, served: str) -> None:
     if name != served:
         raise ApiError(404, f"The model `{name}` does not exist; this server serves `{served}`.",
                        code="model_not_found", param="model")
+
+
+def _route(name: str, served: str, adapters):
+    """The adapter a request's `model` names, None for the base (404 for anything else)."""
+    if name == served or adapters is None:
+        _check_model(name, served)
+        return None
+    adapter = adapters.get(name)
+    if adapter is None:
+        names = ", ".join(f"`{n}`" for n in [served, *adapters.names()])
+        raise ApiError(404, f"The model `{name}` does not exist; this server serves {names}.",
+                       code="model_not_found", param="model")
+    return adapter
+
+
+def _check_admin(request: Request, secret: bytes) -> None:
+    """The admin routes take the admin key (not an API key) as the bearer token."""
+    scheme, _, key = request.headers.get("authorization", "").encode().partition(b" ")
+    if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), secret):
+        raise ApiError(401, "the adapter admin routes need the admin key: Authorization: Bearer ADMIN_KEY",
+                       code="invalid_api_key", headers={"www-authenticate": "Bearer"})
 
 
 def _parse(raw: bytes, schema):
@@ -321,14 +383,14 @@ async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, 
 class _Guard:
     """ASGI middleware for /v1: the API key check, then the body size limit, before the body is read."""
 
-    def __init__(self, app, keys: list[bytes] | None, max_body: int) -> None:
-        self.app, self.keys, self.max_body = app, keys, max_body
+    def __init__(self, app, keys: list[bytes] | None, max_body: int, own_auth: Sequence[str] = ()) -> None:
+        self.app, self.keys, self.max_body, self.own_auth = app, keys, max_body, frozenset(own_auth)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1"):
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.keys is not None:
+        if self.keys is not None and scope["path"] not in self.own_auth:
             problem = self._auth(headers.get(b"authorization"))
             if problem is not None:
                 # Closing the connection: a body the client may still be sending is never read.

@@ -35,6 +35,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,6 +75,7 @@ class SamplingParams:
     # max_tokens 0: the prompt scored, nothing generated).
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    adapter: Any = None  # the LoRA adapter (serve/adapters.py's Adapter) its rows decode with; None: the base
 
 
 @dataclass(frozen=True)
@@ -154,12 +156,13 @@ class Engine:
 
     def __init__(self, model: nn.Module, decode: Callable[[list[int]], str], *, max_batch_size: int = 8,
                  max_queue: int = 1024, prefix_cache_bytes: int = 0,
-                 prefix_block_tokens: int = BLOCK_TOKENS) -> None:
+                 prefix_block_tokens: int = BLOCK_TOKENS, adapters: Any = None) -> None:
         if max_batch_size < 1:
             raise LmforgeError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval()
         self.decode = decode
         self.max_batch_size, self.max_queue = max_batch_size, max_queue
+        self.adapters = adapters  # serve/adapters.py's AdapterSet, or None: the model alone
         cfg = model.cfg
         self.max_len, self.vocab_size = cfg.max_seq_len, cfg.vocab_size
         param = next(model.parameters())
@@ -404,12 +407,16 @@ class Engine:
     def _cache_namespace(self, req: _Request) -> bytes:
         """What besides its tokens a request's keys/values depend on (e.g. an adapter, with its version):
         the prefix cache shares blocks only between requests with the same namespace."""
-        return b""
+        a = req.params.adapter
+        return b"" if a is None else f"{a.name}\0{a.serial}".encode()
 
     def _forward(self, reqs: list[_Request], ids: torch.Tensor, **kw) -> torch.Tensor:
         """The model on `ids` (B, T), row i for request reqs[i]: every forward of the engine goes
         through here (the one place that knows what a row needs beyond its tokens)."""
-        return self.model(ids, **kw)
+        if self.adapters is None:
+            return self.model(ids, **kw)
+        with self.adapters.batch([r.params.adapter for r in reqs]):  # each row with its own adapter
+            return self.model(ids, **kw)
 
     def _move(self, new_off: int) -> None:
         """Move the window's columns [off, pos) of the running rows to start at column new_off."""
