@@ -213,29 +213,39 @@ def _check_schema(schema, where: str) -> None:
 
 # -- masking a batch ------------------------------------------------------------------------------------
 def mask_logits_(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[Matcher],
-                 stop_ids: Sequence[Iterable[int]]) -> None:
+                 stop_ids: Sequence[Iterable[int]]) -> dict[int, str]:
     """Set to -inf, in place, every logit of `logits` (B, V) rows `rows` that matchers[j] does not allow;
     row j's `stop_ids[j]` are allowed exactly when its grammar is accepting. Ids past the tokenizer's
-    vocabulary (a padded embedding) are never allowed. Rows not listed are untouched."""
+    vocabulary (a padded embedding) are never allowed. Rows not listed are untouched.
+
+    Returns {j: why} for the matchers that failed (a grammar over its per-step work bound, or one that
+    allows nothing): their rows are left as they were, for the caller to end with an error, so that one
+    failing grammar does not take the rest of the batch with it."""
     if not rows:
-        return
+        return {}
     vocab = matchers[0].grammar.vocab_size
     bits = torch.zeros((len(rows), _words(vocab)), dtype=torch.int32)
+    failed: dict[int, str] = {}
     for j, m in enumerate(matchers):
         assert m.grammar.vocab_size == vocab, "one tokenizer per batch"
-        m._fill(bits[j])
+        try:
+            m._fill(bits[j])
+        except GrammarError as e:
+            failed[j] = str(e)
     allowed = _unpack(bits, vocab)  # (k, vocab)
     for j, (m, stops) in enumerate(zip(matchers, stop_ids)):
         ids = [t for t in stops if t < vocab]
-        if ids and m.accepting():
+        if ids and j not in failed and m.accepting():
             allowed[j, ids] = True
-    if not bool(allowed.any(dim=1).all()):
-        raise GrammarError("the grammar allows no token here (no stop token is allowed once it is complete)")
+    for j in (~allowed.any(dim=1)).nonzero().flatten().tolist():
+        failed.setdefault(j, "the grammar allows no token here (and no stop token ends the reply)")
+    allowed[list(failed)] = True
     V = logits.shape[1]
     if V > vocab:
         allowed = torch.cat([allowed, allowed.new_zeros((len(rows), V - vocab))], dim=1)
     index = torch.tensor(list(rows), device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed[:, :V].to(logits.device), float("-inf"))
+    return failed
 
 
 def _words(vocab: int) -> int:
