@@ -254,3 +254,10 @@ def test_missing_extra_names_it(tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(LmforgeError, match=r"lmforge\[structured\]"):
         regex_grammar(object(), "a")
+
+
+def test_bitmask_helpers_handle_the_sign_bit():
+    row = torch.zeros(3, dtype=torch.int32)
+    G._set_bits(row, [31, 63, 64])
+    assert G._unpack(row[None], 70)[0].nonzero().flatten().tolist() == [31, 63, 64]
+    assert G._unpack(~row[None], 70)[0].sum() == 70 - 3

@@ -28,6 +28,7 @@ import json
 import time
 from collections.abc import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from lmforge.errors import LmforgeError
@@ -39,7 +40,6 @@ MAX_TAGGED_SCHEMAS = 128  # alternatives of a tagged grammar (tools of one reque
 MAX_TAG_CHARS = 256  # the begin / end literals of a tagged grammar
 MAX_CACHED_TOKENIZERS = 8
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(LmforgeError):
@@ -142,8 +142,8 @@ class Matcher:
         self._m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
         eos = self.grammar.eos_id
         if eos < self.grammar.vocab_size:
-            clear = ~(1 << (eos % 32)) & 0xFFFFFFFF  # as a signed int32: bit 31 is the sign
-            row[eos // 32] &= clear - (1 << 32) if clear >= 1 << 31 else clear
+            word = int(row[eos // 32]) & 0xFFFFFFFF & ~(1 << (eos % 32))
+            row[eos // 32] = word - (1 << 32) if word >= 1 << 31 else word  # back to a signed int32
 
 
 def json_grammar(tokenizer, schema: dict | None, strict: bool = True) -> Grammar:
@@ -226,25 +226,25 @@ def mask_logits_(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[M
     vocab = matchers[0].grammar.vocab_size
     bits = torch.zeros((len(rows), _words(vocab)), dtype=torch.int32)
     failed: dict[int, str] = {}
-    for j, m in enumerate(matchers):
+    for j, (m, stops) in enumerate(zip(matchers, stop_ids)):
         assert m.grammar.vocab_size == vocab, "one tokenizer per batch"
         try:
             m._fill(bits[j])
         except GrammarError as e:
             failed[j] = str(e)
-    allowed = _unpack(bits, vocab)  # (k, vocab)
-    for j, (m, stops) in enumerate(zip(matchers, stop_ids)):
-        ids = [t for t in stops if t < vocab]
-        if ids and j not in failed and m.accepting():
-            allowed[j, ids] = True
-    for j in (~allowed.any(dim=1)).nonzero().flatten().tolist():
+            continue
+        ids = [t for t in stops if 0 <= t < vocab]
+        if ids and m.accepting():
+            _set_bits(bits[j], ids)
+    for j in (bits == 0).all(dim=1).nonzero().flatten().tolist():
         failed.setdefault(j, "the grammar allows no token here (and no stop token ends the reply)")
-    allowed[list(failed)] = True
     V = logits.shape[1]
-    if V > vocab:
-        allowed = torch.cat([allowed, allowed.new_zeros((len(rows), V - vocab))], dim=1)
-    index = torch.tensor(list(rows), device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed[:, :V].to(logits.device), float("-inf"))
+    blocked = _unpack(~bits, min(V, vocab))  # (k, min(V, vocab)) bool: the bits past vocab are never set
+    for j, i in enumerate(rows):
+        if j not in failed:
+            row = logits[i]
+            row[: blocked.shape[1]].masked_fill_(blocked[j].to(logits.device), float("-inf"))
+            row[vocab:] = float("-inf")
     return failed
 
 
@@ -252,9 +252,18 @@ def _words(vocab: int) -> int:
     return (vocab + 31) // 32
 
 
+def _set_bits(row: torch.Tensor, ids: Iterable[int]) -> None:
+    """Set the bits of token `ids` in one int32 bitmask row."""
+    for t in ids:
+        word = int(row[t // 32]) & 0xFFFFFFFF | 1 << (t % 32)
+        row[t // 32] = word - (1 << 32) if word >= 1 << 31 else word  # back to a signed int32
+
+
 def _unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(k, words) int32 bitmasks -> (k, vocab) bool, bit i of word w being token 32 w + i."""
-    return ((bits.unsqueeze(-1) >> _SHIFTS) & 1).view(bits.shape[0], -1)[:, :vocab].bool()
+    """(k, words) int32 bitmasks -> (k, vocab) bool, bit i of word w being token 32 w + i (numpy's
+    unpackbits: one pass over bytes, ~10x faster than shifting 32 lanes in torch)."""
+    b = bits.numpy().astype("<i4", copy=False).view(np.uint8)  # little-endian: byte 4w+i = tokens 32w+8i..
+    return torch.from_numpy(np.unpackbits(b, axis=1, bitorder="little")).view(torch.bool)[:, :vocab]
 
 
 def _first_line(msg: str) -> str:
