@@ -261,3 +261,48 @@ def test_bitmask_helpers_handle_the_sign_bit():
     G._set_bits(row, [31, 63, 64])
     assert G._unpack(row[None], 70)[0].nonzero().flatten().tolist() == [31, 63, 64]
     assert G._unpack(~row[None], 70)[0].sum() == 70 - 3
+
+
+def test_a_failing_grammar_fails_its_own_request_only(tok, monkeypatch):
+    """A grammar that errors mid-reply (llguidance over its per-step work bound) ends its request with an
+    error; a free request and another constrained one decoding in the same steps finish as alone."""
+    good, bad = json_grammar(tok, SCHEMAS[1]), json_grammar(tok, SCHEMAS[1])
+    jobs = [SamplingParams(max_tokens=30, temperature=0.0),
+            SamplingParams(max_tokens=100, seed=7, grammar=good)]
+
+    def run(params_list):
+        """Every request submitted before the first step, the engine driven by hand: one batch."""
+        eng = Engine(tiny_model(tok), tok.decode, max_batch_size=4)
+        texts, errors = [""] * len(params_list), []
+        for k, params in enumerate(params_list):
+            def on_event(ev, k=k):
+                if ev.error is not None:
+                    errors.append((k, ev.error))
+                else:
+                    texts[k] += ev.text
+            eng.submit([prompt(tok)], params, on_event)
+        while eng.step():
+            pass
+        return texts, errors, eng.peak_batch
+
+    alone, errors, _ = run(jobs)
+    assert not errors
+    real = bad.matcher
+
+    def failing():
+        m, calls = real(), [0]
+        fill = m._fill
+
+        def fill_then_fail(row):
+            calls[0] += 1
+            if calls[0] > 3:
+                raise GrammarError("over the step budget")
+            fill(row)
+
+        m._fill = fill_then_fail
+        return m
+
+    monkeypatch.setattr(bad, "matcher", failing)
+    texts, errors, peak = run([*jobs, SamplingParams(max_tokens=100, seed=7, grammar=bad)])
+    assert peak == 3 and texts[:2] == alone
+    assert len(errors) == 1 and errors[0][0] == 2 and "over the step budget" in errors[0][1]

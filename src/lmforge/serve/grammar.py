@@ -239,11 +239,12 @@ def mask_logits_(logits: torch.Tensor, rows: Sequence[int], matchers: Sequence[M
     for j in (bits == 0).all(dim=1).nonzero().flatten().tolist():
         failed.setdefault(j, "the grammar allows no token here (and no stop token ends the reply)")
     V = logits.shape[1]
-    blocked = _unpack(~bits, min(V, vocab))  # (k, min(V, vocab)) bool: the bits past vocab are never set
+    # (k, min(V, vocab)) bool, moved to the logits' device in one copy; the bits past vocab are never set
+    blocked = _unpack(~bits, min(V, vocab)).to(logits.device, non_blocking=True)
     for j, i in enumerate(rows):
         if j not in failed:
             row = logits[i]
-            row[: blocked.shape[1]].masked_fill_(blocked[j].to(logits.device), float("-inf"))
+            row[: blocked.shape[1]].masked_fill_(blocked[j], float("-inf"))
             row[vocab:] = float("-inf")
     return failed
 
