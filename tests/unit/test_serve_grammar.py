@@ -210,6 +210,8 @@ def test_padded_vocabulary_never_samples_past_the_tokenizer(tok):
     ({"type": "foo"}, "Invalid type"),
     ({"not": {"type": "integer"}}, "not"),  # strict: a keyword that cannot be enforced is refused
     ([1, 2], "JSON object"),
+    ({"type": "number", "minimum": float("nan")}, "not JSON"),
+    ({"type": "string", "pattern": "(?=a)b"}, "look-around"),
     ({"enum": ["x" * 100] * 1000}, "bytes"),
     ({"type": "array", "items": json.loads('{"items": ' * 40 + "{}" + "}" * 40)}, "nested"),
 ])

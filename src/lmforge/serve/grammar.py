@@ -208,7 +208,7 @@ def _check_schema(schema, where: str) -> None:
     if not isinstance(schema, dict):
         raise GrammarError(f"{where}: a JSON schema is a JSON object, got {type(schema).__name__}")
     try:
-        size = len(json.dumps(schema, separators=(",", ":")))
+        size = len(json.dumps(schema, separators=(",", ":"), allow_nan=False))
     except (TypeError, ValueError) as e:
         raise GrammarError(f"{where}: not JSON ({e})") from None
     if size > MAX_SCHEMA_BYTES:
