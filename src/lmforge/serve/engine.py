@@ -43,7 +43,7 @@ from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache, cache_shapes
 from lmforge.models.common.rope import refuse_stale_cache
 from lmforge.models.generation import sample_next
-from lmforge.serve.grammar import Grammar, GrammarError, mask_logits_
+from lmforge.serve.grammar import Grammar, GrammarError, Matcher, mask_logits_
 
 
 class EngineBusy(LmforgeError):
@@ -118,7 +118,7 @@ class _Seq:
     text_ids: list[int] = field(default_factory=list)  # generated tokens that are text
     sent: int = 0  # characters of the decoded text already reported
     finished: bool = False
-    matcher: object | None = None  # serve.grammar.Matcher of a constrained choice
+    matcher: Matcher | None = None  # where a constrained choice stands in its grammar
 
 
 class _Window:
