@@ -20,8 +20,6 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
     (CompletionRequest, COMPLETION, "frequency_penalty", 0.5),
     (CompletionRequest, COMPLETION, "suffix", " end"),
     (CompletionRequest, COMPLETION, "logit_bias", {"1": 100}),
-    (ChatCompletionRequest, CHAT, "response_format", {"type": "json_object"}),
-    (ChatCompletionRequest, CHAT, "response_format", {"type": "text", "strict": True}),
     (ChatCompletionRequest, CHAT, "tool_choice", "auto"),
     (ChatCompletionRequest, CHAT, "tools", [{"type": "function"}]),
 ])
@@ -42,7 +40,6 @@ def test_a_value_that_asks_for_an_unimplemented_feature_is_refused(model, base, 
     (CompletionRequest, COMPLETION, "frequency_penalty", None),
     (CompletionRequest, COMPLETION, "suffix", ""),
     (CompletionRequest, COMPLETION, "logit_bias", {}),
-    (ChatCompletionRequest, CHAT, "response_format", {"type": "text"}),
     (ChatCompletionRequest, CHAT, "tool_choice", "none"),
     (ChatCompletionRequest, CHAT, "tools", []),
 ])

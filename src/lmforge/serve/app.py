@@ -38,6 +38,7 @@ from lmforge.data.template_pool import pool
 from lmforge.errors import LmforgeError
 from lmforge.eval.chat import PromptTooLong, chat_prompt_ids
 from lmforge.serve.engine import Engine, EngineBusy, Event, SamplingParams
+from lmforge.serve.grammar import GrammarError, json_grammar, regex_grammar
 from lmforge.serve.logprobs import Shaper, TokenText, merge
 from lmforge.serve.protocol import (
     ChatCompletionRequest,
@@ -52,6 +53,7 @@ from lmforge.utils.jsontext import BadJSON, loads
 MAX_BODY_BYTES = 1 << 20
 ADMIN_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # their own key, not the API keys
 RENDER_WORKERS = 2  # processes rendering an untrusted chat template: one refused render holds up no one
+GRAMMAR_TIMEOUT_S = 10.0  # compiling a response_format (llguidance's fuel limits keep it far below)
 
 
 class ApiError(HTTPException):
@@ -183,6 +185,9 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
         params = _params(engine, body, [ids], body.limit(), chat_stops, chat_stop_text)
         if adapter is not None:
             params = dataclasses.replace(params, adapter=adapter)
+        if body.response_format is not None and body.response_format.type != "text":
+            grammar = await _response_grammar(body.response_format, tokenizer)
+            params = dataclasses.replace(params, grammar=grammar)
         shaper = None
         if (k := body.logprobs_k()) is not None:
             shaper = Shaper(token_text, chat=True, k=k)
@@ -246,6 +251,26 @@ def _parse(raw: bytes, schema):
             msg = err["msg"].removeprefix("Value error, ")
             parts.append(f"{loc}: {msg}" if loc else msg)
         raise ApiError(400, "; ".join(parts), param=param) from None
+
+
+async def _response_grammar(fmt, tokenizer):
+    """The grammar of a response_format, compiled off the event loop within GRAMMAR_TIMEOUT_S; a schema
+    or pattern that does not compile is a 400 naming response_format."""
+    if fmt.type == "regex":
+        job = (regex_grammar, tokenizer, fmt.regex)
+    elif fmt.type == "json_object":
+        job = (json_grammar, tokenizer, None)
+    else:
+        spec = fmt.json_schema
+        job = (json_grammar, tokenizer, spec.schema_ if spec.schema_ is not None else {}, bool(spec.strict))
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(*job), GRAMMAR_TIMEOUT_S)
+    except TimeoutError:
+        raise ApiError(400, f"response_format: the grammar did not compile within {GRAMMAR_TIMEOUT_S:g} s",
+                       param="response_format") from None
+    except LmforgeError as e:  # GrammarError, or the structured extra missing
+        where = "" if isinstance(e, GrammarError) else "this server cannot constrain output: "
+        raise ApiError(400, f"response_format: {where}{e}", param="response_format") from None
 
 
 def _params(engine: Engine, body, prompts: list[list[int]], limit: int | None, stop_ids_: frozenset[int],

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
 
 from lmforge.serve.logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
 
@@ -32,7 +32,6 @@ _UNSUPPORTED = {
     "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -115,6 +114,47 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+class TextFormat(_Strict):
+    """response_format {"type": "text"}: free text (the default)."""
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Strict):
+    """response_format {"type": "json_object"}: the reply is one JSON object (any keys)."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Strict):
+    """OpenAI's json_schema: name, schema, strict. Its `description` (text OpenAI shows the model) is
+    refused as an unknown field: lmforge does not put it in the prompt, and would otherwise ignore it."""
+
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    """response_format {"type": "json_schema", "json_schema": {...}}: the reply is JSON valid against the
+    schema (strict: a keyword the server cannot enforce is refused; otherwise it is not enforced)."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+class RegexFormat(_Strict):
+    """lmforge's extension (vLLM's guided_regex, SGLang's regex): {"type": "regex", "regex": PATTERN}, the
+    whole reply matches PATTERN (Rust regex syntax)."""
+
+    type: Literal["regex"]
+    regex: StrictStr = Field(min_length=1, max_length=4096)
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat | RegexFormat,
+                           Field(discriminator="type")]
+
+
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
@@ -180,7 +220,7 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     tools: Any = None
     tool_choice: Any = None
-    response_format: Any = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _limits(self):
