@@ -33,8 +33,6 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
     (CompletionRequest, COMPLETION, "logit_bias", {"1": 100}),
     (ChatCompletionRequest, CHAT, "response_format", {"type": "json_object"}),
     (ChatCompletionRequest, CHAT, "response_format", {"type": "text", "strict": True}),
-    (ChatCompletionRequest, CHAT, "tool_choice", "auto"),
-    (ChatCompletionRequest, CHAT, "tools", [{"type": "function"}]),
 ])
 def test_a_value_that_asks_for_an_unimplemented_feature_is_refused(model, base, field, value):
     with pytest.raises(ValidationError, match=f"'{field}' is not supported by lmforge serve"):

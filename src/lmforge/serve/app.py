@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from lmforge.data.chat_template import ChatTemplate, stop_ids
+from lmforge.data.chat_tools import strings
 from lmforge.data.template_pool import pool
 from lmforge.errors import LmforgeError
 from lmforge.eval.chat import PromptTooLong, chat_prompt_ids
@@ -39,6 +40,7 @@ from lmforge.serve.protocol import (
     now,
     usage,
 )
+from lmforge.serve.tools import StreamParser, TemplateTools, ToolPlan, ToolsRefused, parse_reply, plan_tools
 from lmforge.utils.jsontext import BadJSON, loads
 
 MAX_BODY_BYTES = 1 << 20
@@ -71,6 +73,7 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
     # fine-tuned) still ends the reply: as a stop string.
     eot = template.end_of_turn
     chat_stop_text = (eot,) if eot and tokenizer.token_id(eot) is None else ()
+    template_tools = TemplateTools(template)  # its tool markup, learned on the first request with tools
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -117,21 +120,49 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
         _check_model(body.model, model_name)
         messages = body.conversation()
         for i, m in enumerate(messages):
-            bad = next((s for s in specials if s and s in m["content"]), None)
+            bad = next((s for s in specials if s and any(s in t for t in strings(m))), None)
             if bad is not None:  # it would be encoded as the token itself and could forge a turn
-                raise ApiError(400, f"messages[{i}].content contains the control token {bad!r}",
-                               param=f"messages.{i}.content")
+                where = next(f for f in ("content", "tool_calls", "tool_call_id", "name")
+                             if any(bad in t for t in strings(m.get(f))))
+                raise ApiError(400, f"messages[{i}].{where} contains the control token {bad!r}",
+                               param=f"messages.{i}.{where}")
+        plan = await _tool_plan(body, template_tools, template, specials)
         try:  # in a thread: an untrusted template's render waits on its worker, not on the event loop
-            ids = await asyncio.to_thread(chat_prompt_ids, template, tokenizer, messages, engine.max_len)
+            ids = await asyncio.to_thread(chat_prompt_ids, template, tokenizer, messages, engine.max_len,
+                                          plan.tools if plan is not None else None)
         except PromptTooLong as e:
             raise ApiError(400, str(e), code="context_length_exceeded", param="messages") from None
         except LmforgeError as e:  # the template refused the conversation, or ran past its budget
             raise ApiError(400, f"the chat template cannot render these messages: {e}",
                            param="messages") from None
         params = _params(engine, body, [ids], body.limit(), chat_stops, chat_stop_text)
-        return await _respond(request, engine, body, [ids], params, model_name, chat=True)
+        return await _respond(request, engine, body, [ids], params, model_name, chat=True, plan=plan)
 
     return app
+
+
+async def _tool_plan(body: ChatCompletionRequest, template_tools: TemplateTools, template: ChatTemplate,
+                     specials) -> ToolPlan | None:
+    """How the request's tools are served (None: it has none, or tool_choice "none", which answers as if
+    it had none), or a 400 naming the field that cannot be honoured."""
+    mode = body.tool_mode()
+    if mode is None:
+        return None
+    tools = body.tool_dicts()
+    for i, t in enumerate(tools):
+        bad = next((s for s in specials if s and any(s in x for x in strings(t))), None)
+        if bad is not None:
+            raise ApiError(400, f"tools[{i}] contains the control token {bad!r}", param=f"tools.{i}")
+    try:  # the first time, rendering probes through the template (its worker for an untrusted one)
+        markup = await asyncio.to_thread(template_tools.markup)
+        only = body.tool_choice.function.name if mode == "named" else None
+        plan = plan_tools(tools, mode, only, body.parallel_tool_calls, markup, template.name)
+    except ToolsRefused as e:
+        raise ApiError(400, str(e), param=e.param) from None
+    if mode != "auto":
+        raise ApiError(400, f"tool_choice {json.dumps(body.model_dump()['tool_choice'])} needs constrained "
+                       "decoding, which this server does not have yet; use 'auto'", param="tool_choice")
+    return plan
 
 
 def _check_model(name: str, served: str) -> None:
@@ -187,8 +218,9 @@ def _params(engine: Engine, body, prompts: list[list[int]], limit: int | None, s
 
 
 async def _respond(request: Request, engine: Engine, body, prompts: list[list[int]], params: SamplingParams,
-                   model_name: str, chat: bool):
-    """Run the request on the engine; a JSON response, or an SSE stream with `stream`."""
+                   model_name: str, chat: bool, plan: ToolPlan | None = None):
+    """Run the request on the engine; a JSON response, or an SSE stream with `stream`. plan: a chat
+    request's tools, whose calls are parsed out of each reply."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event | None] = asyncio.Queue()
     try:
@@ -203,7 +235,7 @@ async def _respond(request: Request, engine: Engine, body, prompts: list[list[in
     obj = "chat.completion" if chat else "text_completion"
     if body.stream:
         return StreamingResponse(_stream(queue, handle, k, rid, created, model_name, chat, prompt_tokens,
-                                         body.include_usage()), media_type="text/event-stream",
+                                         body.include_usage(), plan), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     texts, tokens, reasons = [""] * k, [0] * k, [None] * k
     watcher = asyncio.create_task(_on_disconnect(request, queue))
@@ -226,6 +258,11 @@ async def _respond(request: Request, engine: Engine, body, prompts: list[list[in
     if chat:
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
                     "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+        for c in choices if plan is not None else ():
+            content, calls = parse_reply(c["message"]["content"], plan.markup, plan.names, plan.parallel)
+            if calls:
+                c["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                c["finish_reason"] = "tool_calls"
     else:
         choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
                    for i, (t, r) in enumerate(zip(texts, reasons))]
@@ -243,8 +280,9 @@ async def _on_disconnect(request: Request, queue: asyncio.Queue) -> None:
 
 
 async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, model_name: str, chat: bool,
-                  prompt_tokens: int, include_usage: bool):
-    """Server-sent events: one chunk per piece of text or finish, then usage (if asked) and [DONE]."""
+                  prompt_tokens: int, include_usage: bool, plan: ToolPlan | None = None):
+    """Server-sent events: one chunk per piece of text or finish, then usage (if asked) and [DONE]. With
+    tools, each choice's text goes through a StreamParser: content deltas, then tool_calls deltas."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
@@ -254,6 +292,7 @@ async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, 
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     tokens = [0] * k
+    parsers = [StreamParser(plan.markup, plan.names, plan.parallel) for _ in range(k)] if plan else None
     try:
         if chat:  # OpenAI opens each choice with the assistant's role
             for i in range(k):
@@ -267,6 +306,16 @@ async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, 
                 yield f"data: {json.dumps(body)}\n\n"
                 break
             tokens[ev.index] = ev.tokens
+            if parsers is not None:
+                p = parsers[ev.index]
+                for delta in p.feed(ev.text) + (p.finish() if ev.finish_reason is not None else []):
+                    yield chunk([{"index": ev.index, "delta": delta, "logprobs": None,
+                                  "finish_reason": None}])
+                if ev.finish_reason is not None:
+                    reason = "tool_calls" if p.called else ev.finish_reason
+                    yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+                    left -= 1
+                continue
             if not ev.text and ev.finish_reason is None:
                 continue
             choice = {"index": ev.index, "logprobs": None, "finish_reason": ev.finish_reason}
