@@ -43,6 +43,7 @@ from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache, cache_shapes
 from lmforge.models.common.rope import refuse_stale_cache
 from lmforge.models.generation import sample_next
+from lmforge.serve.grammar import Grammar, GrammarError, mask_logits_
 
 
 class EngineBusy(LmforgeError):
@@ -57,7 +58,9 @@ class SamplingParams:
     temperature 0 is greedy; top_k None and top_p 1.0 keep every token. n: choices per prompt.
     seed: choice j draws with a generator seeded seed + j (None: a random seed).
     stop: strings that end a reply (excluded from its text); stop_ids: token ids that do (EOS,
-    end of turn; excluded from the text, counted as generated tokens)."""
+    end of turn; excluded from the text, counted as generated tokens). grammar: each choice's tokens
+    are masked to what it allows (serve/grammar.py), the stop ids only once it is complete, and the
+    reply ends with "stop" when nothing else may follow."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -67,6 +70,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_ids: frozenset[int] = frozenset()
+    grammar: Grammar | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class _Seq:
     text_ids: list[int] = field(default_factory=list)  # generated tokens that are text
     sent: int = 0  # characters of the decoded text already reported
     finished: bool = False
+    matcher: object | None = None  # serve.grammar.Matcher of a constrained choice
 
 
 class _Window:
@@ -350,7 +355,8 @@ class Engine:
                 gen.seed()
             else:
                 gen.manual_seed(seed)
-        seq = _Seq(req, index, L, start, min(params.max_tokens, self.max_len - L), gen)
+        seq = _Seq(req, index, L, start, min(params.max_tokens, self.max_len - L), gen,
+                   matcher=params.grammar.matcher() if params.grammar is not None else None)
         self.rows.append(seq)
         self._emit(seq, self._next_tokens([seq], logits)[0])
         if seq.finished:
@@ -403,7 +409,26 @@ class Engine:
     def _next_tokens(self, rows: list[_Seq], logits: torch.Tensor) -> list[int]:
         """The next token of each row from the step's logits (B, V): what a row may emit is decided
         here, then sampled; what the reply reports about the choice is recorded with the token."""
-        return self._sample(rows, logits)
+        self._constrain(rows, logits)
+        out = self._sample(rows, logits)
+        for r, tok in zip(rows, out):
+            if r.matcher is not None and not r.req.failed and tok not in r.req.params.stop_ids:
+                try:
+                    r.matcher.accept(tok)
+                except GrammarError as e:
+                    self._fail([r.req], f"GrammarError: {e}")
+        return out
+
+    def _constrain(self, rows: list[_Seq], logits: torch.Tensor) -> None:
+        """Mask, in place, the logits of the rows under a grammar to the tokens it allows; the other
+        rows' logits are not touched (no grammar in the batch: nothing happens). A grammar that fails
+        fails its own request only."""
+        idx = [i for i, r in enumerate(rows) if r.matcher is not None]
+        if idx:
+            failed = mask_logits_(logits, idx, [rows[i].matcher for i in idx],
+                                  [rows[i].req.params.stop_ids for i in idx])
+            for j, why in failed.items():
+                self._fail([rows[idx[j]].req], f"GrammarError: {why}")
 
     def _sample(self, rows: list[_Seq], logits: torch.Tensor) -> list[int]:
         """The next token of each row from its logits (B, V): greedy rows by argmax, the others with
@@ -417,6 +442,9 @@ class Engine:
 
     def _emit(self, r: _Seq, tok: int) -> None:
         """Account token `tok` to row r: report the text that is now certain, and whether r ended."""
+        if r.req.failed:  # its error event was the last one
+            r.finished = True
+            return
         r.n += 1
         p = r.req.params
         reason = None
@@ -430,6 +458,8 @@ class Engine:
         hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
         if hits:
             end, reason = min(hits), "stop"
+        elif reason is None and r.matcher is not None and r.matcher.done():
+            reason = "stop"
         elif reason is None and r.n >= r.max_tokens:
             reason = "length"
         if reason is None:  # hold back what a stop string or an unfinished character may still change
