@@ -22,71 +22,8 @@ from lmforge.serve.tools import (
     parse_reply,
     plan_tools,
 )
+from tool_templates import CHATML, LLAMA31, MISTRAL, QWEN
 
-# Templates in the shape of three families' tool markup (written for these tests, not copied from a model).
-QWEN = (
-    "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
-    "{{- '\\n</tools>\\nCall one in <tool_call></tool_call> tags.<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message.role in ['user', 'system'] %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if message.content is string %}{{- message.content }}{%- endif %}"
-    "{%- for call in message.tool_calls or [] %}{%- set call = call.function %}"
-    "{%- if not loop.first or message.content %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}"
-    "{%- if call.arguments is string %}{{- call.arguments }}"
-    "{%- else %}{{- call.arguments | tojson }}{%- endif %}"
-    "{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-LLAMA31 = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' and loop.first and tools is defined and tools %}"
-    "{{- '<|start_header_id|>user<|end_header_id|>\\n\\nGiven the following functions, respond with a JSON "
-    "for a function call in the format {\"name\": function name, \"parameters\": dictionary of argument name "
-    "and its value}.\\n\\n' }}{%- for t in tools %}{{- t | tojson(indent=4) + '\\n\\n' }}{%- endfor %}"
-    "{{- message.content + '<|eot_id|>' }}"
-    "{%- elif message.role == 'assistant' and message.tool_calls is defined %}"
-    "{%- if message.tool_calls | length != 1 %}"
-    "{{- raise_exception('This model only supports single tool-calls at once!') }}{%- endif %}"
-    "{%- set call = message.tool_calls[0].function %}"
-    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-    "{{- '{\"name\": \"' + call.name + '\", \"parameters\": ' }}"
-    "{{- call.arguments | tojson + '}<|eot_id|>' }}"
-    "{%- elif message.role == 'tool' %}"
-    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
-    "{%- else %}"
-    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}"
-    "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
-)
-MISTRAL = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{%- if message.role == 'user' %}"
-    "{%- if loop.last or loop.index0 == messages|length - 2 %}{%- if tools %}"
-    "{{- '[AVAILABLE_TOOLS]' + (tools | tojson) + '[/AVAILABLE_TOOLS]' }}{%- endif %}{%- endif %}"
-    "{{- '[INST]' + message.content + '[/INST]' }}"
-    "{%- elif message.role == 'assistant' and message.tool_calls is defined %}"
-    "{{- '[TOOL_CALLS][' }}{%- for c in message.tool_calls %}"
-    "{{- '{\"name\": \"' + c.function.name + '\", \"arguments\": ' + (c.function.arguments | tojson) }}"
-    "{{- ', \"id\": \"' + c.id + '\"}' }}"
-    "{%- if not loop.last %}{{- ', ' }}{%- endif %}{%- endfor %}{{- ']' + eos_token }}"
-    "{%- elif message.role == 'assistant' %}{{- message.content + eos_token }}"
-    "{%- elif message.role == 'tool' %}{{- '[TOOL_RESULTS]' + message.content + '[/TOOL_RESULTS]' }}"
-    "{%- endif %}{%- endfor %}"
-)
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
 MISTRAL_MARKUP = Markup("mistral", "[TOOL_CALLS][", "]", sep=", ")
 LLAMA_MARKUP = Markup("json", "", "", args_key="parameters", parallel=False)

@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -40,7 +41,15 @@ from lmforge.serve.protocol import (
     now,
     usage,
 )
-from lmforge.serve.tools import StreamParser, TemplateTools, ToolPlan, ToolsRefused, parse_reply, plan_tools
+from lmforge.serve.tools import (
+    StreamParser,
+    TemplateTools,
+    ToolPlan,
+    ToolsRefused,
+    call_grammar,
+    parse_reply,
+    plan_tools,
+)
 from lmforge.utils.jsontext import BadJSON, loads
 
 MAX_BODY_BYTES = 1 << 20
@@ -136,6 +145,11 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
             raise ApiError(400, f"the chat template cannot render these messages: {e}",
                            param="messages") from None
         params = _params(engine, body, [ids], body.limit(), chat_stops, chat_stop_text)
+        if plan is not None and plan.mode != "auto":  # the call forced by the grammar, so it always parses
+            try:
+                params = replace(params, grammar=await asyncio.to_thread(call_grammar, tokenizer, plan))
+            except ToolsRefused as e:
+                raise ApiError(400, str(e), param=e.param) from None
         return await _respond(request, engine, body, [ids], params, model_name, chat=True, plan=plan)
 
     return app
@@ -156,13 +170,9 @@ async def _tool_plan(body: ChatCompletionRequest, template_tools: TemplateTools,
     try:  # the first time, rendering probes through the template (its worker for an untrusted one)
         markup = await asyncio.to_thread(template_tools.markup)
         only = body.tool_choice.function.name if mode == "named" else None
-        plan = plan_tools(tools, mode, only, body.parallel_tool_calls, markup, template.name)
+        return plan_tools(tools, mode, only, body.parallel_tool_calls, markup, template.name)
     except ToolsRefused as e:
         raise ApiError(400, str(e), param=e.param) from None
-    if mode != "auto":
-        raise ApiError(400, f"tool_choice {json.dumps(body.model_dump()['tool_choice'])} needs constrained "
-                       "decoding, which this server does not have yet; use 'auto'", param="tool_choice")
-    return plan
 
 
 def _check_model(name: str, served: str) -> None:

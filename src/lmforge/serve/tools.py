@@ -461,3 +461,18 @@ def call_schemas(markup: Markup, tools: Sequence[dict], only: str | None = None)
                                                      markup.args_key: params},
                     "required": [markup.name_key, markup.args_key], "additionalProperties": False})
     return out
+
+
+def call_grammar(tokenizer, plan: ToolPlan):
+    """The grammar that makes a reply one call in the template's markup: of `plan.only`, or of any of the
+    tools ("required"), its arguments valid against the function's parameters (every tool strict)."""
+    from lmforge.serve.grammar import GrammarError, tagged_json_grammar
+
+    m = plan.markup
+    try:
+        return tagged_json_grammar(tokenizer, m.begin, call_schemas(m, plan.tools, plan.only), m.end)
+    except GrammarError as e:
+        raise ToolsRefused(f"the tools' parameters cannot be enforced: {e}", "tools") from None
+    except LmforgeError as e:  # llguidance is not installed
+        raise ToolsRefused(f"tool_choice '{plan.mode}' forces the call by constrained decoding: {e}",
+                           "tool_choice") from None
