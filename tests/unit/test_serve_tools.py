@@ -130,6 +130,12 @@ def test_malformed_calls_are_content_not_errors(markup, reply):
     assert parse_reply(reply, markup, NAMES) == (reply, [])
 
 
+def test_a_call_nested_too_deep_to_read_is_content():
+    deep_list = "[" * 5000 + "]" * 5000
+    reply = '<tool_call>\n{"name": "get_weather", "arguments": {"a": ' + deep_list + "}}\n</tool_call>"
+    assert parse_reply(reply, HERMES, NAMES) == (reply, [])
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     content, calls = parse_reply(TWO, HERMES, NAMES, parallel=False)
     assert content == "Let me look." and calls_of(calls) == [("get_weather", '{"city": "Paris"}')]
@@ -249,6 +255,10 @@ def fn(name="get_weather", **more) -> dict:
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": "[1]"}}]}]}, "the JSON text of a list"),
     ({"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, "refusal"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": '{"a": ' + "[" * 5000 + "]" * 5000 + "}"}}]}]}, "not JSON text"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "f", "arguments": json.dumps(deep(40))}}]}]}, "nested more than 32 levels deep"),
 ])
 def test_bad_tool_fields_are_refused_naming_them(fields, message):
     with pytest.raises(ValidationError, match=message):

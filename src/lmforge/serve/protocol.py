@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from lmforge.data.chat_tools import BadTools, ToolBudget
+from lmforge.utils.jsontext import BadJSON, loads
 
 MAX_N = 16  # choices per prompt
 MAX_SEQUENCES = 64  # prompts x n per request
@@ -161,9 +162,12 @@ class ToolCall(_Strict):
     @model_validator(mode="after")
     def _arguments(self):
         try:
-            args = json.loads(self.function.arguments)
-        except ValueError as e:
-            raise ValueError(f"function.arguments is not JSON text ({e})") from None
+            args = loads(self.function.arguments)
+            ToolBudget().walk(args, "function.arguments")  # what every render of the conversation carries
+        except BadJSON as e:
+            raise ValueError(f"function.arguments is not JSON text ({e.why})") from None
+        except BadTools as e:
+            raise ValueError(str(e)) from None
         if not isinstance(args, dict):
             raise ValueError(f"function.arguments is the JSON text of a {type(args).__name__}; arguments are "
                              "an object")
@@ -172,7 +176,7 @@ class ToolCall(_Strict):
     def as_template_call(self) -> dict[str, Any]:
         """The call as a chat template takes it: arguments decoded."""
         return {"id": self.id, "type": "function",
-                "function": {"name": self.function.name, "arguments": json.loads(self.function.arguments)}}
+                "function": {"name": self.function.name, "arguments": loads(self.function.arguments)}}
 
 
 class Message(_Strict):

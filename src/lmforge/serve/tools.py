@@ -47,6 +47,15 @@ _PROBE_IDS = ("lmforge01", "lmforge02")  # 9 alphanumerics: Mistral's templates 
 _MAX_TAG = 256  # an opening or closing longer than this is not markup we learned
 
 
+def _decode(text: str, k: int) -> tuple[Any, int]:
+    """The JSON value at text[k:] and where it ends; ValueError also for nesting too deep to read (a
+    model can write "[[[[..." until max_tokens)."""
+    try:
+        return _JSON.raw_decode(text, k)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
 @dataclass(frozen=True)
 class Markup:
     """How a template writes tool calls: `begin` {name_key: ..., args_key: {...}} `end`; several calls
@@ -177,7 +186,7 @@ def _find_call(text: str, name: str) -> tuple[int, int, str, str] | None:
     """(start, end, name key, arguments key) of the first JSON object in `text` holding the probe call."""
     for m in re.finditer(r"\{", text):
         try:
-            obj, end = _JSON.raw_decode(text, m.start())
+            obj, end = _decode(text, m.start())
         except ValueError:
             continue
         if not isinstance(obj, dict):
@@ -329,7 +338,7 @@ def _group(text: str, k: int, m: Markup, names: frozenset[str], final: bool
         if text[k] != "{":
             return calls, k, "bad"
         try:
-            obj, e = _JSON.raw_decode(text, k)
+            obj, e = _decode(text, k)
         except ValueError:
             if final:
                 return calls, k, "bad"
@@ -373,7 +382,7 @@ def _whole(text: str, k: int, e: int, obj: Any, m: Markup, names: frozenset[str]
         return None
     for a in re.finditer(_key(m.args_key), text[k:e]):
         try:
-            value, end = _JSON.raw_decode(text, k + a.end())
+            value, end = _decode(text, k + a.end())
         except ValueError:
             continue
         if value == args:
@@ -400,7 +409,7 @@ def _partial(text: str, k: int, m: Markup, names: frozenset[str]) -> _Call | Non
     if not text.startswith("{", start):
         return None
     try:
-        value, end = _JSON.raw_decode(text, start)
+        value, end = _decode(text, start)
     except ValueError:
         return _Call(name, text[start:], False)
     return _Call(name, text[start:end], False) if isinstance(value, dict) else None
