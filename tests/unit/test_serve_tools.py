@@ -215,6 +215,9 @@ def test_a_second_turn_reaches_the_template_as_transformers_passes_it():
             "name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "18 C", "tool_call_id": "call_1", "name": "get_weather"}]
     assert r.tool_mode() == "auto" and r.tool_dicts() == [WEATHER]
+    named_result = {"role": "tool", "tool_call_id": "elsewhere", "name": "get_time", "content": "9:00"}
+    assert request(messages=[*CHAT["messages"], named_result]).conversation()[-1] == {
+        "role": "tool", "content": "9:00", "tool_call_id": "elsewhere", "name": "get_time"}
     assert request(tools=[WEATHER], tool_choice="none").tool_mode() is None
     assert request(tools=[WEATHER], tool_choice="required").tool_mode() == "required"
     named = {"type": "function", "function": {"name": "get_weather"}}

@@ -146,6 +146,9 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
                            param="messages") from None
         params = _params(engine, body, [ids], body.limit(), chat_stops, chat_stop_text)
         if plan is not None and plan.mode != "auto":  # the call forced by the grammar, so it always parses
+            if params.grammar is not None:
+                raise ApiError(400, "'tool_choice' forces a call and 'response_format' a reply format; a "
+                               "reply can follow one of them: leave one out", param="tool_choice")
             try:
                 params = replace(params, grammar=await asyncio.to_thread(call_grammar, tokenizer, plan))
             except ToolsRefused as e:

@@ -292,8 +292,8 @@ class ChatCompletionRequest(_Common):
 
         A tool call's arguments reach the template decoded (as vLLM passes them: templates such as Llama
         3.1's write `arguments | tojson`), an assistant message without content has no 'content' key
-        (as transformers passes it), and a tool result carries the called function's `name` where an
-        earlier call has its id (templates that print it read it there)."""
+        (as transformers passes it), and a tool result carries its `name`: the one given, else the called
+        function's where an earlier call has its id (templates that print it read it there)."""
         out: list[dict[str, Any]] = []
         called: dict[str, str] = {}
         for m in self.messages:
@@ -305,8 +305,9 @@ class ChatCompletionRequest(_Common):
                 called.update((c.id, c.function.name) for c in m.tool_calls)
             if m.role == "tool":
                 msg["tool_call_id"] = m.tool_call_id
-                if m.tool_call_id in called:
-                    msg["name"] = called[m.tool_call_id]
+                name = m.name if m.name is not None else called.get(m.tool_call_id)
+                if name is not None:
+                    msg["name"] = name
             out.append(msg)
         return out
 
