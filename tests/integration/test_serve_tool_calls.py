@@ -112,6 +112,10 @@ def test_two_turn_tool_conversation(servers, run, family):
     # "auto": the tiny model writes no call, so the reply is its text, untouched
     assert r2.choices[0].message.content == want and not r2.choices[0].message.tool_calls
     assert r2.choices[0].finish_reason in ("stop", "length")
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=12,
+                                            temperature=0, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == r2.choices[0].finish_reason
 
 
 def test_required_picks_a_tool_and_streams_the_same_call(servers):

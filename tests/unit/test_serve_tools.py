@@ -159,6 +159,7 @@ def streamed(markup: Markup, reply: str, step: int, parallel: bool = True) -> tu
                 calls[tc["index"]] = [tc["function"]["name"], ""]
             calls[tc["index"]][1] += tc["function"]["arguments"]
     assert p.called == bool(calls)
+    assert p.parsed == bool(parse_reply(reply, markup, NAMES, parallel)[1])  # finish_reason "tool_calls"
     return deltas, content or None, [tuple(c) for c in calls.values()]
 
 

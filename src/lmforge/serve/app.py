@@ -325,7 +325,7 @@ async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, 
                     yield chunk([{"index": ev.index, "delta": delta, "logprobs": None,
                                   "finish_reason": None}])
                 if ev.finish_reason is not None:
-                    reason = "tool_calls" if p.called else ev.finish_reason
+                    reason = "tool_calls" if p.parsed else ev.finish_reason
                     yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": reason}])
                     left -= 1
                 continue

@@ -423,6 +423,7 @@ class StreamParser:
         self.text = ""
         self.sent = ""  # content sent
         self.calls: list[str] = []  # the arguments text sent, per call begun
+        self.parsed = False  # after finish(): the whole reply holds calls (finish_reason "tool_calls")
 
     def feed(self, text: str) -> list[dict]:
         self.text += text
@@ -431,12 +432,14 @@ class StreamParser:
     def finish(self) -> list[dict]:
         """The last deltas, once the reply has ended."""
         s = _scan(self.text, self.markup, self.names, final=True)
+        self.parsed = bool(s.calls)
         if s.malformed and self.calls:
             return []  # a call already sent cannot be taken back: it stays as sent (cut, for "length")
         return self._deltas(s)
 
     @property
     def called(self) -> bool:
+        """Calls were sent (some perhaps cut off)."""
         return bool(self.calls)
 
     def _deltas(self, s: _Scan) -> list[dict]:
