@@ -165,3 +165,21 @@ def test_a_template_without_tool_support_is_refused(servers):
         c.chat.completions.create(model="tiny", messages=USER, tools=[{"type": "function", "function": {
             "name": "bad name"}}], max_tokens=4)
     assert e.value.body["param"].startswith("tools.0.function.name")
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
+                                                  "parameters": {"type": "object"}}}]},
+     "tools.0.function.strict", "enforced only when a call is forced"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"},
+     "tools", "cannot be enforced"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not one of 'tools'"),
+    ({"tools": TOOLS, "messages": [{"role": "tool", "content": "18 C"}]}, "messages.0", "tool_call_id"),
+])
+def test_tool_requests_that_cannot_be_honoured_are_400s_naming_the_field(servers, extra, param, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(servers, "qwen").chat.completions.create(**{"model": "tiny", "messages": USER, "max_tokens": 4,
+                                                           **extra})
+    assert e.value.body["param"] == param and message in e.value.body["message"]

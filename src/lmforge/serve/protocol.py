@@ -14,7 +14,16 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from lmforge.data.chat_tools import BadTools, ToolBudget
 from lmforge.utils.jsontext import BadJSON, loads
@@ -249,27 +258,38 @@ class ChatCompletionRequest(_Common):
             raise ValueError("give 'max_tokens' or 'max_completion_tokens', not both")
         return self
 
-    @model_validator(mode="after")
-    def _tools(self):
-        names = [t.function.name for t in self.tools or ()]
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or ()]
         if len(set(names)) < len(names):
             dup = next(n for n in names if names.count(n) > 1)
             raise ValueError(f"'tools' defines the function '{dup}' twice; names must be unique")
-        choice = self.tool_choice
+        budget = ToolBudget()  # the nesting and size of what every render of the conversation carries
+        try:
+            for i, t in enumerate(tools or ()):
+                budget.walk(t.function.parameters, f"tools.{i}.function.parameters")
+        except BadTools as e:
+            raise ValueError(str(e)) from None
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info: ValidationInfo):
+        names = [t.function.name for t in info.data.get("tools") or ()]
         if choice not in (None, "none") and not names:
             raise ValueError("'tool_choice' needs 'tools': give the functions the model may call")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
             raise ValueError(f"'tool_choice' names the function '{choice.function.name}', which is not one "
                              f"of 'tools' ({', '.join(names)})")
-        if self.parallel_tool_calls is not None and not names:
+        return choice
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("tools"):
             raise ValueError("'parallel_tool_calls' needs 'tools'")
-        budget = ToolBudget()  # the nesting and size of what every render of the conversation carries
-        try:
-            for i, t in enumerate(self.tools or ()):
-                budget.walk(t.function.parameters, f"tools.{i}.function.parameters")
-        except BadTools as e:
-            raise ValueError(str(e)) from None
-        return self
+        return value
 
     def tool_mode(self) -> str | None:
         """None (no tools, or tool_choice "none": the request is answered as one without tools), "auto",
