@@ -18,6 +18,18 @@ Parsing: a call is the opening, then JSON objects {name: a function of the reque
 object} (joined by the separator), then the closing; the text around the calls is the message's
 content (None when only whitespace), trimmed where it meets a call. Anything malformed (bad JSON, an
 unknown function, a call cut off by max_tokens) leaves the whole reply as content, never an error.
+
+Streaming (StreamParser): content deltas until an opening may begin (its first characters are held
+back), then per call a delta with index, id, type and name once its arguments have begun as an object,
+then the arguments' text as it is written; the deltas add up to the unstreamed reply. A call that goes
+wrong after its start was sent (cut by max_tokens) cannot be taken back: it stays as sent, and the
+choice ends with the engine's finish_reason, not "tool_calls". Llama's bare JSON has no opening to
+watch for: a reply that starts with "{" is held until it ends.
+
+tool_choice "required" / a named function: `call_grammar` builds the grammar engine's tagged JSON
+(serve/grammar.py) in the template's own markup, one alternative per allowed function, each the
+object {name: that name, arguments: its parameters' schema}, so the reply is exactly one call that
+parses and validates.
 """
 
 from __future__ import annotations
