@@ -247,6 +247,7 @@ class _Scan:
     content: str | None
     calls: list[_Call] = field(default_factory=list)
     malformed: bool = False
+    resume: _Resume | None = None
 
 
 def parse_reply(text: str, markup: Markup, names: Sequence[str], parallel: bool = True
@@ -269,12 +270,15 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _scan(text: str, m: Markup, names: frozenset[str], final: bool) -> _Scan:
-    """The reply's content and calls; not `final`: what is certain so far (a possible opening held back)."""
+def _scan(text: str, m: Markup, names: frozenset[str], final: bool, resume: _Resume | None = None) -> _Scan:
+    """The reply's content and calls; not `final`: what is certain so far (a possible opening held back).
+    resume: where an earlier scan of the start of `text` had its last complete call (a stream's next scan
+    starts there, so the work per piece of text does not grow with the calls already read)."""
     btag = m.begin.strip()
     if not btag:
         return _scan_bare(text, m, names, final)
-    segments, calls, pos, opened = [], [], 0, False
+    pos, segments, calls = (resume.pos, list(resume.segments), list(resume.calls)) if resume else (0, [], [])
+    opened = resume is not None
     while True:
         i = text.find(btag, pos)
         if i < 0:
@@ -293,11 +297,19 @@ def _scan(text: str, m: Markup, names: frozenset[str], final: bool) -> _Scan:
             segments.append("")
             break
         pos = k
+        resume = _Resume(pos, tuple(segments), tuple(calls))
     if final and not calls:
         return _Scan(text, [])
     if not opened:
         return _Scan("".join(segments), [])
-    return _Scan(_join(segments, final) or None, calls)
+    return _Scan(_join(segments, final) or None, calls, resume=resume)
+
+
+@dataclass(frozen=True)
+class _Resume:
+    pos: int  # just after the last complete call's closing
+    segments: tuple[str, ...]  # the content before it
+    calls: tuple[_Call, ...]  # the calls up to it
 
 
 def _join(segments: list[str], final: bool) -> str:
@@ -436,10 +448,13 @@ class StreamParser:
         self.sent = ""  # content sent
         self.calls: list[str] = []  # the arguments text sent, per call begun
         self.parsed = False  # after finish(): the whole reply holds calls (finish_reason "tool_calls")
+        self._resume: _Resume | None = None
 
     def feed(self, text: str) -> list[dict]:
         self.text += text
-        return self._deltas(_scan(self.text, self.markup, self.names, final=False))
+        s = _scan(self.text, self.markup, self.names, final=False, resume=self._resume)
+        self._resume = s.resume
+        return self._deltas(s)
 
     def finish(self) -> list[dict]:
         """The last deltas, once the reply has ended."""
