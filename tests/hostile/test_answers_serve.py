@@ -20,8 +20,6 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
     (CompletionRequest, COMPLETION, "frequency_penalty", 0.5),
     (CompletionRequest, COMPLETION, "suffix", " end"),
     (CompletionRequest, COMPLETION, "logit_bias", {"1": 100}),
-    (ChatCompletionRequest, CHAT, "tool_choice", "auto"),
-    (ChatCompletionRequest, CHAT, "tools", [{"type": "function"}]),
 ])
 def test_a_value_that_asks_for_an_unimplemented_feature_is_refused(model, base, field, value):
     with pytest.raises(ValidationError, match=f"'{field}' is not supported by lmforge serve"):

@@ -24,19 +24,22 @@ class PromptTooLong(LmforgeError):
 
 
 def chat_prompt_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[dict],
-                    max_len: int | None = None) -> list[int]:
-    """Token ids of `messages` followed by the template's generation prompt (the assistant's turn)."""
-    return chat_prompts(template, tokenizer, [messages], max_len)[0]
+                    max_len: int | None = None, tools: Sequence[dict] | None = None) -> list[int]:
+    """Token ids of `messages` followed by the template's generation prompt (the assistant's turn);
+    tools: the function definitions the template renders (None: no `tools` variable)."""
+    return chat_prompts(template, tokenizer, [messages], max_len, tools=[tools])[0]
 
 
 def chat_prompts(template: ChatTemplate, tokenizer: Tokenizer, conversations: Sequence[Sequence[dict]],
-                 max_len: int | None = None) -> list[list[int]]:
+                 max_len: int | None = None, tools: Sequence[Sequence[dict] | None] | None = None
+                 ) -> list[list[int]]:
     """`chat_prompt_ids` of each conversation, rendered in one batch. With `max_len` (the model's
     context), the render stops at the text that many tokens can hold and a conversation that goes on
     past it is PromptTooLong: the work is bounded by the context, not by the request."""
     limit = None if max_len is None else tokenizer.text_budget(max_len)
     out = []
-    for i, r in enumerate(template.render_batch(conversations, add_generation_prompt=True, limit=limit)):
+    for i, r in enumerate(template.render_batch(conversations, add_generation_prompt=True, limit=limit,
+                                                tools=tools)):
         if not r.complete:
             which = f"conversation {i}" if len(conversations) > 1 else "the conversation"
             room = f"the model's context of {max_len} tokens" if max_len else f"{len(r.text):,} characters"

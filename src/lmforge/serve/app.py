@@ -26,6 +26,7 @@ import hmac
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -34,6 +35,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from lmforge.data.chat_template import ChatTemplate, stop_ids
+from lmforge.data.chat_tools import strings
 from lmforge.data.template_pool import pool
 from lmforge.errors import LmforgeError
 from lmforge.eval.chat import PromptTooLong, chat_prompt_ids
@@ -47,6 +49,15 @@ from lmforge.serve.protocol import (
     new_id,
     now,
     usage,
+)
+from lmforge.serve.tools import (
+    StreamParser,
+    TemplateTools,
+    ToolPlan,
+    ToolsRefused,
+    call_grammar,
+    parse_reply,
+    plan_tools,
 )
 from lmforge.utils.jsontext import BadJSON, loads
 
@@ -87,6 +98,7 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
     eot = template.end_of_turn
     chat_stop_text = (eot,) if eot and tokenizer.token_id(eot) is None else ()
     token_text = TokenText(tokenizer)
+    template_tools = TemplateTools(template)  # its tool markup, learned on the first request with tools
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -171,12 +183,16 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
         adapter = _route(body.model, model_name, adapters)
         messages = body.conversation()
         for i, m in enumerate(messages):
-            bad = next((s for s in specials if s and s in m["content"]), None)
+            bad = next((s for s in specials if s and any(s in t for t in strings(m))), None)
             if bad is not None:  # it would be encoded as the token itself and could forge a turn
-                raise ApiError(400, f"messages[{i}].content contains the control token {bad!r}",
-                               param=f"messages.{i}.content")
+                where = next(f for f in ("content", "tool_calls", "tool_call_id", "name")
+                             if any(bad in t for t in strings(m.get(f))))
+                raise ApiError(400, f"messages[{i}].{where} contains the control token {bad!r}",
+                               param=f"messages.{i}.{where}")
+        plan = await _tool_plan(body, template_tools, template, specials)
         try:  # in a thread: an untrusted template's render waits on its worker, not on the event loop
-            ids = await asyncio.to_thread(chat_prompt_ids, template, tokenizer, messages, engine.max_len)
+            ids = await asyncio.to_thread(chat_prompt_ids, template, tokenizer, messages, engine.max_len,
+                                          plan.tools if plan is not None else None)
         except PromptTooLong as e:
             raise ApiError(400, str(e), code="context_length_exceeded", param="messages") from None
         except LmforgeError as e:  # the template refused the conversation, or ran past its budget
@@ -188,13 +204,45 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
         if body.response_format is not None and body.response_format.type != "text":
             grammar = await _response_grammar(body.response_format, tokenizer)
             params = dataclasses.replace(params, grammar=grammar)
+        if plan is not None and plan.mode != "auto":  # the call forced by the grammar, so it always parses
+            if params.grammar is not None:
+                raise ApiError(400, "'tool_choice' forces a call and 'response_format' a reply format; a "
+                               "reply can follow one of them: leave one out", param="tool_choice")
+            try:
+                params = replace(params, grammar=await asyncio.to_thread(call_grammar, tokenizer, plan))
+            except ToolsRefused as e:
+                raise ApiError(400, str(e), param=e.param) from None
         shaper = None
         if (k := body.logprobs_k()) is not None:
+            if plan is not None and body.stream:  # a stream's tool-call deltas carry no token text
+                raise ApiError(400, "'logprobs' with 'tools' is answered unstreamed only: leave out 'stream' "
+                               "or 'logprobs'", param="logprobs")
             shaper = Shaper(token_text, chat=True, k=k)
             params = dataclasses.replace(params, logprobs=k)
-        return await _respond(request, engine, body, [ids], params, body.model, chat=True, shaper=shaper)
+        return await _respond(request, engine, body, [ids], params, body.model, chat=True, shaper=shaper,
+                              plan=plan)
 
     return app
+
+
+async def _tool_plan(body: ChatCompletionRequest, template_tools: TemplateTools, template: ChatTemplate,
+                     specials) -> ToolPlan | None:
+    """How the request's tools are served (None: it has none, or tool_choice "none", which answers as if
+    it had none), or a 400 naming the field that cannot be honoured."""
+    mode = body.tool_mode()
+    if mode is None:
+        return None
+    tools = body.tool_dicts()
+    for i, t in enumerate(tools):
+        bad = next((s for s in specials if s and any(s in x for x in strings(t))), None)
+        if bad is not None:
+            raise ApiError(400, f"tools[{i}] contains the control token {bad!r}", param=f"tools.{i}")
+    try:  # the first time, rendering probes through the template (its worker for an untrusted one)
+        markup = await asyncio.to_thread(template_tools.markup)
+        only = body.tool_choice.function.name if mode == "named" else None
+        return plan_tools(tools, mode, only, body.parallel_tool_calls, markup, template.name)
+    except ToolsRefused as e:
+        raise ApiError(400, str(e), param=e.param) from None
 
 
 def _check_model(name: str, served: str) -> None:
@@ -294,9 +342,10 @@ def _params(engine: Engine, body, prompts: list[list[int]], limit: int | None, s
 
 
 async def _respond(request: Request, engine: Engine, body, prompts: list[list[int]], params: SamplingParams,
-                   model_name: str, chat: bool, shaper: Shaper | None = None):
+                   model_name: str, chat: bool, shaper: Shaper | None = None, plan: ToolPlan | None = None):
     """Run the request on the engine; a JSON response, or an SSE stream with `stream`. shaper: the
-    logprobs (and echoed prompts) of the reply, when the request asks."""
+    logprobs (and echoed prompts) of the reply, when the request asks. plan: a chat request's tools,
+    whose calls are parsed out of each reply."""
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event | None] = asyncio.Queue()
     try:
@@ -311,7 +360,7 @@ async def _respond(request: Request, engine: Engine, body, prompts: list[list[in
     obj = "chat.completion" if chat else "text_completion"
     if body.stream:
         return StreamingResponse(_stream(queue, handle, k, rid, created, model_name, chat, prompt_tokens,
-                                         body.include_usage(), shaper), media_type="text/event-stream",
+                                         body.include_usage(), shaper, plan), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     texts, tokens, reasons = [""] * k, [0] * k, [None] * k
     pieces: list[list[dict]] = [[] for _ in range(k)]
@@ -341,6 +390,11 @@ async def _respond(request: Request, engine: Engine, body, prompts: list[list[in
     if chat:
         choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
                     "finish_reason": r} for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
+        for c in choices if plan is not None else ():
+            content, calls = parse_reply(c["message"]["content"], plan.markup, plan.names, plan.parallel)
+            if calls:
+                c["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                c["finish_reason"] = "tool_calls"
     else:
         choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
                    for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
@@ -358,8 +412,10 @@ async def _on_disconnect(request: Request, queue: asyncio.Queue) -> None:
 
 
 async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, model_name: str, chat: bool,
-                  prompt_tokens: int, include_usage: bool, shaper: Shaper | None = None):
-    """Server-sent events: one chunk per piece of text or finish, then usage (if asked) and [DONE]."""
+                  prompt_tokens: int, include_usage: bool, shaper: Shaper | None = None,
+                  plan: ToolPlan | None = None):
+    """Server-sent events: one chunk per piece of text or finish, then usage (if asked) and [DONE]. With
+    tools, each choice's text goes through a StreamParser: content deltas, then tool_calls deltas."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
@@ -369,6 +425,7 @@ async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, 
         return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
     tokens = [0] * k
+    parsers = [StreamParser(plan.markup, plan.names, plan.parallel) for _ in range(k)] if plan else None
     try:
         if chat:  # OpenAI opens each choice with the assistant's role
             for i in range(k):
@@ -382,6 +439,16 @@ async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, 
                 yield f"data: {json.dumps(body)}\n\n"
                 break
             tokens[ev.index] = ev.tokens
+            if parsers is not None:
+                p = parsers[ev.index]
+                for delta in p.feed(ev.text) + (p.finish() if ev.finish_reason is not None else []):
+                    yield chunk([{"index": ev.index, "delta": delta, "logprobs": None,
+                                  "finish_reason": None}])
+                if ev.finish_reason is not None:
+                    reason = "tool_calls" if p.parsed else ev.finish_reason
+                    yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+                    left -= 1
+                continue
             text, piece = ev.text, None
             if shaper is not None:
                 text, piece = shaper.event(ev.index, text, ev.logprobs, ev.prompt_logprobs)

@@ -3,7 +3,8 @@ validated with pydantic, and the small helpers that shape responses and errors.
 
 Unknown fields are refused (OpenAI answers "Unrecognized request argument supplied"), so a client
 never believes an option took effect when it did not; fields lmforge does not implement (logprobs,
-penalties, tools, ...) are accepted at their neutral values only.
+penalties, ...) are accepted at their neutral values only. Tool calling (tools, tool_choice,
+parallel_tool_calls, assistant tool_calls and role "tool" messages) is lmforge.serve.tools'.
 """
 
 from __future__ import annotations
@@ -13,15 +14,31 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from lmforge.data.chat_tools import BadTools, ToolBudget
 from lmforge.serve.logprobs import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
+from lmforge.utils.jsontext import BadJSON, loads
 
 MAX_N = 16  # choices per prompt
 MAX_SEQUENCES = 64  # prompts x n per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
 MAX_PROMPTS = 32
+MAX_TOOLS = 128  # functions of one request (OpenAI's limit)
+MAX_TOOL_CALLS = 64  # calls of one assistant message
+MAX_TOOL_ID_CHARS = 256
+MAX_DESCRIPTION_CHARS = 4096  # a function's description
 
 # Neutral values of the fields lmforge accepts but does not implement.
 _UNSUPPORTED = {
@@ -30,8 +47,6 @@ _UNSUPPORTED = {
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
 }
 
 
@@ -201,15 +216,87 @@ class TextPart(_Strict):
     text: StrictStr
 
 
+class CalledFunction(_Strict):
+    name: StrictStr
+    arguments: StrictStr  # the JSON text of an object, as OpenAI returns it
+
+
+class ToolCall(_Strict):
+    id: StrictStr = Field(max_length=MAX_TOOL_ID_CHARS)
+    type: Literal["function"]
+    function: CalledFunction
+
+    @model_validator(mode="after")
+    def _arguments(self):
+        try:
+            args = loads(self.function.arguments)
+            ToolBudget().walk(args, "function.arguments")  # what every render of the conversation carries
+        except BadJSON as e:
+            raise ValueError(f"function.arguments is not JSON text ({e.why})") from None
+        except BadTools as e:
+            raise ValueError(str(e)) from None
+        if not isinstance(args, dict):
+            raise ValueError(f"function.arguments is the JSON text of a {type(args).__name__}; arguments are "
+                             "an object")
+        return self
+
+    def as_template_call(self) -> dict[str, Any]:
+        """The call as a chat template takes it: arguments decoded."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": loads(self.function.arguments)}}
+
+
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOL_CALLS)  # an assistant's
+    tool_call_id: StrictStr | None = Field(None, max_length=MAX_TOOL_ID_CHARS)  # a tool result's
+    # What the client sends back of an assistant message it got (the openai client's message object):
+    # accepted at null only, as nothing here produces them.
+    refusal: None = None
+    function_call: None = None
+    audio: None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"'tool_calls' is only allowed on an assistant message, not role '{self.role}'")
+        if self.role == "tool":
+            if self.tool_call_id is None:
+                raise ValueError("a message of role 'tool' needs 'tool_call_id', the id of the call it "
+                                 "answers")
+            if self.content is None:
+                raise ValueError("a message of role 'tool' needs 'content', the call's result")
+        elif self.tool_call_id is not None:
+            raise ValueError(f"'tool_call_id' is only allowed on a message of role 'tool', not '{self.role}'")
+        return self
 
     def text(self) -> str:
         if self.content is None:
             return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class FunctionDef(_Strict):
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: StrictStr | None = Field(None, max_length=MAX_DESCRIPTION_CHARS)
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(_Strict):
+    name: StrictStr
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ChatCompletionRequest(_Common):
@@ -218,8 +305,9 @@ class ChatCompletionRequest(_Common):
     messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
@@ -243,13 +331,78 @@ class ChatCompletionRequest(_Common):
         """The alternatives to report per token, or None for no logprobs."""
         return (self.top_logprobs or 0) if self.logprobs is True else None
 
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) < len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise ValueError(f"'tools' defines the function '{dup}' twice; names must be unique")
+        budget = ToolBudget()  # the nesting and size of what every render of the conversation carries
+        try:
+            for i, t in enumerate(tools or ()):
+                budget.walk(t.function.parameters, f"tools.{i}.function.parameters")
+        except BadTools as e:
+            raise ValueError(str(e)) from None
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice, info: ValidationInfo):
+        names = [t.function.name for t in info.data.get("tools") or ()]
+        if choice not in (None, "none") and not names:
+            raise ValueError("'tool_choice' needs 'tools': give the functions the model may call")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"'tool_choice' names the function '{choice.function.name}', which is not one "
+                             f"of 'tools' ({', '.join(names)})")
+        return choice
+
+    @field_validator("parallel_tool_calls")
+    @classmethod
+    def _parallel(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("tools"):
+            raise ValueError("'parallel_tool_calls' needs 'tools'")
+        return value
+
+    def tool_mode(self) -> str | None:
+        """None (no tools, or tool_choice "none": the request is answered as one without tools), "auto",
+        "required" or "named"."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_dicts(self) -> list[dict]:
+        """The tools as the chat template takes them (fields left unset are left out)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (OpenAI's 'developer' role is a system prompt)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (OpenAI's 'developer' role is a system prompt).
+
+        A tool call's arguments reach the template decoded (as vLLM passes them: templates such as Llama
+        3.1's write `arguments | tojson`), an assistant message without content has no 'content' key
+        (as transformers passes it), and a tool result carries its `name`: the one given, else the called
+        function's where an earlier call has its id (templates that print it read it there)."""
+        out: list[dict[str, Any]] = []
+        called: dict[str, str] = {}
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
+            if m.content is not None or not m.tool_calls:
+                msg["content"] = m.text()
+            if m.tool_calls:
+                msg["tool_calls"] = [c.as_template_call() for c in m.tool_calls]
+                called.update((c.id, c.function.name) for c in m.tool_calls)
+            if m.role == "tool":
+                msg["tool_call_id"] = m.tool_call_id
+                name = m.name if m.name is not None else called.get(m.tool_call_id)
+                if name is not None:
+                    msg["name"] = name
+            out.append(msg)
+        return out
 
 
 # -- responses ------------------------------------------------------------------------------------

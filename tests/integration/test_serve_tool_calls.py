@@ -1,0 +1,185 @@
+"""Tool calling through the official `openai` client against `lmforge serve` on localhost: a two-turn tool
+conversation (a call forced by tool_choice, its result sent back, the model's answer) with the Qwen/Hermes
+and the Llama 3.1 template shapes; the forced call parses and validates against the function's schema,
+streamed deltas reassemble to the same call, the second turn is rendered with the call and its result
+(the reply equals eval.generate's greedy output on that render), and a template without tool support
+is refused naming `tools`."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY, tiny_overrides
+from lmforge.config import load_config
+from lmforge.data.chat_template import ChatTemplate, stop_ids
+from lmforge.eval.chat import chat_prompt_ids
+from lmforge.eval.entry import load_run
+from lmforge.eval.generate import generate
+from lmforge.train.trainer import train
+from tool_templates import CHATML, LLAMA31, QWEN
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+
+KEY = "tools-key-0123456789"
+SPECIALS = {"bos_token": "<s>", "eos_token": "</s>"}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+    "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, shared_data_dir):
+    root = tmp_path_factory.mktemp("serve_tools") / "run"
+    train(load_config(TINY, tiny_overrides(
+        root, shared_data_dir, "train.max_steps=1", "checkpoint.every=0", "train.eval_every=0",
+        "optim.lr=1e-6", "schedule.warmup_steps=0", "model.max_seq_len=1024", "model.tie_embeddings=false",
+        "model.init_std=0.1")))
+    return load_run(root)
+
+
+@pytest.fixture(scope="module")
+def servers(run):
+    """One engine behind three apps: the Qwen/Hermes, Llama 3.1 and ChatML (no tools) templates."""
+    from lmforge.serve import Server, bind
+    from lmforge.serve.app import create_app
+    from lmforge.serve.engine import Engine
+
+    engine = Engine(run.model, run.tokenizer.decode, max_batch_size=4).start()
+    out = {}
+    for name, source in (("qwen", QWEN), ("llama", LLAMA31), ("chatml", CHATML)):
+        template = ChatTemplate(source, SPECIALS, name=f"the {name} template", end_of_turn=None)
+        app = create_app(engine, run.tokenizer, template, model_name="tiny", api_keys=[KEY])
+        out[name] = (Server(app, bind("127.0.0.1", 0), engine, "tiny").start(), template)
+    yield out
+    for server, _ in out.values():
+        server.stop()
+    engine.close()
+
+
+def client(servers, name):
+    return openai.OpenAI(base_url=servers[name][0].url, api_key=KEY, max_retries=0, timeout=120)
+
+
+def greedy_text(run, template, messages, max_tokens: int, tools=None) -> str:
+    ids = chat_prompt_ids(template, run.tokenizer, messages, tools=tools)
+    stops = stop_ids(template, run.tokenizer)
+    out = generate(run.model, ids, max_tokens, temperature=0.0, eos_id=sorted(stops))[0]
+    return run.tokenizer.decode(out[:-1] if out and out[-1] in stops else out)
+
+
+def check_call(call, name: str) -> dict:
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name == name
+    args = json.loads(call.function.arguments)
+    schema = next(t for t in TOOLS if t["function"]["name"] == name)["function"]["parameters"]
+    jsonschema.validate(args, schema)
+    return args
+
+
+@pytest.mark.parametrize("family", ["qwen", "llama"])
+def test_two_turn_tool_conversation(servers, run, family):
+    c = client(servers, family)
+    template = servers[family][1]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice=named, max_tokens=200,
+                                  temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    args = check_call(call, "get_weather")
+    # the second turn: the client's own message object back, then the call's result
+    messages = USER + [choice.message, {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}]
+    r2 = c.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=12, temperature=0)
+    rendered = USER + [
+        {"role": "assistant", "tool_calls": [{"id": call.id, "type": "function",
+                                              "function": {"name": "get_weather", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": call.id, "name": "get_weather", "content": "18 C, sunny"}]
+    want = greedy_text(run, template, rendered, 12, tools=TOOLS)
+    assert "18 C, sunny" in template.render(rendered, True, tools=TOOLS)
+    # "auto": the tiny model writes no call, so the reply is its text, untouched
+    assert r2.choices[0].message.content == want and not r2.choices[0].message.tool_calls
+    assert r2.choices[0].finish_reason in ("stop", "length")
+    chunks = list(c.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=12,
+                                            temperature=0, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == r2.choices[0].finish_reason
+
+
+def test_required_picks_a_tool_and_streams_the_same_call(servers):
+    c = client(servers, "qwen")
+    kw = {"model": "tiny", "messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
+          "temperature": 0}
+    whole = c.chat.completions.create(**kw).choices[0]
+    [call] = whole.message.tool_calls
+    args = check_call(call, call.function.name)
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    calls = [tc for d in deltas for tc in d.tool_calls or ()]
+    assert calls[0].id.startswith("call_") and calls[0].function.name == call.function.name
+    assert all(tc.index == 0 and tc.id is None for tc in calls[1:])
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == args
+    assert not "".join(d.content or "" for d in deltas)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+def test_sampled_forced_calls_always_parse(servers):
+    """At temperature 1.5 a random model's calls still parse and validate: the grammar writes them."""
+    c = client(servers, "llama")
+    r = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="required",
+                                  max_tokens=200, temperature=1.5, n=6, seed=3)
+    for choice in r.choices:
+        assert choice.finish_reason == "tool_calls"
+        [call] = choice.message.tool_calls
+        check_call(call, call.function.name)
+
+
+def test_tool_choice_none_answers_as_without_tools(servers):
+    c = client(servers, "qwen")
+    plain = c.chat.completions.create(model="tiny", messages=USER, max_tokens=8, temperature=0)
+    none = c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, tool_choice="none",
+                                     max_tokens=8, temperature=0)
+    assert none.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_a_template_without_tool_support_is_refused(servers):
+    c = client(servers, "chatml")
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=USER, tools=TOOLS, max_tokens=4)
+    assert e.value.status_code == 400 and e.value.body["param"] == "tools"
+    assert "does not render 'tools'" in e.value.body["message"]
+    # and a bad tool field is an OpenAI-shaped 400 naming it, not a 500
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=USER, tools=[{"type": "function", "function": {
+            "name": "bad name"}}], max_tokens=4)
+    assert e.value.body["param"].startswith("tools.0.function.name")
+
+
+@pytest.mark.parametrize("extra, param, message", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": True,
+                                                  "parameters": {"type": "object"}}}]},
+     "tools.0.function.strict", "enforced only when a call is forced"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"},
+     "tools", "cannot be enforced"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "not one of 'tools'"),
+    ({"tools": TOOLS, "messages": [{"role": "tool", "content": "18 C"}]}, "messages.0", "tool_call_id"),
+])
+def test_tool_requests_that_cannot_be_honoured_are_400s_naming_the_field(servers, extra, param, message):
+    with pytest.raises(openai.BadRequestError) as e:
+        client(servers, "qwen").chat.completions.create(**{"model": "tiny", "messages": USER, "max_tokens": 4,
+                                                           **extra})
+    assert e.value.body["param"] == param and message in e.value.body["message"]
