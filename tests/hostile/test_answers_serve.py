@@ -1,7 +1,8 @@
 """`lmforge serve`'s request fields that it does not implement are accepted at their neutral values only:
 a value that means "on" but compares equal to a neutral one in Python (0 == False, 1 == True) is refused
 like any other, so no client reads an answer believing the option took effect. (logprobs, top_logprobs
-and echo work now: their refusals are in tests/unit/test_serve_logprobs.py.)"""
+and echo, logit_bias and the penalties work now: their refusals are in tests/unit/test_serve_logprobs.py and
+tests/unit/test_serve_penalties.py.)"""
 
 from __future__ import annotations
 
@@ -16,10 +17,7 @@ CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
 
 @pytest.mark.parametrize("model, base, field, value", [
     (CompletionRequest, COMPLETION, "best_of", True),  # True == 1
-    (CompletionRequest, COMPLETION, "presence_penalty", False),  # False == 0
-    (CompletionRequest, COMPLETION, "frequency_penalty", 0.5),
     (CompletionRequest, COMPLETION, "suffix", " end"),
-    (CompletionRequest, COMPLETION, "logit_bias", {"1": 100}),
 ])
 def test_a_value_that_asks_for_an_unimplemented_feature_is_refused(model, base, field, value):
     with pytest.raises(ValidationError, match=f"'{field}' is not supported by lmforge serve"):

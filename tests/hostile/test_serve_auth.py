@@ -153,8 +153,10 @@ def test_malformed_and_unsupported(server):
     assert_error(*request(server, "POST", "/v1/completions", {"prompt": "x"})[:2], 400, "model")
     assert_error(*request(server, "POST", "/v1/completions", {**GOOD, "logprobs": 6})[:2], 400,
                  "'logprobs' takes an integer from 0 to 5")
-    assert_error(*request(server, "POST", "/v1/completions", {**GOOD, "presence_penalty": 1})[:2], 400,
-                 "'presence_penalty' is not supported")
+    assert_error(*request(server, "POST", "/v1/completions", {**GOOD, "best_of": 2})[:2], 400,
+                 "'best_of' is not supported")
+    assert_error(*request(server, "POST", "/v1/completions", {**GOOD, "logit_bias": {"99999": 1}})[:2], 400,
+                 "outside this model's vocabulary")
     neutral = {**GOOD, "logprobs": None, "presence_penalty": 0}
     assert request(server, "POST", "/v1/completions", neutral)[0] == 200
     status, body, _ = request(server, "POST", "/v1/completions", {**GOOD, "model": "gpt-4"})

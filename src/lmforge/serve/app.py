@@ -338,7 +338,19 @@ def _params(engine: Engine, body, prompts: list[list[int]], limit: int | None, s
                        param="max_tokens")
     return SamplingParams(max_tokens=limit if limit is not None else context, temperature=body.temperature,
                           top_p=body.top_p, top_k=body.resolved_top_k(), n=body.n, seed=body.seed,
-                          stop=(*body.stop_list(), *extra_stops), stop_ids=stop_ids_)
+                          stop=(*body.stop_list(), *extra_stops), stop_ids=stop_ids_,
+                          logit_bias=_bias(body, engine.vocab_size),
+                          presence_penalty=body.presence_penalty or 0.0,
+                          frequency_penalty=body.frequency_penalty or 0.0)
+
+
+def _bias(body, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    pairs = body.bias_pairs()
+    bad = next((t for t, _ in pairs if t >= vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"logit_bias names token {bad}, outside this model's vocabulary of {vocab_size} "
+                       "tokens", param="logit_bias")
+    return pairs
 
 
 async def _respond(request: Request, engine: Engine, body, prompts: list[list[int]], params: SamplingParams,

@@ -63,7 +63,10 @@ class SamplingParams:
     stop: strings that end a reply (excluded from its text); stop_ids: token ids that do (EOS,
     end of turn; excluded from the text, counted as generated tokens). grammar: each choice's tokens
     are masked to what it allows (serve/grammar.py), the stop ids only once it is complete, and the
-    reply ends with "stop" when nothing else may follow."""
+    reply ends with "stop" when nothing else may follow. logit_bias: (token id, bias) added to that
+    token's logit at every step; presence_penalty / frequency_penalty: subtracted from the logit of
+    each token the choice has generated, once / once per time (OpenAI's definitions; the model's raw
+    logits are what logprobs report)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -80,6 +83,13 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     adapter: Any = None  # the LoRA adapter (serve/adapters.py's Adapter) its rows decode with; None: the base
     grammar: Grammar | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def adjusts(self) -> bool:
+        """Whether the logits are changed before sampling (bias or penalties)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,14 @@ class _Request:
         self.prompt_lps: dict[int, tuple[TokenLogprob, ...]] = {}  # prompt -> its logprobs (if asked)
         self.cancelled = False
         self.failed = False
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def bias(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logit bias as (token ids, values) tensors, made once per request."""
+        if self._bias is None:
+            ids, vals = zip(*self.params.logit_bias)
+            self._bias = (torch.tensor(ids, device=device), torch.tensor(vals, device=device))
+        return self._bias
 
     def cancel(self) -> None:
         """Stop generating for this request (its sequences leave the batch before the next step)."""
@@ -135,6 +153,7 @@ class _Seq:
     lp_pending: list[TokenLogprob] = field(default_factory=list)  # recorded, not yet reported
     prompt_lp: tuple[TokenLogprob, ...] | None = None  # reported with the choice's first event
     matcher: Matcher | None = None  # where a constrained choice stands in its grammar
+    counts: torch.Tensor | None = None  # (V,) times each token was generated, with penalties only
 
 
 class _Window:
@@ -288,6 +307,8 @@ class Engine:
         bad_k = params.top_k is not None and params.top_k < 1
         if params.temperature < 0 or not 0 < params.top_p <= 1 or bad_k:
             raise LmforgeError("temperature must be >= 0, top_p in (0, 1] and top_k >= 1 (or None)")
+        if any(not 0 <= t < self.vocab_size for t, _ in params.logit_bias):
+            raise LmforgeError(f"logit_bias token ids must lie in [0, {self.vocab_size})")
 
     # -- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -461,10 +482,16 @@ class Engine:
         # Logprobs are the raw model's (as vLLM and OpenAI report them): kept before a grammar masks.
         constrained = any(r.matcher is not None for r in rows)
         asking = any(r.req.params.logprobs is not None for r in rows)
-        raw = logits.clone() if constrained and asking else logits
+        adjusted = any(r.req.params.adjusts() for r in rows)
+        raw = logits.clone() if (constrained or adjusted) and asking else logits
+        if adjusted:
+            self._adjust(rows, logits)
         if constrained:
             self._constrain(rows, logits)
         tokens = self._sample(rows, logits)
+        for r, tok in zip(rows, tokens) if adjusted else ():
+            if r.counts is not None:
+                r.counts[tok] += 1
         for r, tok in zip(rows, tokens):
             if r.matcher is not None and not r.req.failed and tok not in r.req.params.stop_ids:
                 try:
@@ -473,6 +500,21 @@ class Engine:
                     self._fail([r.req], f"GrammarError: {e}")
         self._record_logprobs(rows, raw, tokens)
         return tokens
+
+    def _adjust(self, rows: list[_Seq], logits: torch.Tensor) -> None:
+        """Add the rows' logit biases and subtract their presence / frequency penalties, in place."""
+        for i, r in enumerate(rows):
+            p = r.req.params
+            if p.logit_bias:
+                ids, bias = r.req.bias(logits.device)
+                logits[i, ids] += bias.to(logits.dtype)
+            if p.presence_penalty != 0 or p.frequency_penalty != 0:
+                if r.counts is None:
+                    r.counts = torch.zeros(logits.shape[-1], device=logits.device)
+                    for t in r.text_ids:  # what it generated before (only its first token, at admission)
+                        r.counts[t] += 1
+                c = r.counts
+                logits[i] -= (c * p.frequency_penalty + (c > 0) * p.presence_penalty).to(logits.dtype)
 
     def _constrain(self, rows: list[_Seq], logits: torch.Tensor) -> None:
         """Mask, in place, the logits of the rows under a grammar to the tokens it allows; the other

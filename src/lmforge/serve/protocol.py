@@ -35,6 +35,7 @@ MAX_SEQUENCES = 64  # prompts x n per request
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
 MAX_STOP_CHARS = 256
 MAX_PROMPTS = 32
+MAX_LOGIT_BIAS = 300  # tokens a logit_bias may name (OpenAI's limit)
 MAX_TOOLS = 128  # functions of one request (OpenAI's limit)
 MAX_TOOL_CALLS = 64  # calls of one assistant message
 MAX_TOOL_ID_CHARS = 256
@@ -44,9 +45,6 @@ MAX_DESCRIPTION_CHARS = 4096  # a function's description
 _UNSUPPORTED = {
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
 }
 
 
@@ -92,9 +90,37 @@ class _Common(_Strict):
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
+    logit_bias: dict[StrictStr, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+
+    @field_validator("presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _a_number(cls, value):
+        if isinstance(value, bool):  # pydantic would read true as 1.0
+            raise ValueError(f"takes a number from -2 to 2, got {json.dumps(value)}")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_numbers(cls, bias):
+        if isinstance(bias, dict) and any(isinstance(v, bool) for v in bias.values()):
+            raise ValueError("values are numbers from -100 to 100, not true or false")
+        return bias
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 9):
+                raise ValueError(f"keys are token ids (decimal strings), got {json.dumps(key)}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values lie in [-100, 100], got {value} for token {key}")
+        return bias
+
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias as (token id, bias) pairs for the engine."""
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     @model_validator(mode="after")
     def _supported(self):
