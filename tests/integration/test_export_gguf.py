@@ -134,6 +134,8 @@ def test_tokenizer_and_template_round_trip(family, tmp_path):
     modelfile = (tmp_path / "model.Modelfile").read_text()
     assert modelfile.count('PARAMETER stop "<|im_end|>"') == 1
     assert f'PARAMETER stop "{ours.decode([eos])}"' in modelfile
+    assert "recognised as chatml" in modelfile and modelfile.startswith("# Written by lmforge")
+    assert "FROM ./model.gguf\n" in modelfile
 
 
 def test_k_quant_blocks_dequantize_with_gguf_py():

@@ -27,8 +27,9 @@ SHAPES: dict[str, tuple[str, str]] = {
         "<|eot_id|>",
     ),
     "gemma": (
-        "{{- range .Messages }}<start_of_turn>{{ if eq .Role \"assistant\" }}model{{ else }}{{ .Role }}{{ end }}\n"
-        "{{ .Content }}<end_of_turn>\n{{ end }}<start_of_turn>model\n",
+        "{{- range .Messages }}<start_of_turn>"
+        "{{ if eq .Role \"assistant\" }}model{{ else }}{{ .Role }}{{ end }}\n{{ .Content }}<end_of_turn>\n"
+        "{{ end }}<start_of_turn>model\n",
         "<end_of_turn>",
     ),
     "mistral": (
