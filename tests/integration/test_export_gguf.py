@@ -184,3 +184,43 @@ def test_unsupported_family_is_refused_by_name(tmp_path, tokenizer_file, capsys)
     err = capsys.readouterr().err
     assert "model_type 'gpt2'" in err and "llama, mistral, qwen2, qwen3" in err
     assert not (tmp_path / "m.gguf").exists()
+
+
+def _split_tokenizer(path, regex: str) -> None:
+    """A byte-level BPE that splits text with `regex` first (Qwen2's / Llama 3's layout), NFC-normalised."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, min_frequency=2, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT * 30, "the quick brown fox 1234567 jumps " * 30], trainer)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(str(path))
+
+
+def test_a_qwen2_split_tokenizer_round_trips_and_an_unknown_split_is_refused(tmp_path, capsys):
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    _split_tokenizer(tmp_path / "tok.json", PRETOKENIZE_REGEX)
+    imported = _imported("qwen2", tmp_path / "tok.json", tmp_path)
+    _export(imported, tmp_path / "m.gguf", "f16")
+    fields = {f.name: f for f in gguf.GGUFReader(tmp_path / "m.gguf").fields.values()}
+    assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == "qwen2"
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    ours = Tokenizer.load(imported / "tokenizer.json")
+    text = TEXT + " 1234567 and 89"
+    assert theirs.encode(text, add_special_tokens=True) == ours.encode(text)
+    assert len(ours.encode("1234567")) == 7  # Qwen2's split: one token per digit, in both
+
+    _split_tokenizer(tmp_path / "odd.json", r"\p{L}+|\p{N}+|\s+|[^\s\p{L}\p{N}]+")
+    odd = _imported("qwen2", tmp_path / "odd.json", tmp_path / "odd")
+    capsys.readouterr()
+    assert main(["export", str(odd), str(tmp_path / "odd.gguf"), "--format", "gguf"]) == 2
+    assert "not one llama.cpp knows by name" in capsys.readouterr().err
+    assert not (tmp_path / "odd.gguf").exists()
