@@ -109,7 +109,7 @@ def test_transformers_reloads_the_gguf_with_equal_logits(family, quant, tmp_path
 
 
 def test_tokenizer_and_template_round_trip(family, tmp_path):
-    name, imported, _ = family
+    name, imported, base = family
     if name != "qwen2":
         pytest.skip("the tokenizer is the same in every family; checked once")
     out = tmp_path / "model.gguf"
@@ -157,7 +157,7 @@ def test_k_quant_blocks_dequantize_with_gguf_py():
 
 
 def test_refusals_leave_existing_files_alone(family, tmp_path, capsys):
-    name, imported, _ = family
+    name, imported, base = family
     if name != "llama":
         pytest.skip("refusals do not depend on the family")
     out = tmp_path / "m.gguf"
@@ -224,3 +224,33 @@ def test_a_qwen2_split_tokenizer_round_trips_and_an_unknown_split_is_refused(tmp
     assert main(["export", str(odd), str(tmp_path / "odd.gguf"), "--format", "gguf"]) == 2
     assert "not one llama.cpp knows by name" in capsys.readouterr().err
     assert not (tmp_path / "odd.gguf").exists()
+
+
+def test_a_lora_sft_run_exports_merged_with_its_template(family, tokenizer_file, tmp_path):
+    """A fine-tuned run: its adapters are merged into the GGUF's weights (logits equal lmforge's merged
+    model) and the template it was trained with is in the metadata, the Modelfile and the stops."""
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.data.instruct_tasks import generate, write_jsonl
+    from lmforge.finetune.setup import load_merged
+
+    name, imported, base = family
+    if name != "llama":
+        pytest.skip("the merge happens before the GGUF writer; checked once")
+    write_jsonl(generate(None, 16, seed=1), tmp_path / "chat.jsonl")
+    run = tmp_path / "run"
+    sets = [f"run.dir={run}", f"model.init_from={imported}", "train.seq_len=64", "train.max_steps=2",
+            "train.micro_batch_size=2", "train.eval_every=0", "train.precision=fp32", "train.threads=1",
+            "checkpoint.every=0", "logging.progress=none", "finetune.method=lora", "optim.lr=0.05",
+            f"sft.data=[{tmp_path / 'chat.jsonl'}]"]
+    assert main(["sft", *[a for s in sets for a in ("--set", s)]]) == 0
+    out = tmp_path / "sft.gguf"
+    _export(run, out, "f16")
+    merged, _ = load_merged(*run_config(run))
+    ids = torch.randint(0, merged.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    err = _rel_error(merged, out, ids)
+    assert err < TOLERANCE["f16"]
+    assert err < _rel_error(base, out, ids) / 5  # the file holds the merged model, not the base
+    fields = {f.name: f for f in gguf.GGUFReader(out).fields.values()}
+    template = bytes(fields["tokenizer.chat_template"].parts[-1]).decode()
+    assert "<|im_start|>" in template
+    assert 'PARAMETER stop "<|im_end|>"' in (tmp_path / "sft.Modelfile").read_text()
