@@ -3,9 +3,12 @@
 its logits equal lmforge's within each weight type's quantization error; llama.cpp itself
 (llama-cpp-python) is a further tier when installed.
 
-Max relative logit error measured here (max |ours - theirs| / max |ours|, tiny random models with
-256-wide rows, 2 layers): f16 ~1e-3, q8_0 ~4e-3, q4_0 ~6e-2, q4_k_m ~3e-2; the bounds below sit
-about 2x above (the measured values are printed with -s)."""
+Max relative logit error measured here (max |ours - theirs| / max |ours|; tiny random models, 256-wide
+rows, 2 layers, Gaussian weights, which quantize worse than trained ones): f16 3e-4..7e-4 (the issue's
+bound 1e-2), q8_0 1.2e-2, q4_0 0.23, q4_k_m 0.08..0.26 (llama 0.17, mistral 0.08, qwen2 0.17, qwen3
+0.26); the bounds below sit above those (printed with -s). The layout (names, Q/K permutation) is
+checked by f16's bound, which leaving out the Q permutation alone breaks (9e-2); the block bytes of the
+4-bit types by gguf-py's dequantizer (test_k_quant_blocks_dequantize_with_gguf_py)."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ FAMILIES = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, tie_word_embeddings=True)),
 }
 # max relative logit error per weight type (see the module doc for the measured values)
-TOLERANCE = {"f16": 1e-2, "q8_0": 3e-2, "q4_0": 0.4, "q4_k_m": 0.3}
+TOLERANCE = {"f16": 1e-2, "q8_0": 3e-2, "q4_0": 0.4, "q4_k_m": 0.4}
 TEXT = "Hello world! The quick brown fox, 12345 times.\n  Tabs\tand   spaces ünïcödé 🙂 it's"
 CHAT = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
 
@@ -71,15 +74,21 @@ def _imported(name: str, tokenizer_file, root):
     return root / "imported"
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tokenizer_file, tmp_path_factory):
+@pytest.fixture(scope="module")
+def families(tokenizer_file, tmp_path_factory):
+    """name -> (imported dir, lmforge's model of it), each family imported once, on first use."""
     from lmforge.checkpoint.runs import load_model, run_config
 
-    root = tmp_path_factory.mktemp(request.param)
-    imported = _imported(request.param, tokenizer_file, root)
-    cfg, ckpt = run_config(imported)
-    ours, _ = load_model(cfg, ckpt)
-    return request.param, imported, ours
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            imported = _imported(name, tokenizer_file, tmp_path_factory.mktemp(name))
+            cfg, ckpt = run_config(imported)
+            cache[name] = imported, load_model(cfg, ckpt)[0]
+        return cache[name]
+
+    return get
 
 
 def _export(src, out, quant) -> None:
@@ -94,12 +103,14 @@ def _rel_error(ours, gguf_path, ids) -> float:
     return float((a - b).abs().max() / a.abs().max())
 
 
-@pytest.mark.parametrize("quant", ["f16", "q8_0", "q4_0", "q4_k_m"])
-def test_transformers_reloads_the_gguf_with_equal_logits(family, quant, tmp_path):
-    name, imported, ours = family
-    if name != "llama" and quant in ("q8_0", "q4_0"):
-        pytest.skip("the 8- and 4-bit block types are format-level, checked on llama; f16 and the k-quant "
-                    "mix cover each family's layout")
+# every family in f16 and the k-quant mix (its layout); the 8- and 4-bit block types on llama
+RELOADS = [(f, q) for f in sorted(FAMILIES) for q in ("f16", "q4_k_m")]
+RELOADS += [("llama", "q8_0"), ("llama", "q4_0")]
+
+
+@pytest.mark.parametrize(("name", "quant"), RELOADS)
+def test_transformers_reloads_the_gguf_with_equal_logits(families, name, quant, tmp_path):
+    imported, ours = families(name)
     out = tmp_path / "model.gguf"
     _export(imported, out, quant)
     ids = torch.randint(0, ours.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -108,10 +119,8 @@ def test_transformers_reloads_the_gguf_with_equal_logits(family, quant, tmp_path
     assert err < TOLERANCE[quant], (name, quant, err)
 
 
-def test_tokenizer_and_template_round_trip(family, tmp_path):
-    name, imported, base = family
-    if name != "qwen2":
-        pytest.skip("the tokenizer is the same in every family; checked once")
+def test_tokenizer_and_template_round_trip(families, tmp_path):
+    imported, _ = families("qwen2")
     out = tmp_path / "model.gguf"
     _export(imported, out, "q8_0")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
@@ -156,10 +165,8 @@ def test_k_quant_blocks_dequantize_with_gguf_py():
         assert rel.max() < bound, (qtype.name, rel)
 
 
-def test_refusals_leave_existing_files_alone(family, tmp_path, capsys):
-    name, imported, base = family
-    if name != "llama":
-        pytest.skip("refusals do not depend on the family")
+def test_refusals_leave_existing_files_alone(families, tmp_path, capsys):
+    imported, _ = families("llama")
     out = tmp_path / "m.gguf"
     out.write_bytes(b"keep")
     assert main(["export", str(imported), str(out), "--format", "gguf"]) == 2
@@ -226,16 +233,14 @@ def test_a_qwen2_split_tokenizer_round_trips_and_an_unknown_split_is_refused(tmp
     assert not (tmp_path / "odd.gguf").exists()
 
 
-def test_a_lora_sft_run_exports_merged_with_its_template(family, tokenizer_file, tmp_path):
+def test_a_lora_sft_run_exports_merged_with_its_template(families, tmp_path):
     """A fine-tuned run: its adapters are merged into the GGUF's weights (logits equal lmforge's merged
     model) and the template it was trained with is in the metadata, the Modelfile and the stops."""
     from lmforge.checkpoint.runs import run_config
     from lmforge.data.instruct_tasks import generate, write_jsonl
     from lmforge.finetune.setup import load_merged
 
-    name, imported, base = family
-    if name != "llama":
-        pytest.skip("the merge happens before the GGUF writer; checked once")
+    imported, base = families("llama")
     write_jsonl(generate(None, 16, seed=1), tmp_path / "chat.jsonl")
     run = tmp_path / "run"
     sets = [f"run.dir={run}", f"model.init_from={imported}", "train.seq_len=64", "train.max_steps=2",
@@ -254,3 +259,26 @@ def test_a_lora_sft_run_exports_merged_with_its_template(family, tokenizer_file,
     template = bytes(fields["tokenizer.chat_template"].parts[-1]).decode()
     assert "<|im_start|>" in template
     assert 'PARAMETER stop "<|im_end|>"' in (tmp_path / "sft.Modelfile").read_text()
+
+
+@pytest.mark.parametrize("quant", ["f16", "q8_0"])
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_llama_cpp_loads_the_gguf_with_equal_logits_and_tokens(families, name, quant, tmp_path):
+    """The optional tier: llama.cpp itself (llama-cpp-python) reads the file; its logits equal lmforge's
+    within the weight type's tolerance and it tokenizes text to lmforge's ids."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
+                                    "llama.cpp tier: pip install llama-cpp-python, a long source build)")
+    imported, ours = families(name)
+    out = tmp_path / "model.gguf"
+    _export(imported, out, quant)
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    tokenizer = Tokenizer.load(imported / "tokenizer.json")
+    assert llm.tokenize(TEXT.encode(), add_bos=False, special=False) == tokenizer.encode(TEXT)
+    ids = torch.randint(0, ours.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
+    llm.eval(ids.tolist())
+    theirs = torch.from_numpy(np.array(llm.scores[:40], dtype=np.float32))
+    with torch.no_grad():
+        a = ours(ids[None])[0]
+    err = float((a - theirs).abs().max() / a.abs().max())
+    print(f"llama.cpp {name} {quant}: max relative logit error {err:.2e}")
+    assert err < TOLERANCE[quant], (name, quant, err)
