@@ -64,7 +64,7 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", overwrite:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         export_run(src, tmp / "hf", weights=weights, say=lambda *_: None)
-        info = write_gguf(gguf, tmp / "hf", tmp / out.name, quant, name=Path(src).resolve().name, say=say)
+        info = write_gguf(gguf, tmp / "hf", tmp / out.name, quant, name=str(src), say=say)
         from lmforge.finetune.ollama import modelfile_text
 
         if info["chat_template"] is not None and info["shape"] is None:
@@ -93,16 +93,24 @@ def _permute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+class _Tensors:
+    """The safetensors of a Hugging Face dir, read one tensor at a time (a model never sits in memory
+    twice: the writer plans every tensor first and then reads, converts and writes them in turn)."""
 
-    index = hf_dir / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
-             else ["model.safetensors"])
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(hf_dir / f))
-    return out
+    def __init__(self, hf_dir: Path) -> None:
+        from safetensors import safe_open
+
+        index = hf_dir / "model.safetensors.index.json"
+        files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
+                 else ["model.safetensors"])
+        self._files = [safe_open(hf_dir / f, framework="pt") for f in files]
+        self.where = {name: f for f in self._files for name in f.keys()}
+
+    def shape(self, name: str) -> list[int]:
+        return list(self.where[name].get_slice(name).get_shape())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name)
 
 
 def _check_family(cfg: dict[str, Any]) -> str:
@@ -155,30 +163,43 @@ def _context_length(cfg: dict[str, Any], say) -> int:
     return ctx
 
 
-def _encode(gguf, arr: np.ndarray, quant: str, role: str) -> tuple[np.ndarray, Any]:
-    """(data, GGML type) for one tensor. Vectors (norms, biases) stay F32, as llama.cpp keeps them; a
+def _choose(gguf, shape: list[int], quant: str, role: str):
+    """The GGML type of one tensor. Vectors (norms, biases) stay F32, as llama.cpp keeps them; a
     matrix whose rows do not fill whole quantization blocks falls back to F16 (llama.cpp falls back too).
-    `role` 'output' (the LM head, or the tied embedding that serves as one) keeps 8 bits under the
-    4-bit types, where llama.cpp's quantizer keeps 6 (Q6_K)."""
+    `role` 'output' (the LM head, or the tied embedding that serves as one) keeps 8 bits under q4_0,
+    where llama.cpp's quantizer keeps 6 (Q6_K, which q4_k_m writes)."""
     from lmforge.finetune import kquants
 
     T = gguf.GGMLQuantizationType
-    if arr.ndim == 1:
-        return arr.astype(np.float32), T.F32
-    cols = arr.shape[-1]
+    if len(shape) == 1:
+        return T.F32
     want = {"f16": T.F16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}.get(quant)
     if quant == "q4_k_m":
         want = kquants.q4_k_m_type(role)
     if quant == "q4_0" and role == "output":
         want = T.Q8_0
-    if want == T.F16 or cols % gguf.GGML_QUANT_SIZES[want][0] != 0:
-        if want in (T.Q4_K, T.Q6_K) and cols % 32 == 0:
-            want = T.Q8_0  # a K-quant needs rows of 256; llama.cpp's fallback for those rows is 8-bit too
-        else:
-            return arr.astype(np.float16), T.F16
-    if want in (T.Q4_K, T.Q6_K):
-        return kquants.quantize(arr, want), want
-    return gguf.quants.quantize(arr, want), want
+    if want != T.F16 and shape[-1] % gguf.GGML_QUANT_SIZES[want][0] != 0:
+        # a K-quant needs rows of 256; llama.cpp's fallback for 32-multiples is 8-bit, else 16-bit
+        want = T.Q8_0 if want in (T.Q4_K, T.Q6_K) and shape[-1] % 32 == 0 else T.F16
+    return want
+
+
+def _nbytes(gguf, shape: list[int], qtype) -> int:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return int(np.prod(shape)) // block * size
+
+
+def _encode(gguf, arr: np.ndarray, qtype) -> np.ndarray:
+    from lmforge.finetune import kquants
+
+    T = gguf.GGMLQuantizationType
+    if qtype == T.F32:
+        return arr.astype(np.float32)
+    if qtype == T.F16:
+        return arr.astype(np.float16)
+    if qtype in (T.Q4_K, T.Q6_K):
+        return kquants.quantize(arr, qtype)
+    return gguf.quants.quantize(arr, qtype)
 
 
 def write_gguf(gguf, hf_dir: Path, path: Path, quant: str, name: str, say=print) -> dict[str, Any]:
@@ -188,9 +209,9 @@ def write_gguf(gguf, hf_dir: Path, path: Path, quant: str, name: str, say=print)
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     arch = _check_family(cfg)
-    tensors = _load_tensors(hf_dir)
-    n_vocab = tensors["model.embed_tokens.weight"].shape[0]
-    vocab = read_vocab(hf_dir, n_vocab)
+    tensors = _Tensors(hf_dir)
+    n_vocab = tensors.shape("model.embed_tokens.weight")[0]
+    vocab = read_vocab(hf_dir, n_vocab, label=f"the tokenizer of {name}")
     n_layers, d, n_heads = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["num_attention_heads"]
     n_kv = cfg.get("num_key_value_heads") or n_heads
     head_dim = cfg.get("head_dim") or d // n_heads
@@ -198,7 +219,7 @@ def write_gguf(gguf, hf_dir: Path, path: Path, quant: str, name: str, say=print)
     names = gguf.get_tensor_name_map(arch_enum, n_layers)
 
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_name(name)
+    writer.add_name(Path(name).resolve().name)
     writer.add_type("model")
     writer.add_vocab_size(n_vocab)
     writer.add_context_length(_context_length(cfg, say))
@@ -218,23 +239,29 @@ def write_gguf(gguf, hf_dir: Path, path: Path, quant: str, name: str, say=print)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     vocab.write(writer)
 
-    tied = "lm_head.weight" not in tensors
-    for hf_name, t in tensors.items():
+    tied = "lm_head.weight" not in tensors.where or bool(cfg.get("tie_word_embeddings"))
+    plan = []  # (HF name, GGUF name, GGML type): every tensor's entry is written before any data
+    for hf_name in tensors.where:
         if hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gname is None:
             raise LmforgeError(f"GGUF export: no llama.cpp name for tensor {hf_name!r} of a {arch} model")
+        shape = tensors.shape(hf_name)
+        qtype = _choose(gguf, shape, quant, role_of(gname, tied, n_layers))
+        nbytes = _nbytes(gguf, shape, qtype)
+        writer.add_tensor_info(gname, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
+        plan.append((hf_name, qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for hf_name, qtype in plan:
+        t = tensors[hf_name]
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
             t = _permute_rope_rows(t, n_heads)
         elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
             t = _permute_rope_rows(t, n_kv)
-        arr = t.to(torch.float32).numpy()
-        data, qtype = _encode(gguf, arr, quant, role_of(gname, tied, n_layers))
-        writer.add_tensor(gname, data, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+        writer.write_tensor_data(_encode(gguf, t.to(torch.float32).numpy(), qtype))
     writer.close()
 
     stops = [vocab.tokens[i] for i in dict.fromkeys(x for x in (vocab.eot_id, vocab.eos_id) if x is not None)]

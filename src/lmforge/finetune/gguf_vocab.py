@@ -63,7 +63,7 @@ class Vocab:
             writer.add_chat_template(self.chat_template)
 
 
-def _pre_name(pre: dict[str, Any] | None, where: Path) -> str:
+def _pre_name(pre: dict[str, Any] | None, where: str) -> str:
     """llama.cpp's name for this pre-tokenizer, or LmforgeError naming what it is."""
     def byte_level(p: dict[str, Any], regex: bool) -> bool:
         return (p.get("type") == "ByteLevel" and not p.get("add_prefix_space", False)
@@ -77,7 +77,7 @@ def _pre_name(pre: dict[str, Any] | None, where: Path) -> str:
         if parts[0].get("behavior") == "Isolated" and not parts[0].get("invert") and regex in _SPLITS:
             return _SPLITS[regex]
     raise LmforgeError(
-        f"{where}: the tokenizer's pre_tokenizer {json.dumps(pre)[:300]} is not one llama.cpp knows by name; "
+        f"{where}: its pre_tokenizer {json.dumps(pre)[:300]} is not one llama.cpp knows by name; "
         "GGUF export writes byte-level BPE tokenizers that split text like GPT-2 (lmforge's own "
         "tokenizers), Llama 3 or Qwen2, so that llama.cpp tokenizes exactly as lmforge does"
     )
@@ -88,20 +88,21 @@ def _merges(model: dict[str, Any]) -> list[str]:
     return [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
 
 
-def read_vocab(hf_dir: Path, n_vocab: int) -> Vocab:
+def read_vocab(hf_dir: Path, n_vocab: int, label: str = "the tokenizer") -> Vocab:
     """The tokenizer of the Hugging Face dir `hf_dir` as GGUF metadata, padded to the model's
     `n_vocab` rows (a padded embedding's extra rows get unused placeholder tokens, as llama.cpp's
-    converter writes them). LmforgeError for a tokenizer llama.cpp would not reproduce."""
+    converter writes them). LmforgeError for a tokenizer llama.cpp would not reproduce, naming it `label`
+    (hf_dir is a scratch export: its path means nothing to the user)."""
     from tokenizers import Tokenizer as HFTokenizer
 
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
-        raise LmforgeError(f"{hf_dir} has no tokenizer.json; GGUF export needs a fast (tokenizers) tokenizer")
+        raise LmforgeError(f"{label} has no tokenizer.json; GGUF export needs a fast (tokenizers) tokenizer")
     spec = json.loads(path.read_text(encoding="utf-8"))
     model = spec.get("model") or {}
     if model.get("type") != "BPE" or model.get("byte_fallback"):
         raise LmforgeError(
-            f"{path}: model type {model.get('type')!r}"
+            f"{label}: model type {model.get('type')!r}"
             f"{' with byte_fallback' if model.get('byte_fallback') else ''} is not supported by GGUF "
             "export; it writes byte-level BPE tokenizers (lmforge's own, GPT-2, "
             "Llama 3, Qwen2/3); sentencepiece-style vocabularies (Llama 2, Mistral v0.1, Gemma) are not "
@@ -109,9 +110,9 @@ def read_vocab(hf_dir: Path, n_vocab: int) -> Vocab:
         )
     norm = spec.get("normalizer")
     if norm is not None and norm.get("type") not in _HARMLESS_NORMALIZERS:
-        raise LmforgeError(f"{path}: normalizer {norm.get('type')!r} has no llama.cpp equivalent; GGUF "
+        raise LmforgeError(f"{label}: normalizer {norm.get('type')!r} has no llama.cpp equivalent; GGUF "
                            "export supports tokenizers without a normalizer (or with NFC)")
-    pre = _pre_name(spec.get("pre_tokenizer"), path)
+    pre = _pre_name(spec.get("pre_tokenizer"), label)
 
     tokens: list[str | None] = [None] * n_vocab
     types = [UNUSED] * n_vocab
@@ -122,14 +123,14 @@ def read_vocab(hf_dir: Path, n_vocab: int) -> Vocab:
     for added in spec.get("added_tokens", []):
         i = added["id"]
         if i >= n_vocab:
-            raise LmforgeError(f"{path}: added token {added['content']!r} has id {i}, beyond the model's "
+            raise LmforgeError(f"{label}: added token {added['content']!r} has id {i}, beyond the model's "
                                f"{n_vocab} embedding rows")
         tokens[i] = added["content"]
         types[i] = CONTROL if added.get("special") else USER_DEFINED
         if added.get("special"):
             special[added["content"]] = i
     if sum(t is not None for t in tokens) < len(model["vocab"]):
-        raise LmforgeError(f"{path}: the vocabulary has ids beyond the model's {n_vocab} embedding rows")
+        raise LmforgeError(f"{label}: the vocabulary has ids beyond the model's {n_vocab} embedding rows")
     filled = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
 
     config = _json(hf_dir / "tokenizer_config.json")
@@ -155,7 +156,7 @@ def read_vocab(hf_dir: Path, n_vocab: int) -> Vocab:
     if add_bos:
         bos = wrapped[0]
     if len(wrapped) > len(plain) and not add_bos:
-        raise LmforgeError(f"{path}: the tokenizer adds special tokens after the text (e.g. an EOS), which "
+        raise LmforgeError(f"{label}: the tokenizer adds special tokens after the text (e.g. an EOS), which "
                            "llama.cpp would not do; GGUF export supports adding a BOS only")
     template = config.get("chat_template")
     if template is None and (hf_dir / "chat_template.jinja").is_file():
