@@ -56,8 +56,9 @@ def tokenizer_file(tmp_path_factory):
     return root / "tok.json"
 
 
-def _imported(name: str, tokenizer_file, root):
+def _imported(name: str, tokenizer_file, root, **more):
     config_cls, model_cls, extra = FAMILIES[name]
+    extra = {**extra, **more}
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>",
                                                   pad_token="<|endoftext|>")
     hf_tok.chat_template = TEMPLATE
@@ -282,3 +283,27 @@ def test_llama_cpp_loads_the_gguf_with_equal_logits_and_tokens(families, name, q
     err = float((a - theirs).abs().max() / a.abs().max())
     print(f"llama.cpp {name} {quant}: max relative logit error {err:.2e}")
     assert err < TOLERANCE[quant], (name, quant, err)
+
+
+def test_llama3_rope_scaling_is_written_as_llama_cpp_frequency_factors(tokenizer_file, tmp_path):
+    """Llama 3.1's RoPE scaling has no metadata key in llama.cpp: it reads a `rope_freqs` tensor, each
+    frequency's divisor. Those divisors are transformers' own Llama 3.1 frequencies over the plain ones."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+    imported = _imported("llama", tokenizer_file, tmp_path, rope_parameters=scaling)
+    _export(imported, tmp_path / "m.gguf", "f16")
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    freqs = torch.from_numpy(np.array(tensors["rope_freqs.weight"].data, dtype=np.float32))
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    assert freqs.shape == (32,) and freqs.min() == 1.0 and freqs.max() == 8.0  # all three bands present
+    assert torch.allclose(freqs, plain / scaled, rtol=1e-6, atol=0)
+    # transformers still opens the file (it reads no RoPE scaling from a GGUF, so its logits would differ)
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf")
+    # a scaling llama.cpp has no form for is refused by name
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    other = _imported("llama", tokenizer_file, tmp_path / "dyn", rope_parameters=dynamic)
+    assert main(["export", str(other), str(tmp_path / "d.gguf"), "--format", "gguf"]) == 2

@@ -86,6 +86,14 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", overwrite:
     return out
 
 
+def _llama_order(t: torch.Tensor, hf_name: str, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
+    if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
+        return _permute_rope_rows(t, n_heads)
+    if arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
+        return _permute_rope_rows(t, n_kv)
+    return t
+
+
 def _permute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Hugging Face's Llama rotates each head's two halves against each other; llama.cpp's `llama`
     architecture rotates adjacent pairs. Reorder a q/k projection's rows (out features, per head)
@@ -127,26 +135,40 @@ def _check_family(cfg: dict[str, Any]) -> str:
     return ARCHES[model_type]
 
 
-def _rope_keys(gguf, writer, cfg: dict[str, Any]) -> None:
+def _rope_keys(gguf, writer, cfg: dict[str, Any], arch: str, head_dim: int) -> torch.Tensor | None:
+    """Write the RoPE keys; returns the `rope_freqs` tensor llama.cpp takes Llama 3.1's scaling as (each
+    frequency's divisor), or None."""
     from lmforge.models.hf import rope
 
     params = rope.rope_params(cfg)
     kind = rope.rope_kind(params)
-    writer.add_rope_freq_base(rope.rope_theta(cfg, params))
+    theta = rope.rope_theta(cfg, params)
+    writer.add_rope_freq_base(theta)
     if kind == "default":
-        return
+        return None
     if kind == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(params["factor"]))
-        return
-    if kind == "yarn":
+        return None
+    scaling, _ = rope.scaling_from_hf(params, int(cfg.get("max_position_embeddings", 2048)))
+    if kind == "llama3" and arch == "llama":
+        from types import SimpleNamespace
+
+        from lmforge.models.common.rope import inv_frequencies
+
+        # lmforge's own Llama 3.1 frequencies, as divisors of the plain ones: exactly what we compute
+        original = scaling["original_max_position_embeddings"]
+        ours = inv_frequencies(head_dim, theta, SimpleNamespace(**scaling), original)
+        return inv_frequencies(head_dim, theta) / ours
+    plain_yarn = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+    if kind == "yarn" and all(scaling.get(k, v) == v for k, v in plain_yarn.items()) and not any(
+            k in scaling for k in ("mscale", "mscale_all_dim", "attention_factor")):
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(float(params["factor"]))
-        orig = params.get("original_max_position_embeddings")
-        if orig is not None:
-            writer.add_rope_scaling_orig_ctx_len(int(orig))
-        return
-    raise LmforgeError(f"GGUF export supports RoPE scaling none, linear and yarn; this model has {kind!r}")
+        writer.add_rope_scaling_factor(scaling["factor"])
+        writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+        return None
+    raise LmforgeError(f"GGUF export supports RoPE scaling none, linear, yarn (default betas, no mscale or "
+                       f"attention_factor) and llama3 (Llama only); this {arch} model has {kind!r} {params}")
 
 
 def _context_length(cfg: dict[str, Any], say) -> int:
@@ -232,7 +254,7 @@ def write_gguf(gguf, hf_dir: Path, path: Path, quant: str, name: str, say=print)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    _rope_keys(gguf, writer, cfg)
+    rope_freqs = _rope_keys(gguf, writer, cfg, arch, head_dim)
     file_type = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                  "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}[quant]
     writer.add_file_type(file_type)
@@ -240,7 +262,11 @@ def write_gguf(gguf, hf_dir: Path, path: Path, quant: str, name: str, say=print)
     vocab.write(writer)
 
     tied = "lm_head.weight" not in tensors.where or bool(cfg.get("tie_word_embeddings"))
-    plan = []  # (HF name, GGUF name, GGML type): every tensor's entry is written before any data
+    plan = []  # (tensor source, GGML type): every tensor's entry is written before any data
+    if rope_freqs is not None:
+        writer.add_tensor_info("rope_freqs.weight", list(rope_freqs.shape), np.dtype(np.float32),
+                               rope_freqs.numel() * 4, raw_dtype=gguf.GGMLQuantizationType.F32)
+        plan.append((lambda: rope_freqs, gguf.GGMLQuantizationType.F32))
     for hf_name in tensors.where:
         if hf_name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
             continue
@@ -251,17 +277,12 @@ def write_gguf(gguf, hf_dir: Path, path: Path, quant: str, name: str, say=print)
         qtype = _choose(gguf, shape, quant, role_of(gname, tied, n_layers))
         nbytes = _nbytes(gguf, shape, qtype)
         writer.add_tensor_info(gname, shape, np.dtype(np.float32), nbytes, raw_dtype=qtype)
-        plan.append((hf_name, qtype))
+        plan.append((lambda n=hf_name: _llama_order(tensors[n], n, arch, n_heads, n_kv), qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for hf_name, qtype in plan:
-        t = tensors[hf_name]
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            t = _permute_rope_rows(t, n_heads)
-        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            t = _permute_rope_rows(t, n_kv)
-        writer.write_tensor_data(_encode(gguf, t.to(torch.float32).numpy(), qtype))
+    for fetch, qtype in plan:
+        writer.write_tensor_data(_encode(gguf, fetch().to(torch.float32).numpy(), qtype))
     writer.close()
 
     stops = [vocab.tokens[i] for i in dict.fromkeys(x for x in (vocab.eot_id, vocab.eos_id) if x is not None)]
