@@ -194,12 +194,12 @@ def test_unsupported_family_is_refused_by_name(tmp_path, tokenizer_file, capsys)
     assert not (tmp_path / "m.gguf").exists()
 
 
-def _split_tokenizer(path, regex: str) -> None:
+def _split_tokenizer(path, regex: str, ignore_merges: bool = False) -> None:
     """A byte-level BPE that splits text with `regex` first (Qwen2's / Llama 3's layout), NFC-normalised."""
     from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
     from tokenizers import Tokenizer as HFTokenizer
 
-    tok = HFTokenizer(models.BPE())
+    tok = HFTokenizer(models.BPE(ignore_merges=ignore_merges))
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(regex), behavior="isolated"),
@@ -232,6 +232,26 @@ def test_a_qwen2_split_tokenizer_round_trips_and_an_unknown_split_is_refused(tmp
     assert main(["export", str(odd), str(tmp_path / "odd.gguf"), "--format", "gguf"]) == 2
     assert "not one llama.cpp knows by name" in capsys.readouterr().err
     assert not (tmp_path / "odd.gguf").exists()
+
+
+def test_a_llama3_split_tokenizer_round_trips_and_needs_ignore_merges(tmp_path, capsys):
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import _LLAMA3_SPLIT
+
+    _split_tokenizer(tmp_path / "tok.json", _LLAMA3_SPLIT, ignore_merges=True)
+    imported = _imported("llama", tmp_path / "tok.json", tmp_path)
+    _export(imported, tmp_path / "m.gguf", "q8_0")
+    fields = {f.name: f for f in gguf.GGUFReader(tmp_path / "m.gguf").fields.values()}
+    assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == "llama-bpe"
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    text = TEXT + " 1234567"
+    ours = Tokenizer.load(imported / "tokenizer.json")
+    assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+
+    _split_tokenizer(tmp_path / "plain.json", _LLAMA3_SPLIT, ignore_merges=False)
+    plain = _imported("llama", tmp_path / "plain.json", tmp_path / "plain")
+    capsys.readouterr()
+    assert main(["export", str(plain), str(tmp_path / "p.gguf"), "--format", "gguf"]) == 2
+    assert "ignore_merges=False with a llama-bpe split" in capsys.readouterr().err
 
 
 def test_a_lora_sft_run_exports_merged_with_its_template(families, tmp_path):

@@ -113,6 +113,12 @@ def read_vocab(hf_dir: Path, n_vocab: int, label: str = "the tokenizer") -> Voca
         raise LmforgeError(f"{label}: normalizer {norm.get('type')!r} has no llama.cpp equivalent; GGUF "
                            "export supports tokenizers without a normalizer (or with NFC)")
     pre = _pre_name(spec.get("pre_tokenizer"), label)
+    # llama.cpp looks a whole word up before merging (tokenizers' ignore_merges) for Llama 3's vocabulary
+    # and only there; a tokenizer that differs from that would tokenize some words differently
+    if bool(model.get("ignore_merges")) != (pre == "llama-bpe"):
+        raise LmforgeError(f"{label}: ignore_merges={bool(model.get('ignore_merges'))} with a {pre} split; "
+                           "llama.cpp uses ignore_merges exactly for Llama 3's split, so it would tokenize "
+                           "some words differently")
 
     tokens: list[str | None] = [None] * n_vocab
     types = [UNUSED] * n_vocab
