@@ -177,6 +177,8 @@ def test_refusals_leave_existing_files_alone(families, tmp_path, capsys):
     assert main(["export", str(imported), str(imported / "x.gguf"), "--format", "gguf"]) == 2
     assert main(["export", str(imported), str(tmp_path / "hf"), "--quant", "q8_0"]) == 2
     assert "--quant applies to --format gguf only" in capsys.readouterr().err
+    for flag in (["--max-shard-gb", "1"], ["--adapter"]):  # the other exports' options: refused
+        assert main(["export", str(imported), str(tmp_path / "x.gguf"), "--format", "gguf", *flag]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # no scratch dir left behind
     assert main(["export", str(imported), str(out), "--format", "gguf", "--overwrite"]) == 0
     assert struct.unpack("<I", out.read_bytes()[4:8])[0] == 3  # GGUF version 3

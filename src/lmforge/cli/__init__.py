@@ -337,6 +337,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.adapter:
             raise LmforgeError("--adapter writes a PEFT adapter dir; --format gguf writes the merged model "
                                "(give one or the other)")
+        if args.max_shard_gb is not None:
+            raise LmforgeError("--max-shard-gb applies to --format hf only (a GGUF export is one file)")
         export_gguf(args.src, args.out, quant=args.quant or "f16", overwrite=args.overwrite,
                     weights=args.weights)
         return 0
@@ -346,7 +348,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.adapter:
         export_adapter(args.src, args.out, overwrite=args.overwrite, weights=args.weights)
         return 0
-    export_run(args.src, args.out, overwrite=args.overwrite, max_shard_size=int(args.max_shard_gb * 2**30),
+    shard_gb = 5.0 if args.max_shard_gb is None else args.max_shard_gb
+    export_run(args.src, args.out, overwrite=args.overwrite, max_shard_size=int(shard_gb * 2**30),
                weights=args.weights)
     return 0
 

@@ -53,8 +53,9 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
             p.add_argument("--quant", choices=("f16", "q8_0", "q4_0", "q4_k_m"),
                            help="GGUF weight type (--format gguf only; default f16)")
             p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
-            p.add_argument("--max-shard-gb", type=number(SHARD_GB), default=5.0,
-                           help="split the weights into safetensors shards of at most this size")
+            p.add_argument("--max-shard-gb", type=number(SHARD_GB), default=None,
+                           help="split the weights into safetensors shards of at most this size (default 5; "
+                           "--format hf only)")
         return
     if name == "prune":
         _prune_args(p)
