@@ -329,3 +329,19 @@ def test_llama3_rope_scaling_is_written_as_llama_cpp_frequency_factors(tokenizer
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     other = _imported("llama", tokenizer_file, tmp_path / "dyn", rope_parameters=dynamic)
     assert main(["export", str(other), str(tmp_path / "d.gguf"), "--format", "gguf"]) == 2
+
+
+def test_a_sliding_window_caps_the_context_length(tokenizer_file, tmp_path, capsys):
+    """llama.cpp's llama attends to the whole context; that equals Mistral's sliding window only inside
+    the window, so the file's context length is the window (logits equal there) and the export says so."""
+    from lmforge.checkpoint.runs import load_model, run_config
+
+    imported = _imported("mistral", tokenizer_file, tmp_path, sliding_window=16)
+    capsys.readouterr()
+    _export(imported, tmp_path / "m.gguf", "f16")
+    assert "context length is set to 16 (not 128)" in capsys.readouterr().out
+    fields = {f.name: f for f in gguf.GGUFReader(tmp_path / "m.gguf").fields.values()}
+    assert int(fields["llama.context_length"].parts[-1][0]) == 16
+    ours, _ = load_model(*run_config(imported))
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert _rel_error(ours, tmp_path / "m.gguf", ids) < TOLERANCE["f16"]
