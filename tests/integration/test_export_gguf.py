@@ -345,3 +345,20 @@ def test_a_sliding_window_caps_the_context_length(tokenizer_file, tmp_path, caps
     ours, _ = load_model(*run_config(imported))
     ids = torch.randint(0, ours.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     assert _rel_error(ours, tmp_path / "m.gguf", ids) < TOLERANCE["f16"]
+
+
+def test_every_end_of_generation_id_becomes_a_stop(tokenizer_file, tmp_path):
+    """Llama 3.1's files list three EOS ids (end of text, of a tool message, of a turn): all of them stop,
+    the first is the file's EOS and the second its end of turn."""
+    import json
+
+    from lmforge.finetune.gguf_vocab import read_vocab
+
+    (tmp_path / "tokenizer.json").write_bytes(tokenizer_file.read_bytes())
+    tok = Tokenizer.load(tokenizer_file)
+    ids = [tok.token_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<|im_start|>")]
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 0}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids}))
+    vocab = read_vocab(tmp_path, 320)
+    assert (vocab.eos_id, vocab.eot_id, vocab.stop_ids) == (ids[0], ids[1], [ids[1], ids[0], ids[2]])
+    assert len(vocab.tokens) == 320 and vocab.tokens[-1] == "[PAD319]" and vocab.types[-1] == 5  # UNUSED

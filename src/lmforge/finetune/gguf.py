@@ -285,7 +285,7 @@ def write_gguf(gguf, hf_dir: Path, path: Path, quant: str, name: str, say=print)
         writer.write_tensor_data(_encode(gguf, fetch().to(torch.float32).numpy(), qtype))
     writer.close()
 
-    stops = [vocab.tokens[i] for i in dict.fromkeys(x for x in (vocab.eot_id, vocab.eos_id) if x is not None)]
+    stops = [vocab.tokens[i] for i in vocab.stop_ids]
     gen = json.loads((hf_dir / "generation_config.json").read_text()) if (
         hf_dir / "generation_config.json").is_file() else {}
     # Ollama's own defaults (temperature 0.8, top_k 40, top_p 0.9) would sample differently from

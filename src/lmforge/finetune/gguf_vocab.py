@@ -46,6 +46,7 @@ class Vocab:
     add_bos: bool
     chat_template: str | None
     special: dict[str, int] = field(default_factory=dict)  # special token text -> id
+    stop_ids: list[int] = field(default_factory=list)  # every token generation ends at (Modelfile stops)
 
     def write(self, writer) -> None:
         writer.add_tokenizer_model("gpt2")
@@ -170,7 +171,8 @@ def read_vocab(hf_dir: Path, n_vocab: int, label: str = "the tokenizer") -> Voca
     if isinstance(template, list):  # named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
     return Vocab(pre=pre, tokens=filled, types=types, merges=_merges(model), bos_id=bos, eos_id=eos,
-                 eot_id=eot, pad_id=pad, add_bos=add_bos, chat_template=template, special=special)
+                 eot_id=eot, pad_id=pad, add_bos=add_bos, chat_template=template, special=special,
+                 stop_ids=list(dict.fromkeys(x for x in (eot, *stops, eos) if x is not None)))
 
 
 def _json(path: Path) -> dict[str, Any]:
