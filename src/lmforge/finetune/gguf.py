@@ -60,6 +60,7 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", overwrite:
         check_new_file(path, overwrite)
         if source == path.resolve() or source in path.resolve().parents:
             raise LmforgeError(f"{path} lies inside {src}, an input of this command; choose another path")
+    _precheck(src)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -84,6 +85,21 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", overwrite:
     size = out.stat().st_size / 2**20
     say(f"exported {src} to {out} (GGUF {info['arch']}, {quant}, {size:.1f} MiB) and {modelfile}")
     return out
+
+
+def _precheck(src: str | Path) -> None:
+    """Refuse a family llama.cpp has no architecture for before the (full-size) Hugging Face export."""
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.models.hf.convert import export_model_type
+
+    cfg, _ = run_config(src)
+    if cfg.model.score_head:
+        raise LmforgeError(f"{src} is a reward model (a score head); GGUF export writes causal language "
+                           "models")
+    model_type = export_model_type(cfg.model)
+    if model_type not in ARCHES:
+        raise LmforgeError(f"GGUF export does not support model_type {model_type!r}; supported: "
+                           f"{', '.join(sorted(ARCHES))} (use --format hf for the others)")
 
 
 def _llama_order(t: torch.Tensor, hf_name: str, arch: str, n_heads: int, n_kv: int) -> torch.Tensor:
