@@ -12,6 +12,7 @@ checked by f16's bound, which leaving out the Q permutation alone breaks (9e-2);
 
 from __future__ import annotations
 
+import json
 import struct
 
 import numpy as np
@@ -56,11 +57,11 @@ def tokenizer_file(tmp_path_factory):
     return root / "tok.json"
 
 
-def _imported(name: str, tokenizer_file, root, **more):
+def _imported(name: str, tokenizer_file, root, specials=None, **more):
     config_cls, model_cls, extra = FAMILIES[name]
     extra = {**extra, **more}
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>",
-                                                  pad_token="<|endoftext|>")
+    specials = specials or {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **specials)
     hf_tok.chat_template = TEMPLATE
     torch.manual_seed(0)
     cfg = getattr(transformers, config_cls)(vocab_size=len(hf_tok), **{**BASE, **extra})
@@ -367,3 +368,82 @@ def test_every_end_of_generation_id_becomes_a_stop(tokenizer_file, tmp_path):
     vocab = read_vocab(tmp_path, 320)
     assert (vocab.eos_id, vocab.eot_id, vocab.stop_ids) == (ids[0], ids[1], [ids[1], ids[0], ids[2]])
     assert len(vocab.tokens) == 320 and vocab.tokens[-1] == "[PAD319]" and vocab.types[-1] == 5  # UNUSED
+
+
+def _spm_encode(text: str, tokens: list[str], scores: list[float], types: list[int]) -> list[int]:
+    """llama.cpp's SPM tokenizer, as its algorithm reads: spaces as U+2581 with one in front, then merge
+    the adjacent pair whose joined text is a token of the highest score (leftmost on ties) until none is,
+    and spell what is left outside the vocabulary as <0xNN> byte tokens."""
+    ids = {t: i for i, t in enumerate(tokens) if types[i] in (1, 4)}  # normal and user-defined tokens
+    symbols = list("\u2581" + text.replace(" ", "\u2581"))
+    while True:
+        pairs = [(scores[ids[a + b]], -i) for i, (a, b) in enumerate(zip(symbols, symbols[1:]))
+                 if a + b in ids]
+        if not pairs:
+            break
+        i = -max(pairs)[1]
+        symbols[i:i + 2] = [symbols[i] + symbols[i + 1]]
+    out = []
+    for sym in symbols:
+        out += [ids[sym]] if sym in ids else [tokens.index(f"<0x{b:02X}>") for b in sym.encode()]
+    return out
+
+
+def _spm_tokenizer(path, layout: str) -> None:
+    """A sentencepiece-style BPE with byte fallback in Mistral's file layout (one Metaspace, no split) or
+    Llama 2's (Prepend + Replace normalizers), trained on words (no token crosses a space) as
+    sentencepiece trains; its <0xNN> byte tokens are vocabulary entries, not added tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    rng = np.random.default_rng(1)  # plus random words: many merges that compete for the same letters
+    words = " ".join("".join(rng.choice(list("thequickbrownfoxjumps"), size=rng.integers(2, 9)))
+                     for _ in range(4000))
+    tok.train_from_iterator([TEXT * 30, "the quick brown fox 1234567 jumps " * 30, words],
+                            trainers.BpeTrainer(vocab_size=700, special_tokens=specials, min_frequency=2))
+    if layout == "mistral":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    else:
+        tok.pre_tokenizer = None
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                               normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    spec = json.loads(tok.to_str())
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
+    path.write_text(json.dumps(spec))
+
+
+@pytest.mark.parametrize("layout", ["mistral", "llama2"])
+def test_a_sentencepiece_style_tokenizer_round_trips(tmp_path, layout):
+    """Written as llama.cpp's SPM vocabulary: scores that make its highest-score merge pick the pair BPE's
+    lowest rank picks, byte and control token types, BOS added and the space prefix."""
+    _spm_tokenizer(tmp_path / "tok.json", layout)
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    imported = _imported("mistral", tmp_path / "tok.json", tmp_path, specials=specials)
+    _export(imported, tmp_path / "m.gguf", "q8_0")
+    fields = {f.name: f for f in gguf.GGUFReader(tmp_path / "m.gguf").fields.values()}
+    assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+    assert bool(fields["tokenizer.ggml.add_bos_token"].parts[-1][0]) is True
+    kinds = fields["tokenizer.ggml.token_type"]
+    types = [int(kinds.parts[i][0]) for i in kinds.data]
+    assert types[:4] == [2, 3, 3, 6] and types.count(6) == 256  # unknown, <s>, </s>, then the 256 bytes
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
+    ours = Tokenizer.load(imported / "tokenizer.json")
+    vocab, ranks = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.scores"]
+    tokens = [bytes(vocab.parts[i]).decode() for i in vocab.data]
+    scores = [float(ranks.parts[i][0]) for i in ranks.data]
+    # words the vocabulary only has pieces of, where the order of merging decides the result
+    rng = np.random.default_rng(0)
+    jumble = " ".join("".join(rng.choice(list("thequickbrownfoxjumps"), size=rng.integers(3, 12)))
+                      for _ in range(60))
+    for text in (TEXT, "the quick brown fox 1234567", "two  inner spaces 🙂", jumble):
+        assert _spm_encode(text, tokens, scores, types) == ours.encode(text), text
+    # (no leading whitespace: there transformers' GGUF tokenizer, a Metaspace that adds no second U+2581,
+    # differs from sentencepiece and llama.cpp, which always prefix one; Llama 2's layout does as they do)
+    for text in (TEXT, "the quick brown fox", "two  inner spaces 🙂 and\n a newline"):
+        assert theirs.encode(text, add_special_tokens=False) == ours.encode(text), text
