@@ -331,6 +331,17 @@ def test_llama3_rope_scaling_is_written_as_llama_cpp_frequency_factors(tokenizer
     assert torch.allclose(freqs, plain / scaled, rtol=1e-6, atol=0)
     # transformers still opens the file (it reads no RoPE scaling from a GGUF, so its logits would differ)
     transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf")
+    # linear and yarn have metadata keys (llama.cpp computes yarn's attention factor itself, as transformers)
+    yarn = {"factor": 4.0, "original_max_position_embeddings": 32}
+    for kind, params in (("linear", {"factor": 2.0}), ("yarn", yarn)):
+        other = _imported("qwen2", tokenizer_file, tmp_path / kind,
+                          rope_parameters={"rope_type": kind, "rope_theta": 10000.0, **params})
+        _export(other, tmp_path / f"{kind}.gguf", "f16")
+        meta = {f.name: f for f in gguf.GGUFReader(tmp_path / f"{kind}.gguf").fields.values()}
+        assert bytes(meta["qwen2.rope.scaling.type"].parts[-1]).decode() == kind
+        assert float(meta["qwen2.rope.scaling.factor"].parts[-1][0]) == params["factor"]
+        if kind == "yarn":
+            assert int(meta["qwen2.rope.scaling.original_context_length"].parts[-1][0]) == 32
     # a scaling llama.cpp has no form for is refused by name
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     other = _imported("llama", tokenizer_file, tmp_path / "dyn", rope_parameters=dynamic)
