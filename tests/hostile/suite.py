@@ -397,8 +397,18 @@ CASES: list[Case] = [
     ),
     Case(
         "export with an unknown format",
+        lambda ws: ["export", str(ws / "run"), str(ws / "out"), "--format", "onnx"],
+        match="invalid choice",
+    ),
+    Case(
+        "export gguf to a name without .gguf",
         lambda ws: ["export", str(ws / "run"), str(ws / "out"), "--format", "gguf"],
-        match="not supported",
+        match="ends in .gguf",
+    ),
+    Case(
+        "export gguf into the run it reads",
+        lambda ws: ["export", str(ws / "run"), str(ws / "run" / "m.gguf"), "--format", "gguf", "--overwrite"],
+        match="lies inside",
     ),
     # Special files are the workspace's own FIFO: a regression must never get to replace /dev/null.
     Case(

@@ -333,12 +333,25 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from lmforge.finetune.export import export_adapter, export_run
 
-    if args.format != "hf":
-        raise LmforgeError(f"--format {args.format!r} is not supported; valid formats: hf")
+    if args.format == "gguf":
+        from lmforge.finetune.gguf import export_gguf
+
+        if args.adapter:
+            raise LmforgeError("--adapter writes a PEFT adapter dir; --format gguf writes the merged model "
+                               "(give one or the other)")
+        if args.max_shard_gb is not None:
+            raise LmforgeError("--max-shard-gb applies to --format hf only (a GGUF export is one file)")
+        export_gguf(args.src, args.out, quant=args.quant or "f16", overwrite=args.overwrite,
+                    weights=args.weights)
+        return 0
+    if args.quant is not None:
+        raise LmforgeError("--quant applies to --format gguf only (a Hugging Face export keeps the run's "
+                           "dtype)")
     if args.adapter:
         export_adapter(args.src, args.out, overwrite=args.overwrite, weights=args.weights)
         return 0
-    export_run(args.src, args.out, overwrite=args.overwrite, max_shard_size=int(args.max_shard_gb * 2**30),
+    shard_gb = 5.0 if args.max_shard_gb is None else args.max_shard_gb
+    export_run(args.src, args.out, overwrite=args.overwrite, max_shard_size=int(shard_gb * 2**30),
                weights=args.weights)
     return 0
 

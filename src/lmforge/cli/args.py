@@ -41,17 +41,23 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
     if name in ("import", "export", "merge"):
         p.add_argument("src", help="Hugging Face model dir" if name == "import" else
                        "run dir, checkpoint dir or imported model dir")
-        p.add_argument("out", help="output dir (must be empty or missing)")
+        p.add_argument("out", help="output dir (must be empty or missing)" if name != "export" else
+                       "output dir (must be empty or missing), or with --format gguf the .gguf file to write")
         p.add_argument("--overwrite", action="store_true", help="replace a non-empty output dir")
         if name == "merge":
             p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
         if name == "export":
             p.add_argument("--adapter", action="store_true", help="a LoRA / DoRA / QLoRA run: write its "
                            "adapters in PEFT's format (out/adapter) and the base they need (out/base)")
-            p.add_argument("--format", default="hf", help="output format (hf)")
+            p.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                           help="hf: a Hugging Face model dir; gguf: one llama.cpp / Ollama file (out ends "
+                           "in .gguf; an Ollama Modelfile is written beside it as OUT.Modelfile)")
+            p.add_argument("--quant", choices=("f16", "q8_0", "q4_0", "q4_k_m"),
+                           help="GGUF weight type (--format gguf only; default f16)")
             p.add_argument("--weights", choices=WEIGHTS, default="model", help=WEIGHTS_HELP)
-            p.add_argument("--max-shard-gb", type=number(SHARD_GB), default=5.0,
-                           help="split the weights into safetensors shards of at most this size")
+            p.add_argument("--max-shard-gb", type=number(SHARD_GB), default=None,
+                           help="split the weights into safetensors shards of at most this size (default 5; "
+                           "--format hf only)")
         return
     if name == "prune":
         _prune_args(p)
