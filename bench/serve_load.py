@@ -4,6 +4,8 @@ sequence at a time (--max-batch-size 1, the unbatched baseline), same model, sam
     .venv/bin/python bench/serve_load.py                       # runs/demo, 1-4 minutes on 2 cores
     .venv/bin/python bench/serve_load.py --quick               # fewer requests, one round (~1 minute)
     .venv/bin/python bench/serve_load.py --run runs/demo --concurrency 1 8 --requests 32 --max-tokens 48
+    .venv/bin/python bench/serve_load.py --mixed               # free / JSON / tools / two adapters at 16
+                                                               # clients, 3 rounds (bench/serve_mixed.py)
 
 Two servers are started as subprocesses (`python -m lmforge serve RUN --max-batch-size B`, each on a
 free 127.0.0.1 port with a random API key; nothing leaves the machine): "batched" (B = --batch, 16)
@@ -107,6 +109,10 @@ def round_of(client, concurrency: int, n: int, max_tokens: int) -> dict:
 
 
 def main() -> None:
+    if "--mixed" in sys.argv[1:]:  # the mixed workload: bench/serve_mixed.py
+        from serve_mixed import main as mixed
+
+        return mixed([a for a in sys.argv[1:] if a != "--mixed"])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", default="runs/demo")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8, 16])

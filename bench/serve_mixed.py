@@ -90,12 +90,14 @@ def child(run: str, port: int, key: str, batch: int) -> None:
     loaded = load_run(run)
     adapters = AdapterSet(loaded.model, "base", max_adapters=4, max_rank=64)
     with tempfile.TemporaryDirectory() as tmp:
-        for seed, name in ((1, "adapter-a"), (2, "adapter-b")):
+        names = ("adapter-a", "adapter-b")
+        for seed, name in enumerate(names, 1):  # copies of the base before the adapter set hooks into it
             m = copy.deepcopy(loaded.model)
             apply_lora(m, "all-linear", r=8, alpha=16, init="seeded", seed=seed)
             save_peft_adapter(m, Path(tmp) / name, None, loaded.model.cfg)
-            adapters.load(name, Path(tmp) / name, confined=False)
             del m
+        for name in names:
+            adapters.load(name, Path(tmp) / name, confined=False)
     engine = Engine(loaded.model, loaded.tokenizer.decode, max_batch_size=batch, prefix_cache_bytes=256 << 20,
                     adapters=adapters)
     template = ChatTemplate(TOOLS_TEMPLATE, {}, name="ChatML with Hermes tool markup",
