@@ -293,7 +293,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     serve(_run_path(args), host=args.host, port=args.port, api_keys=args.api_key, no_auth=args.no_auth,
           model_name=args.model_name, max_batch_size=args.max_batch_size, weights=args.weights,
-          overrides=args.set, threads=args.threads)
+          overrides=args.set, threads=args.threads, quantized=args.quantized, quant_path=args.quant_path,
+          memory_budget_mb=args.memory_budget_mb)
     return 0
 
 

@@ -36,11 +36,17 @@ PATHS = ("kernel-bf16", "kernel-fp32", "dequant-fp32", "dequant-bf16")
 # weights in bf16, a dequantize of them ~100 ms).
 CHUNKED_MAX_ROWS = 64
 INT4_GROUPS = (128, 64, 32)  # tried in this order for in-memory int4 (group sizes the int4 kernel takes)
-# Logit deviation from the fp32 model that a quantized path keeps to, relative to the std of the fp32
-# logits (max over positions of the mean over the vocabulary, and the max over everything). int8
-# per-channel on the demo model: mean 0.2%, max 4%; int4 group 64: mean 2.3%, max 32%
-# (bench/results/quantize.json); the bf16 activations of "kernel-bf16" add about 0.3% mean.
-TOLERANCE = {8: {"mean_rel": 0.01, "max_rel": 0.10}, 4: {"mean_rel": 0.05, "max_rel": 0.50}}
+# Logit deviation from the fp32 model that every path keeps to: |difference| relative to the std of the
+# fp32 logits, its mean and its max over all positions and the vocabulary. Measured on the demo model
+# (random prompts of 8-128 tokens, RTN): int8 per-channel mean 0.20-0.43%, max 1.4-4.1%; int4 group 64
+# mean 3.1-5.1%, max 21-42%, on every path (the bf16 activations of kernel-bf16 and dequant-bf16 add
+# about 0.2% mean to int8, nothing visible to int4). The bounds leave ~3-5x for other models; a random
+# (untrained) model's gaussian weights lose more to int4 (the unit tests' tiny model: 19% mean).
+TOLERANCE = {8: {"mean_rel": 0.02, "max_rel": 0.12}, 4: {"mean_rel": 0.15, "max_rel": 1.2}}
+# What a path adds to the quantization itself: its logits against the exact dequantized model's
+# (dequant-fp32, the same integers): fp32 kernels differ in the sums' last bits, bf16 activations by
+# their rounding (demo model: mean 0.2%, max 1.6%).
+PATH_TOLERANCE = {"mean_rel": 0.01, "max_rel": 0.08}
 
 
 def quantized_layers(model: nn.Module) -> dict[str, QuantLinear]:
@@ -194,6 +200,5 @@ def choose(measured: dict[str, float], need: dict[str, int], budget: int | None)
     if not fits:
         small = min(need, key=need.get)
         raise LmforgeError(f"--memory-budget-mb {budget / 2**20:.0f}: no quantized path fits; the smallest "
-                           f"({small}) needs {need[small] / 2**20:.1f} MiB of weights; raise the budget or "
-                           "use --quantized int4")
+                           f"({small}) needs {need[small] / 2**20:.1f} MiB of weights; raise the budget")
     return min(fits, key=lambda p: (measured[p], need[p]))

@@ -132,12 +132,15 @@ def bind(host: str, port: int) -> socket.socket:
 def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
                  api_keys: Sequence[str] | None, model_name: str | None = None, max_batch_size: int = 8,
                  weights: str = "model", overrides: Sequence[str] = (), threads: int | None = None,
-                 max_queue: int = 1024, log_level: str = "warning") -> Server:
+                 max_queue: int = 1024, log_level: str = "warning", quantized: str | None = None,
+                 quant_path: str = "auto", memory_budget_mb: float | None = None, say=print) -> Server:
     """Load a run (run dir, checkpoint dir or Hugging Face dir), bind host:port and build the app;
     the engine thread is running, the server not yet (call `run()` or `start()`).
 
     api_keys: accepted keys, None for no authentication (see `resolve_api_keys`). threads: torch's CPU
-    threads (process-wide; None leaves them as they are)."""
+    threads (process-wide; None leaves them as they are). quantized: int8 / int4 / auto serves weight-only
+    quantized layers on the fastest CPU path whose weights fit memory_budget_mb (serve/quantized.py);
+    quant_path names the path instead of probing."""
     _require_extra()
     from lmforge.eval.entry import chat_template_of, load_run
     from lmforge.serve.app import create_app
@@ -145,11 +148,19 @@ def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
     MAX_BATCH.check(max_batch_size, "--max-batch-size")  # the KV cache holds this many rows
     if threads is not None:
         THREADS.check(threads, "--threads")
+    if quantized is None and (quant_path != "auto" or memory_budget_mb is not None):
+        raise LmforgeError("--quant-path and --memory-budget-mb choose how --quantized weights run: give "
+                           "--quantized int8, int4 or auto with them")
     sock = bind(host, port)  # before loading: a busy port fails fast
     try:
         run = load_run(path, list(overrides), weights)
         if threads is not None:
             torch.set_num_threads(threads)
+        if quantized is not None:  # after the threads: the probe times the kernels as they will run
+            from lmforge.serve.quantized import prepare
+
+            budget = None if memory_budget_mb is None else int(memory_budget_mb * 2**20)
+            run.model, _ = prepare(run.model, quantized, quant_path, budget, max_batch_size, say=say)
         name = model_name or run.cfg.run.name or Path(path).name
         engine = Engine(run.model, run.tokenizer.decode, max_batch_size=max_batch_size, max_queue=max_queue)
         app = create_app(engine, run.tokenizer, chat_template_of(run), model_name=name, api_keys=api_keys)
@@ -169,6 +180,7 @@ def start_server(path: str | Path, *, api_keys: Sequence[str] | None, host: str 
 def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys: Sequence[str] = (),
           no_auth: bool = False, model_name: str | None = None, max_batch_size: int = 8,
           weights: str = "model", overrides: Sequence[str] = (), threads: int | None = None,
+          quantized: str | None = None, quant_path: str = "auto", memory_budget_mb: float | None = None,
           say=print) -> None:
     """`lmforge serve`: serve a run on host:port until interrupted.
 
@@ -180,7 +192,8 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys:
     threads = threads or max(1, min(8, (os.cpu_count() or 2) - 1))
     server = build_server(path, host, port, api_keys=keys, model_name=model_name,
                           max_batch_size=max_batch_size, weights=weights, overrides=overrides,
-                          threads=threads)
+                          threads=threads, quantized=quantized, quant_path=quant_path,
+                          memory_budget_mb=memory_budget_mb, say=say)
     cfg = server.engine.model.cfg
     n_params = sum(p.numel() for p in server.engine.model.parameters())
     n_threads = torch.get_num_threads()
