@@ -215,11 +215,14 @@ def test_cli_flags_match_the_paths_and_refuse_path_without_quantized(capsys):
         assert "--memory-budget-mb" in capsys.readouterr().err
 
 
-# -- a run written by `lmforge quantize`, served ---------------------------------------------------
-def test_a_quantized_run_dir_serves_greedy_equal_to_generate(tmp_path, shared_data_dir):
+# -- a run written by `lmforge quantize`, served -----------------------------------------------------
+@pytest.mark.parametrize("path", ["auto", "kernel-bf16"])
+def test_a_quantized_run_dir_serves_what_lmforge_generate_gives(path, tmp_path, shared_data_dir, capsys):
+    """Over HTTP, the greedy reply of `serve RUN --quantized auto` equals `lmforge generate RUN --quantized
+    auto` on the same path (auto: the probe's choice, handed to generate by name)."""
     pytest.importorskip("fastapi")
+    from lmforge.cli import main
     from lmforge.compress.quantize import quantize_run
-    from lmforge.eval.entry import load_run
     from lmforge.serve import start_server
     from lmforge.train.trainer import train
 
@@ -229,15 +232,22 @@ def test_a_quantized_run_dir_serves_greedy_equal_to_generate(tmp_path, shared_da
                                            "model.init_std=0.1")))
     quantize_run(src, out, bits=8, group_size=None, say=quiet)
     lines = []
-    with start_server(out, api_keys=None, quantized="auto", say=lines.append) as server:
-        model = server.engine.model
-        body = json.dumps({"model": server.model_name, "prompt": [5, 17, 3], "max_tokens": 10,
+    prompt = "def main"
+    with start_server(out, api_keys=None, quantized="auto", quant_path=path, say=lines.append) as server:
+        body = json.dumps({"model": server.model_name, "prompt": prompt, "max_tokens": 12,
                            "temperature": 0}).encode()
         req = urllib.request.Request(server.url + "/completions", body, {"content-type": "application/json"})
-        reply = json.loads(urllib.request.urlopen(req, timeout=60).read())
+        reply = json.loads(urllib.request.urlopen(req, timeout=60).read())["choices"][0]["text"]
+    assert len(reply.split()) >= 3, reply  # words, not only whitespace: the comparison below has teeth
     said = "\n".join(lines)
-    assert "int8 weights on the" in said and "probe (" in said
-    ref = load_run(out)
-    # The served model is the run's integers on the chosen path: generate on that same model agrees.
-    want = generate(model, [5, 17, 3], 10, temperature=0.0)[0]
-    assert reply["choices"][0]["text"] == ref.tokenizer.decode(want)
+    chosen = said.split(" path (")[0].rsplit(" ", 1)[-1]
+    assert "int8 weights on the" in said and ("probe (" in said) == (path == "auto")
+    assert chosen in cpu_decode.PATHS and (path == "auto" or chosen == path)
+    capsys.readouterr()
+    assert main(["generate", str(out), "--quantized", "auto", "--quant-path", chosen, "--prompt", prompt,
+                 "--set", "generate.temperature=0", "--set", "generate.max_new_tokens=12"]) == 0
+    printed = capsys.readouterr()
+    assert f"int8 weights on the {chosen} path" in printed.err
+    assert " ".join(printed.out.split()) == " ".join((prompt + reply).split())  # rich wraps long lines
+    assert main(["generate", str(out), "--quantized", "int4", "--prompt", prompt]) == 2
+    assert "holds int8 weights" in capsys.readouterr().err

@@ -63,6 +63,14 @@ def prepare(model: nn.Module, mode: str, path: str = "auto", budget_bytes: int |
     return model, report
 
 
+def model_preparer(mode: str, path: str = "auto", budget_mb: float | None = None, max_batch: int = 1,
+                   say=print):
+    """`prepare` as a function of the model alone (what `lmforge generate --quantized` hands to
+    generate_text); budget_mb: MiB."""
+    budget = None if budget_mb is None else int(budget_mb * 2**20)
+    return lambda model: prepare(model, mode, path, budget, max_batch, say=say)[0]
+
+
 def _check_servable(model: nn.Module) -> None:
     from lmforge.finetune.lora import lora_layers
 
