@@ -195,7 +195,11 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys:
                           threads=threads, quantized=quantized, quant_path=quant_path,
                           memory_budget_mb=memory_budget_mb, say=say)
     cfg = server.engine.model.cfg
-    n_params = sum(p.numel() for p in server.engine.model.parameters())
+    from lmforge.models.quant import QuantLinear
+
+    model = server.engine.model  # a quantized layer holds its weights as buffers: count them too
+    n_params = sum(p.numel() for p in model.parameters()) + sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
     n_threads = torch.get_num_threads()
     say(f"lmforge serve: {server.model_name} ({n_params:,} parameters, context {cfg.max_seq_len} tokens) at "
         f"{server.url} (max batch {max_batch_size}, {n_threads} thread{'s' * (n_threads != 1)}); "

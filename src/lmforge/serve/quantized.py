@@ -99,13 +99,13 @@ def _bits(model: nn.Module, mode: str) -> int:
 
 def _summary(r: dict) -> str:
     mb = 2**20
-    text = (f"lmforge serve: int{r['bits']} weights on the {r['path']} path "
+    text = (f"--quantized: int{r['bits']} weights on the {r['path']} path "
             f"({r['weight_bytes'][r['path']] / mb:.1f} MiB of weights"
             + (f", budget {r['budget_bytes'] / mb:.0f} MiB" if r["budget_bytes"] else "") + ")")
     if "probe" in r:
         p = r["probe"]
         parts = ", ".join(f"{k} {v * 1e3:.2f} ms ({r['weight_bytes'][k] / mb:.1f} MiB)"
                           for k, v in sorted(p["step_seconds"].items(), key=lambda kv: kv[1]))
-        text += (f"\nlmforge serve: probe ({p['seconds']:.1f} s, quantized matmuls of one decode step at "
+        text += (f"\n--quantized: probe ({p['seconds']:.1f} s, quantized matmuls of one decode step at "
                  f"{' and '.join(map(str, p['rows']))} rows): {parts}")
     return text
