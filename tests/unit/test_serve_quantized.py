@@ -69,8 +69,8 @@ def test_the_fastest_path_that_fits_the_budget_is_chosen():
 
 
 def test_prepare_probes_only_the_paths_that_fit_and_takes_the_fastest():
-    m = tiny()
-    need = {p: cpu_decode.weight_bytes(_quantized(m, 8), p) for p in cpu_decode.PATHS}
+    m = _quantized(tiny(), 8)  # as `lmforge quantize` writes it
+    need = {p: cpu_decode.weight_bytes(m, p) for p in cpu_decode.PATHS}
     assert need["kernel-bf16"] < need["dequant-bf16"] < need["dequant-fp32"]
     calls = []
     table = {"kernel-bf16": 2.0, "kernel-fp32": 9.0, "dequant-fp32": 1.0, "dequant-bf16": 3.0}
@@ -83,8 +83,12 @@ def test_prepare_probes_only_the_paths_that_fit_and_takes_the_fastest():
     assert report["path"] == "dequant-fp32" and report["bits"] == 8
     assert not cpu_decode.quantized_layers(out) and out.output.weight.dtype == torch.float32
     # A named path is not probed.
-    out, report = prepare(copy.deepcopy(m), "int4", "dequant-bf16", measure=fake({}, calls), say=quiet)
-    assert len(calls) == 1 and report["path"] == "dequant-bf16" and out.output.weight.dtype == torch.bfloat16
+    calls.clear()
+    out, report = prepare(tiny(), "int4", "dequant-bf16", measure=fake({}, calls), say=quiet)
+    assert not calls and report["path"] == "dequant-bf16" and out.output.weight.dtype == torch.bfloat16
+    # A full-precision run quantized in memory: only the kernel paths (dequantized, it is the run itself).
+    out, report = prepare(tiny(), "auto", measure=fake(table, calls), say=quiet)
+    assert calls == [("kernel-bf16", "kernel-fp32")] and report["path"] == "kernel-bf16"
 
 
 def test_the_real_probe_is_bounded_and_measures_every_path():

@@ -6,11 +6,13 @@ width; another width is refused: re-quantizing quantized weights compounds the e
 run is quantized in memory by round-to-nearest (int8 per channel, int4 in groups), the run on disk
 untouched. `auto` on a full-precision run takes int8 (see _bits).
 
-The path: `--quant-path auto` times every candidate that fits on the model's own layer shapes at start-up
-(a copy of one layer per shape, at 1 row and at the decode batch, bounded to PROBE_SECONDS) and takes the
-fastest; a probe instead of a fixed rule, because which path wins depends on the model's size and the CPU
-(bench/results/quant_decode.json: on a 2-core AVX2 EPYC the 4M demo model decodes fastest dequantized to
-fp32, a 100M model on the int8 kernels fed bf16). A named path is taken as given, if it fits.
+The path: `--quant-path auto` times every candidate that fits on the model's own layer shapes at
+start-up (a copy of one layer per shape, at 1 row and at the decode batch, bounded to PROBE_SECONDS) and
+takes the fastest; for a run quantized in memory only the kernel paths compete (dequantized, it would be
+the run itself with the rounding error added). A probe instead of a fixed rule, because which path wins
+depends on the model's size and the CPU (bench/results/quant_decode.json, 2-core AVX2 EPYC: the 4M demo
+model decodes fastest dequantized to fp32, a 100M model on the int kernels fed bf16). A named path is
+taken as given, if it fits.
 """
 
 from __future__ import annotations
@@ -41,11 +43,15 @@ def prepare(model: nn.Module, mode: str, path: str = "auto", budget_bytes: int |
         raise LmforgeError("--memory-budget-mb must be a positive number of MiB")
     _check_servable(model)
     bits = _bits(model, mode)
+    candidates = cpu_decode.PATHS if path == "auto" else (path,)
     if cpu_decode.model_bits(model) is None:
         from lmforge.config.schema import QuantConfig
 
         cpu_decode.quantize_in_memory(model, bits, QuantConfig().targets)
-    candidates = cpu_decode.PATHS if path == "auto" else (path,)
+        if path == "auto":
+            # Dequantizing in-memory integers back to fp32 / bf16 would hold the memory of the run as it
+            # is (or in bf16) with the rounding error added: never better than serving without --quantized.
+            candidates = tuple(p for p in candidates if p.startswith("kernel"))
     need = {p: cpu_decode.weight_bytes(model, p) for p in candidates}
     fits = {p: n for p, n in need.items() if budget_bytes is None or n <= budget_bytes}
     report = {"bits": bits, "weight_bytes": need, "budget_bytes": budget_bytes}
