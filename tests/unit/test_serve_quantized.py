@@ -214,6 +214,8 @@ def test_cli_flags_match_the_paths_and_refuse_path_without_quantized(capsys):
     assert main(["serve", "no-such-run", "--no-auth", "--quant-path", "kernel-bf16"]) == 2
     err = capsys.readouterr().err
     assert "give --quantized int8, int4 or auto" in err and "Traceback" not in err
+    assert main(["generate", "no-such-run", "--memory-budget-mb", "100"]) == 2
+    assert "give --quantized int8, int4 or auto" in capsys.readouterr().err
     for bad in ("nan", "0", "-5", "inf"):
         assert main(["serve", "no-such-run", "--quantized", "int8", "--memory-budget-mb", bad]) == 2
         assert "--memory-budget-mb" in capsys.readouterr().err

@@ -279,15 +279,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         overrides.append(f"generate.prompt={json.dumps(args.prompt, ensure_ascii=False)}")
     console = Console(highlight=False)
-    prepare = None
-    if args.quantized is not None:
-        from lmforge.serve.quantized import model_preparer
+    from lmforge.serve.quantized import model_preparer
 
-        prepare = model_preparer(args.quantized, args.quant_path, args.memory_budget_mb,
-                                 say=lambda line: print(line, file=sys.stderr))
-    elif args.quant_path != "auto" or args.memory_budget_mb is not None:
-        raise LmforgeError("--quant-path and --memory-budget-mb choose how --quantized weights run: give "
-                           "--quantized int8, int4 or auto with them")
+    prepare = model_preparer(args.quantized, args.quant_path, args.memory_budget_mb,
+                             say=lambda line: print(line, file=sys.stderr))
     texts = generate_text(_run_path(args), overrides, weights=args.weights, chat=args.chat, draft=args.draft,
                           draft_k=args.draft_k, say=lambda line: print(line, file=sys.stderr),
                           prepare=prepare)

@@ -148,17 +148,15 @@ def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
     MAX_BATCH.check(max_batch_size, "--max-batch-size")  # the KV cache holds this many rows
     if threads is not None:
         THREADS.check(threads, "--threads")
-    if quantized is None and (quant_path != "auto" or memory_budget_mb is not None):
-        raise LmforgeError("--quant-path and --memory-budget-mb choose how --quantized weights run: give "
-                           "--quantized int8, int4 or auto with them")
+    from lmforge.serve.quantized import check_flags, prepare
+
+    check_flags(quantized, quant_path, memory_budget_mb)
     sock = bind(host, port)  # before loading: a busy port fails fast
     try:
         run = load_run(path, list(overrides), weights)
         if threads is not None:
             torch.set_num_threads(threads)
         if quantized is not None:  # after the threads: the probe times the kernels as they will run
-            from lmforge.serve.quantized import prepare
-
             budget = None if memory_budget_mb is None else int(memory_budget_mb * 2**20)
             run.model, _ = prepare(run.model, quantized, quant_path, budget, max_batch_size, say=say)
         name = model_name or run.cfg.run.name or Path(path).name

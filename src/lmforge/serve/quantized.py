@@ -69,12 +69,22 @@ def prepare(model: nn.Module, mode: str, path: str = "auto", budget_bytes: int |
     return model, report
 
 
-def model_preparer(mode: str, path: str = "auto", budget_mb: float | None = None, max_batch: int = 1,
+def model_preparer(mode: str | None, path: str = "auto", budget_mb: float | None = None, max_batch: int = 1,
                    say=print):
     """`prepare` as a function of the model alone (what `lmforge generate --quantized` hands to
-    generate_text); budget_mb: MiB."""
+    generate_text), None without --quantized; budget_mb: MiB."""
+    check_flags(mode, path, budget_mb)
+    if mode is None:
+        return None
     budget = None if budget_mb is None else int(budget_mb * 2**20)
     return lambda model: prepare(model, mode, path, budget, max_batch, say=say)[0]
+
+
+def check_flags(mode: str | None, path: str, budget_mb: float | None) -> None:
+    """--quant-path and --memory-budget-mb mean something only with --quantized."""
+    if mode is None and (path != "auto" or budget_mb is not None):
+        raise LmforgeError("--quant-path and --memory-budget-mb choose how --quantized weights run: give "
+                           "--quantized int8, int4 or auto with them")
 
 
 def _check_servable(model: nn.Module) -> None:
