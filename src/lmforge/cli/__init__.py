@@ -279,8 +279,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         overrides.append(f"generate.prompt={json.dumps(args.prompt, ensure_ascii=False)}")
     console = Console(highlight=False)
+    from lmforge.serve.quantized import model_preparer
+
+    prepare = model_preparer(args.quantized, args.quant_path, args.memory_budget_mb,
+                             say=lambda line: print(line, file=sys.stderr))
     texts = generate_text(_run_path(args), overrides, weights=args.weights, chat=args.chat, draft=args.draft,
-                          draft_k=args.draft_k, say=lambda line: print(line, file=sys.stderr))
+                          draft_k=args.draft_k, say=lambda line: print(line, file=sys.stderr),
+                          prepare=prepare)
     for i, text in enumerate(texts):
         if i:
             console.rule()
@@ -295,7 +300,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
           model_name=args.model_name, max_batch_size=args.max_batch_size, weights=args.weights,
           overrides=args.set, threads=args.threads, prefix_cache_mb=args.prefix_cache_mb, loras=args.lora,
           admin_key=args.admin_key, adapter_root=args.adapter_root, max_adapters=args.max_adapters,
-          max_lora_rank=args.max_lora_rank)
+          max_lora_rank=args.max_lora_rank, quantized=args.quantized, quant_path=args.quant_path,
+          memory_budget_mb=args.memory_budget_mb)
     return 0
 
 

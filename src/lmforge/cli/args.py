@@ -143,6 +143,7 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--draft-k", type=number(whole(1, 64)), default=4, metavar="K",
                        help="--draft: tokens proposed per "
                        "forward of the model")
+        _quantized_args(p)
     if name == "eval":
         p.add_argument("--tasks", help="task evaluation instead of the loss: comma-separated task files "
                        "in lm-evaluation-harness's YAML format, dirs of them, or builtin:code (tasks "
@@ -217,6 +218,7 @@ def add_arguments(name: str, p: argparse.ArgumentParser) -> None:
                        "/v1/unload_lora_adapter, reading adapters only from under DIR (needs the admin key)")
         p.add_argument("--admin-key", metavar="KEY", help="the key of the adapter admin routes (default: "
                        "$LMFORGE_ADMIN_KEY); they accept it instead of an API key")
+        _quantized_args(p)
     if name == "sweep":
         p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="a config key and "
                        "its values (repeatable; the grid is every combination); KEY=LOW..HIGH is a range "
@@ -356,6 +358,22 @@ def _scaling_args(p: argparse.ArgumentParser) -> None:
                      help="95%% confidence intervals "
                      "from K refits on resampled points (0: none)")
     fit.add_argument("--seed", type=number(SEED), default=0, help="seed of the bootstrap")
+
+
+def _quantized_args(p: argparse.ArgumentParser) -> None:
+    """serve's and generate's --quantized (the same CPU path gives the same tokens in both)."""
+    p.add_argument("--quantized", choices=("int8", "int4", "auto"), default=None,
+                   help="run weight-only quantized linear layers on the fastest CPU path that fits "
+                   "--memory-budget-mb: a run from `lmforge quantize` keeps its integers (auto); a "
+                   "full-precision run is quantized in memory (round to nearest; auto: int8)")
+    p.add_argument("--quant-path", choices=("auto", "kernel-bf16", "kernel-fp32", "dequant-fp32",
+                                            "dequant-bf16"), default="auto",
+                   help="how --quantized layers run (default auto: a start-up probe of a few seconds "
+                   "picks the fastest): torch's int kernels fed bf16 or fp32 activations, or the "
+                   "weights dequantized once to fp32 or bf16 (fast, 4 or 2 bytes a weight)")
+    p.add_argument("--memory-budget-mb", type=number(real(0.0, float(1 << 30), lo_open=True)),
+                   default=None, metavar="MIB",
+                   help="--quantized: the most MiB the weights may take (default: no limit)")
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:

@@ -80,15 +80,18 @@ def eval_data(path: str | Path, data: str | Path, overrides: list[str] | tuple[s
 
 def generate_text(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
                   weights: str = "model", chat: bool = False, draft: str | Path | None = None,
-                  draft_k: int = 4, say=print) -> list[str]:
+                  draft_k: int = 4, say=print, prepare=None) -> list[str]:
     """Continue `generate.prompt` with a run's checkpoint; returns prompt + continuation per sample.
 
     chat: the prompt is a user message, rendered by the run's chat template (ChatML for a run that
     was not fine-tuned), and each sample is the assistant's reply, up to its end of turn.
     draft: a run, checkpoint or Hugging Face dir with the same tokenizer: speculative decoding, the
     draft proposing `draft_k` tokens per forward of the model (same output distribution; greedy output
-    identical); its acceptance statistics go to `say`."""
+    identical); its acceptance statistics go to `say`. prepare: a function model -> model applied once
+    loaded (`--quantized`: the CPU path `lmforge serve` runs, so that both give the same tokens)."""
     run = load_run(path, overrides, weights)
+    if prepare is not None:
+        run.model = prepare(run.model)
     g = run.cfg.generate
     if chat:
         template = chat_template_of(run)

@@ -140,14 +140,17 @@ def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
                  max_queue: int = 1024, log_level: str = "warning",
                  prefix_cache_mb: int = PREFIX_CACHE_MB, loras: Sequence[tuple[str, str]] = (),
                  admin_key: str | None = None, adapter_root: str | Path | None = None,
-                 max_adapters: int = 8, max_lora_rank: int = 64) -> Server:
+                 max_adapters: int = 8, max_lora_rank: int = 64, quantized: str | None = None,
+                 quant_path: str = "auto", memory_budget_mb: float | None = None, say=print) -> Server:
     """Load a run (run dir, checkpoint dir or Hugging Face dir), bind host:port and build the app;
     the engine thread is running, the server not yet (call `run()` or `start()`).
 
     api_keys: accepted keys, None for no authentication (see `resolve_api_keys`). threads: torch's CPU
     threads (process-wide; None leaves them as they are). prefix_cache_mb: the prefix cache's budget
     in MiB (0: off). loras: (name, path) adapters served beside the base; admin_key and adapter_root:
-    runtime loads from under that dir (`resolve_admin_key`)."""
+    runtime loads from under that dir (`resolve_admin_key`). quantized: int8 / int4 / auto
+    serves weight-only quantized layers on the fastest CPU path whose weights fit memory_budget_mb
+    (serve/quantized.py); quant_path names the path instead of probing."""
     _require_extra()
     from lmforge.eval.entry import chat_template_of, load_run
     from lmforge.serve.app import create_app
@@ -162,11 +165,17 @@ def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
     if threads is not None:
         THREADS.check(threads, "--threads")
     PREFIX_MB.check(prefix_cache_mb, "--prefix-cache-mb")
+    from lmforge.serve.quantized import check_flags, prepare
+
+    check_flags(quantized, quant_path, memory_budget_mb)
     sock = bind(host, port)  # before loading: a busy port fails fast
     try:
         run = load_run(path, list(overrides), weights)
         if threads is not None:
             torch.set_num_threads(threads)
+        if quantized is not None:  # after the threads: the probe times the kernels as they will run
+            budget = None if memory_budget_mb is None else int(memory_budget_mb * 2**20)
+            run.model, _ = prepare(run.model, quantized, quant_path, budget, max_batch_size, say=say)
         name = model_name or run.cfg.run.name or Path(path).name
         adapters = None
         if loras or admin_key is not None:
@@ -201,6 +210,7 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys:
           weights: str = "model", overrides: Sequence[str] = (), threads: int | None = None,
           prefix_cache_mb: int = PREFIX_CACHE_MB, loras: Sequence[str] = (), admin_key: str | None = None,
           adapter_root: str | None = None, max_adapters: int = 8, max_lora_rank: int = 64,
+          quantized: str | None = None, quant_path: str = "auto", memory_budget_mb: float | None = None,
           say=print) -> None:
     """`lmforge serve`: serve a run on host:port until interrupted.
 
@@ -223,9 +233,14 @@ def serve(path: str | Path, host: str = "127.0.0.1", port: int = 8000, api_keys:
                           max_batch_size=max_batch_size, weights=weights, overrides=overrides,
                           threads=threads, prefix_cache_mb=prefix_cache_mb, loras=parse_lora_specs(loras),
                           admin_key=admin, adapter_root=adapter_root, max_adapters=max_adapters,
-                          max_lora_rank=max_lora_rank)
+                          max_lora_rank=max_lora_rank, quantized=quantized, quant_path=quant_path,
+                          memory_budget_mb=memory_budget_mb, say=say)
     cfg = server.engine.model.cfg
-    n_params = sum(p.numel() for p in server.engine.model.parameters())
+    from lmforge.models.quant import QuantLinear
+
+    model = server.engine.model  # a quantized layer holds its weights as buffers: count them too
+    n_params = sum(p.numel() for p in model.parameters()) + sum(
+        m.in_features * m.out_features for m in model.modules() if isinstance(m, QuantLinear))
     n_threads = torch.get_num_threads()
     say(f"lmforge serve: {server.model_name} ({n_params:,} parameters, context {cfg.max_seq_len} tokens) at "
         f"{server.url} (max batch {max_batch_size}, {n_threads} thread{'s' * (n_threads != 1)}, "
