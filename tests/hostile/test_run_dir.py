@@ -125,7 +125,7 @@ def test_no_input_may_be_the_run_dir_or_lie_in_what_it_writes(tmp_path, key):
 
 
 @pytest.mark.parametrize("existing", [True, False])
-def test_a_refused_run_leaves_nothing_behind(tmp_path, existing, capsys):
+def test_a_refused_run_leaves_nothing_behind(tmp_path, tmp_path_factory, existing, capsys):
     """sft into a user's folder (or a new one) that fails after the run dir was locked: no .lock, no new
     dir, nothing else of the run remains."""
     from lmforge.cli import main
@@ -139,7 +139,8 @@ def test_a_refused_run_leaves_nothing_behind(tmp_path, existing, capsys):
     rc = main(["sft", "-c", str(TINY), "--set", f"run.dir={folder}", "--set",
                f"sft.data=[{tmp_path / 'chat.jsonl'}]", "--set",
                f"data.tokenizer.path={tmp_path / 'missing' / 'tokenizer.json'}", "--set",
-               "logging.progress=none"])
+               f"data.dir={tmp_path_factory.mktemp('data') / 'sft'}",  # not the cwd's data/cache
+               "--set", "logging.progress=none"])
     assert rc == 2 and "lmforge sft: error: tokenizer file" in capsys.readouterr().err
     assert tree_hash(tmp_path) == before  # every path, hidden ones included: no .lock, no new dir
 
