@@ -6,6 +6,7 @@ calls, and the request's tool fields checked and bounded."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from pydantic import ValidationError
@@ -130,10 +131,19 @@ def test_malformed_calls_are_content_not_errors(markup, reply):
     assert parse_reply(reply, markup, NAMES) == (reply, [])
 
 
-def test_a_call_nested_too_deep_to_read_is_content():
-    deep_list = "[" * 5000 + "]" * 5000
+@pytest.mark.parametrize("depth", [40, 5000])
+def test_a_call_nested_too_deep_is_content_whatever_the_recursion_limit(depth):
+    deep_list = "[" * depth + "]" * depth
     reply = '<tool_call>\n{"name": "get_weather", "arguments": {"a": ' + deep_list + "}}\n</tool_call>"
     assert parse_reply(reply, HERMES, NAMES) == (reply, [])
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # as torch.compile's tests leave it: json can then read 5000 levels
+    try:
+        assert parse_reply(reply, HERMES, NAMES) == (reply, [])
+    finally:
+        sys.setrecursionlimit(limit)
+    ok = "[" * 20 + "]" * 20  # nested as deep as a request's arguments may be: a call
+    assert parse_reply(reply.replace(deep_list, ok), HERMES, NAMES)[1]
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
@@ -260,7 +270,9 @@ def fn(name="get_weather", **more) -> dict:
         "name": "f", "arguments": "[1]"}}]}]}, "the JSON text of a list"),
     ({"messages": [{"role": "assistant", "content": "x", "refusal": "no"}]}, "refusal"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
-        "name": "f", "arguments": '{"a": ' + "[" * 5000 + "]" * 5000 + "}"}}]}]}, "not JSON text"),
+        # json reads it or not by the recursion limit (other tests raise it): refused either way
+        "name": "f", "arguments": '{"a": ' + "[" * 5000 + "]" * 5000 + "}"}}]}]},
+     "not JSON text|nested more than 32 levels deep"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "f", "arguments": json.dumps(deep(40))}}]}]}, "nested more than 32 levels deep"),
 ])

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.data.chat_template import ChatTemplate, TemplateError
+from lmforge.data.chat_tools import MAX_DEPTH
 from lmforge.errors import LmforgeError
 
 MAX_TOOLS = 128  # OpenAI's limit on the functions of one request
@@ -60,12 +61,28 @@ _MAX_TAG = 256  # an opening or closing longer than this is not markup we learne
 
 
 def _decode(text: str, k: int) -> tuple[Any, int]:
-    """The JSON value at text[k:] and where it ends; ValueError also for nesting too deep to read (a
-    model can write "[[[[..." until max_tokens)."""
+    """The JSON value at text[k:] and where it ends; ValueError also for nesting deeper than a call's
+    arguments may be (MAX_DEPTH, as in a request): a model can write "[[[[..." until max_tokens, and
+    whether json can read that depends on the process's recursion limit, the verdict must not."""
     try:
-        return _JSON.raw_decode(text, k)
+        value, end = _JSON.raw_decode(text, k)
     except RecursionError:
         raise ValueError("nested too deep") from None
+    if _too_deep(value):
+        raise ValueError("nested too deep")
+    return value, end
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether `value` holds something more than MAX_DEPTH levels down (as ToolBudget counts; iterative)."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            return True
+        if isinstance(v, (dict, list)):
+            stack.extend((item, depth + 1) for item in (v.values() if isinstance(v, dict) else v))
+    return False
 
 
 @dataclass(frozen=True)
@@ -399,7 +416,9 @@ def _whole(text: str, k: int, e: int, obj: Any, m: Markup, names: frozenset[str]
     if isinstance(args, str):  # arguments given as JSON text (some templates write them so)
         try:
             decoded = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
+            return None
+        if _too_deep(decoded):
             return None
         return _Call(obj[m.name_key], args, True) if isinstance(decoded, dict) else None
     if not isinstance(args, dict):
