@@ -92,6 +92,10 @@ ROWS: list[Row] = [
          "--json", "{json}"], needs=["transformers", "peft"]),
     Row("qlora", "QLoRA step, Llama 1.1B NF4 vs bitsandbytes + PEFT", 60,
         ["qlora_step.py", "--json", "{json}"], None, needs=["bitsandbytes", "peft"]),
+    Row("serve", "serving engine decode tok/s, batch 1/16/64, Llama 1.1B bf16 vs transformers generate", 120,
+        ["engine_decode.py", "--preset", "gpu", "--device", "cuda", "--rounds", "3", "--json", "{json}"],
+        ["engine_decode.py", "--preset", "tiny", "--device", "cpu", "--rounds", "1", "--json", "{json}"],
+        needs=["transformers"]),
 ]
 
 
