@@ -296,7 +296,7 @@ def test_llama_cpp_loads_the_gguf_with_equal_logits_and_tokens(families, name, q
     """The optional tier: llama.cpp itself (llama-cpp-python) reads the file; its logits equal lmforge's
     within the weight type's tolerance and it tokenizes text to lmforge's ids."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
-                                    "llama.cpp tier: pip install llama-cpp-python, a long source build)")
+                                    "llama.cpp tier: bash scripts/llama_cpp_tier.sh builds it, ~4 minutes)")
     imported, ours = families(name)
     out = tmp_path / "model.gguf"
     _export(imported, out, quant)
