@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The optional llama.cpp test tier: llama.cpp itself (llama-cpp-python) reads lmforge's GGUF exports, with
 # logits equal to lmforge's within the weight type's tolerance and the same token ids
-# (tests/integration/test_export_gguf.py -k llama_cpp). llama-cpp-python ships only a source
+# (tests/integration/test_export_gguf*.py -k llama_cpp: every family's file). llama-cpp-python ships only a source
 # distribution: built without its tools, examples and server it takes about 4 minutes on 2 cores
 # (2026-11-27, AVX2 EPYC). Builds for this machine's CPU (GGML_NATIVE). Extra arguments go to pytest.
 set -euo pipefail
@@ -13,4 +13,4 @@ if ! python -c "import llama_cpp" 2>/dev/null; then
 -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_OPENMP=OFF" \
     python -m pip install --quiet "llama-cpp-python==0.3.36"
 fi
-python -m pytest tests/integration/test_export_gguf.py -k llama_cpp -rs "$@"
+python -m pytest tests/integration/test_export_gguf*.py -k llama_cpp -rs "$@"

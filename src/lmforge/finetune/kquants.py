@@ -27,7 +27,8 @@ def role_of(gguf_name: str, tied: bool, n_layers: int) -> str:
     at 6 bits) or 'plain'."""
     if gguf_name == "output.weight" or (tied and gguf_name == "token_embd.weight"):
         return "output"
-    m = re.fullmatch(r"blk\.(\d+)\.(attn_v|ffn_down)\.weight", gguf_name)
+    # as llama.cpp's quantizer: ffn_down of the experts (_exps) and of the shared expert (_shexp) too
+    m = re.fullmatch(r"blk\.(\d+)\.(attn_v|ffn_down|ffn_down_exps|ffn_down_shexp)\.weight", gguf_name)
     if m and _use_more_bits(int(m.group(1)), n_layers):
         return "more_bits"
     return "plain"
@@ -40,14 +41,15 @@ def q4_k_m_type(role: str):
 
 
 def quantize(arr: np.ndarray, qtype) -> np.ndarray:
-    """(rows, cols) float32 -> (rows, cols // 256 * block bytes) uint8 of Q4_K or Q6_K blocks."""
+    """(..., cols) float32 -> (..., cols // 256 * block bytes) uint8 of Q4_K or Q6_K blocks (a stack of
+    experts' matrices too: blocks run along the last axis)."""
     from gguf import GGMLQuantizationType as T
 
-    rows, cols = arr.shape
+    *lead, cols = arr.shape
     assert cols % QK_K == 0, cols
     blocks = arr.astype(np.float32).reshape(-1, QK_K)
     data = _q4_k(blocks) if qtype == T.Q4_K else _q6_k(blocks)
-    return data.reshape(rows, -1)
+    return data.reshape(*lead, -1)
 
 
 def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
