@@ -30,16 +30,15 @@ import argparse
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from machine import machine_info, print_markdown_table  # bench/machine.py (on sys.path)
+from serve_proc import free_port, launch, pct
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [
@@ -52,33 +51,13 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(run: str, batch: int, key: str, threads: int | None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "lmforge", "serve", run, "--port", str(port), "--max-batch-size", str(batch),
            "--model-name", "demo"]
     if threads:
         cmd += ["--threads", str(threads)]
-    env = {**os.environ, "LMFORGE_API_KEY": key}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"lmforge serve exited: {proc.stderr.read().decode()}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, f"{url}/v1"
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("lmforge serve did not start within 120 s")
+    return launch(cmd, {**os.environ, "LMFORGE_API_KEY": key}, port, REPO)
 
 
 def one(client, prompt: str, max_tokens: int) -> dict:
@@ -103,7 +82,7 @@ def round_of(client, concurrency: int, n: int, max_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     lat = sorted(r["latency"] for r in results)
     return {"wall": wall, "rps": n / wall, "tok_s": sum(r["tokens"] for r in results) / wall,
-            "p50": statistics.median(lat), "p99": lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))],
+            "p50": statistics.median(lat), "p99": pct(lat, 0.99),
             "ttft_p50": statistics.median(r["ttft"] for r in results),
             "texts": [r["text"] for r in results]}
 

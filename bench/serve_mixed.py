@@ -32,11 +32,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from machine import machine_info, print_markdown_table  # bench/machine.py (on sys.path)
+from serve_proc import free_port, launch, pct, rss_mib
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("free", "json", "tool", "adapter-a", "adapter-b")
@@ -108,35 +108,11 @@ def child(run: str, port: int, key: str, batch: int) -> None:
 
 
 def start(run: str, batch: int, key: str) -> tuple[subprocess.Popen, str]:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, __file__, "--child", "--run", run, "--port", str(port), "--batch", str(batch)]
     env = {**os.environ, "BENCH_KEY": key, "PYTHONPATH": os.pathsep.join([str(REPO / "src"),
                                                                           os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited: {proc.stderr.read().decode()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, f"{url}/v1"
-        except OSError:
-            time.sleep(0.3)
-    proc.kill()
-    raise SystemExit("the server did not start within 180 s")
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return launch(cmd, env, port, REPO, timeout=180)
 
 
 # -- the clients ------------------------------------------------------------------------------------
@@ -188,11 +164,6 @@ def round_of(client, concurrency: int, n: int, max_tokens: int) -> dict:
     with ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda job: one(client, job[0], job[1], max_tokens), jobs))
     return {"wall": time.perf_counter() - t0, "results": results}
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
 def main(argv: list[str] | None = None) -> None:
