@@ -4,7 +4,8 @@ and the Llama 3.1 template shapes; the forced call parses and validates against 
 streamed deltas reassemble to the same call, the second turn is rendered with the call and its result
 (the reply equals eval.generate's greedy output on that render), and a template without tool support
 is refused naming `tools`; tool_choice "required" lets a model write several calls (a model steered to
-write two gets two, one with parallel_tool_calls false or a named function)."""
+write two gets two, one with parallel_tool_calls false or a named function); streamed logprobs with tools
+add up to the unstreamed reply's, token for token, none lagging behind the content it carries."""
 
 from __future__ import annotations
 
@@ -224,11 +225,15 @@ def two_calls(run):
     from lmforge.serve.engine import Engine
 
     template = ChatTemplate(QWEN, SPECIALS, name="the qwen template", end_of_turn=None)
-    script = run.tokenizer.encode(TWO_CALLS) + [min(stop_ids(template, run.tokenizer))]
-    engine = Engine(Scripted(run.model, script), run.tokenizer.decode, max_batch_size=1).start()
+    model = Scripted(run.model, [])
+    engine = Engine(model, run.tokenizer.decode, max_batch_size=1).start()
     app = create_app(engine, run.tokenizer, template, model_name="tiny", api_keys=[KEY])
     server = Server(app, bind("127.0.0.1", 0), engine, "tiny").start()
-    yield openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    c = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    c.steer = lambda text: setattr(  # the reply the model writes, then its end of turn
+        model, "script", run.tokenizer.encode(text) + [min(stop_ids(template, run.tokenizer))])
+    c.steer(TWO_CALLS)
+    yield c
     server.stop()
     engine.close()
 
@@ -263,3 +268,32 @@ def test_one_call_only_without_parallel_calls_or_for_a_named_function(two_calls,
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
     assert check_call(call, "get_weather") == {"city": "Oslo", "days": 3}
+
+
+@pytest.mark.parametrize("reply, tool_choice", [
+    (TWO_CALLS, "required"), ("Let me look.\n" + TWO_CALLS, "auto"),
+    ("Just <b>text</b> <tool", "auto"),  # what may begin a call is held back until the reply ends
+], ids=["forced-calls", "content-then-calls", "free-text"])
+def test_streamed_logprobs_with_tools_add_up_to_the_unstreamed_ones(two_calls, reply, tool_choice):
+    two_calls.steer(reply)
+    kw = {"model": "tiny", "messages": USER, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 300,
+          "temperature": 0.8, "seed": 7, "logprobs": True, "top_logprobs": 3}
+    whole = two_calls.chat.completions.create(**kw)
+    chunks = list(two_calls.chat.completions.create(**kw, stream=True))
+    choice = whole.choices[0]
+    entries = [e for ch in chunks[1:] if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.model_dump() for e in entries] == [e.model_dump() for e in choice.logprobs.content]
+    assert len(entries) == whole.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in entries)
+    # what was streamed is the same reply, and no chunk's content runs ahead of the tokens sent with it
+    text = content = ""
+    deltas = []
+    for ch in chunks[1:]:
+        d = ch.choices[0]
+        text += "".join(e.token for e in d.logprobs.content) if d.logprobs else ""
+        content += d.delta.content or ""
+        deltas += d.delta.tool_calls or ()
+        assert text.startswith(content.rstrip())
+    assert text.startswith(reply) and (content or None) == choice.message.content
+    calls = [(d.function.name, d.function.arguments) for d in deltas if d.id]
+    assert len(calls) == len(choice.message.tool_calls or ()) == (0 if "<b>" in reply else 2)
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
