@@ -297,3 +297,18 @@ def test_streamed_logprobs_with_tools_add_up_to_the_unstreamed_ones(two_calls, r
     calls = [(d.function.name, d.function.arguments) for d in deltas if d.id]
     assert len(calls) == len(choice.message.tool_calls or ()) == (0 if "<b>" in reply else 2)
     assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_streamed_logprobs_of_several_sampled_choices_with_tools(servers):
+    """n choices of the random model at a fixed seed: each choice's streamed logprobs are its own."""
+    kw = {"model": "tiny", "messages": USER, "tools": TOOLS, "max_tokens": 24, "temperature": 1.0, "seed": 3,
+          "n": 3, "logprobs": True, "top_logprobs": 2}
+    c = client(servers, "qwen")
+    whole = c.chat.completions.create(**kw)
+    streamed = {i: [] for i in range(3)}
+    for ch in c.chat.completions.create(**kw, stream=True):
+        if ch.choices[0].logprobs:
+            streamed[ch.choices[0].index] += [e.model_dump() for e in ch.choices[0].logprobs.content]
+    assert len({tuple(e["token"] for e in s) for s in streamed.values()}) > 1  # the choices differ
+    for choice in whole.choices:
+        assert streamed[choice.index] == [e.model_dump() for e in choice.logprobs.content]
