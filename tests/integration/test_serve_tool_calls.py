@@ -3,13 +3,17 @@ conversation (a call forced by tool_choice, its result sent back, the model's an
 and the Llama 3.1 template shapes; the forced call parses and validates against the function's schema,
 streamed deltas reassemble to the same call, the second turn is rendered with the call and its result
 (the reply equals eval.generate's greedy output on that render), and a template without tool support
-is refused naming `tools`."""
+is refused naming `tools`; tool_choice "required" lets a model write several calls (a model steered to
+write two gets two, one with parallel_tool_calls false or a named function); streamed logprobs with tools
+add up to the unstreamed reply's, token for token, none lagging behind the content it carries."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
+from torch import nn
 
 from conftest import TINY, tiny_overrides
 from lmforge.config import load_config
@@ -183,3 +187,128 @@ def test_tool_requests_that_cannot_be_honoured_are_400s_naming_the_field(servers
         client(servers, "qwen").chat.completions.create(**{"model": "tiny", "messages": USER, "max_tokens": 4,
                                                            **extra})
     assert e.value.body["param"] == param and message in e.value.body["message"]
+
+
+# -- several calls under "required" ----------------------------------------------------------------------
+TWO_CALLS = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>')
+
+
+class Scripted(nn.Module):
+    """The tiny model steered to reply `script` (token ids): a large bias on script[t] for the reply's
+    t-th token, counted from the last prefill's length (one request at a time); past the script, the
+    model's own logits. Whatever the grammar refuses of the script, the model does not write."""
+
+    def __init__(self, inner: nn.Module, script: list[int]) -> None:
+        super().__init__()
+        self.inner, self.cfg, self.script, self.prompt_len = inner, inner.cfg, script, 0
+
+    def forward(self, ids: torch.Tensor, **kw) -> torch.Tensor:
+        logits = self.inner(ids, **kw).clone()
+        positions = kw.get("position_ids")
+        if positions is None:  # a prompt's prefill: its last position predicts the reply's first token
+            self.prompt_len = ids.shape[1]
+            nexts = [0]
+        else:  # a decode step: each row's fed token is at position p, its next token the reply's
+            nexts = [int(p) + 1 - self.prompt_len for p in positions[:, -1]]
+        for row, t in enumerate(nexts):
+            if 0 <= t < len(self.script):
+                logits[row, -1, self.script[t]] += 100.0
+        return logits
+
+
+@pytest.fixture(scope="module")
+def two_calls(run):
+    """A Qwen-template server whose model writes TWO_CALLS, then ends its turn."""
+    from lmforge.serve import Server, bind
+    from lmforge.serve.app import create_app
+    from lmforge.serve.engine import Engine
+
+    template = ChatTemplate(QWEN, SPECIALS, name="the qwen template", end_of_turn=None)
+    model = Scripted(run.model, [])
+    engine = Engine(model, run.tokenizer.decode, max_batch_size=1).start()
+    app = create_app(engine, run.tokenizer, template, model_name="tiny", api_keys=[KEY])
+    server = Server(app, bind("127.0.0.1", 0), engine, "tiny").start()
+    c = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
+    c.steer = lambda text: setattr(  # the reply the model writes, then its end of turn
+        model, "script", run.tokenizer.encode(text) + [min(stop_ids(template, run.tokenizer))])
+    c.steer(TWO_CALLS)
+    yield c
+    server.stop()
+    engine.close()
+
+
+def test_required_takes_several_calls_when_parallel_calls_are_allowed(two_calls):
+    kw = {"model": "tiny", "messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300,
+          "temperature": 0}
+    for extra in ({}, {"parallel_tool_calls": True}):
+        choice = two_calls.chat.completions.create(**kw, **extra).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        first, second = choice.message.tool_calls
+        assert check_call(first, "get_weather") == {"city": "Oslo", "days": 3}
+        assert check_call(second, "get_time") == {"zone": "CET"} and first.id != second.id
+    chunks = list(two_calls.chat.completions.create(**kw, stream=True))
+    deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.function.name) for d in deltas if d.id] == [(0, "get_weather"), (1, "get_time")]
+    args = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i in (0, 1)]
+    assert [json.loads(a) for a in args] == [{"city": "Oslo", "days": 3}, {"zone": "CET"}]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("extra", [{"parallel_tool_calls": False}, {"tool_choice": NAMED}],
+                         ids=["not-parallel", "named"])
+def test_one_call_only_without_parallel_calls_or_for_a_named_function(two_calls, extra):
+    """The model would write a second call: the grammar ends the reply after the first."""
+    kw = {"model": "tiny", "messages": USER, "tools": TOOLS, "tool_choice": "required", "max_tokens": 300,
+          "temperature": 0, **extra}
+    choice = two_calls.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert check_call(call, "get_weather") == {"city": "Oslo", "days": 3}
+
+
+@pytest.mark.parametrize("reply, tool_choice", [
+    (TWO_CALLS, "required"), ("Let me look.\n" + TWO_CALLS, "auto"),
+    ("Just <b>text</b> <tool", "auto"),  # what may begin a call is held back until the reply ends
+], ids=["forced-calls", "content-then-calls", "free-text"])
+def test_streamed_logprobs_with_tools_add_up_to_the_unstreamed_ones(two_calls, reply, tool_choice):
+    two_calls.steer(reply)
+    kw = {"model": "tiny", "messages": USER, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 300,
+          "temperature": 0.8, "seed": 7, "logprobs": True, "top_logprobs": 3}
+    whole = two_calls.chat.completions.create(**kw)
+    chunks = list(two_calls.chat.completions.create(**kw, stream=True))
+    choice = whole.choices[0]
+    entries = [e for ch in chunks[1:] if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.model_dump() for e in entries] == [e.model_dump() for e in choice.logprobs.content]
+    assert len(entries) == whole.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in entries)
+    # what was streamed is the same reply, and no chunk's content runs ahead of the tokens sent with it
+    text = content = ""
+    deltas = []
+    for ch in chunks[1:]:
+        d = ch.choices[0]
+        text += "".join(e.token for e in d.logprobs.content) if d.logprobs else ""
+        content += d.delta.content or ""
+        deltas += d.delta.tool_calls or ()
+        assert text.startswith(content.rstrip())
+    assert text.startswith(reply) and (content or None) == choice.message.content
+    calls = [(d.function.name, d.function.arguments) for d in deltas if d.id]
+    assert len(calls) == len(choice.message.tool_calls or ()) == (0 if "<b>" in reply else 2)
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+
+
+def test_streamed_logprobs_of_several_sampled_choices_with_tools(servers):
+    """n choices of the random model at a fixed seed: each choice's streamed logprobs are its own."""
+    kw = {"model": "tiny", "messages": USER, "tools": TOOLS, "max_tokens": 24, "temperature": 1.0, "seed": 3,
+          "n": 3, "logprobs": True, "top_logprobs": 2}
+    c = client(servers, "qwen")
+    whole = c.chat.completions.create(**kw)
+    streamed = {i: [] for i in range(3)}
+    for ch in c.chat.completions.create(**kw, stream=True):
+        if ch.choices[0].logprobs:
+            streamed[ch.choices[0].index] += [e.model_dump() for e in ch.choices[0].logprobs.content]
+    assert len({tuple(e["token"] for e in s) for s in streamed.values()}) > 1  # the choices differ
+    for choice in whole.choices:
+        assert streamed[choice.index] == [e.model_dump() for e in choice.logprobs.content]

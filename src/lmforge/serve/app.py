@@ -214,9 +214,6 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
                 raise ApiError(400, str(e), param=e.param) from None
         shaper = None
         if (k := body.logprobs_k()) is not None:
-            if plan is not None and body.stream:  # a stream's tool-call deltas carry no token text
-                raise ApiError(400, "'logprobs' with 'tools' is answered unstreamed only: leave out 'stream' "
-                               "or 'logprobs'", param="logprobs")
             shaper = Shaper(token_text, chat=True, k=k)
             params = dataclasses.replace(params, logprobs=k)
         return await _respond(request, engine, body, [ids], params, body.model, chat=True, shaper=shaper,
@@ -427,7 +424,14 @@ async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, 
                   prompt_tokens: int, include_usage: bool, shaper: Shaper | None = None,
                   plan: ToolPlan | None = None):
     """Server-sent events: one chunk per piece of text or finish, then usage (if asked) and [DONE]. With
-    tools, each choice's text goes through a StreamParser: content deltas, then tool_calls deltas."""
+    tools, each choice's text goes through a StreamParser: content deltas, then tool_calls deltas.
+
+    Logprobs with tools: a chunk lists the tokens generated since the choice's previous chunk (so its
+    tokens' text may run ahead of its content, never behind). Tokens whose text the parser holds back
+    wholly (what may begin a call) send no chunk: they ride with the next one (the one releasing that
+    text, a tool_calls delta, or the finish); tokens turned into a tool_calls delta (the call's markup
+    too) ride with it. No token is dropped (vLLM drops the held ones with their chunk), and the chunks'
+    lists add up to the unstreamed reply's logprobs."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}
 
@@ -438,6 +442,14 @@ async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, 
 
     tokens = [0] * k
     parsers = [StreamParser(plan.markup, plan.names, plan.parallel) for _ in range(k)] if plan else None
+    held: list[list[dict]] = [[] for _ in range(k)]  # with tools and logprobs: entries not yet sent
+
+    def take(i: int) -> dict | None:
+        if not held[i]:
+            return None
+        out, held[i] = {"content": held[i]}, []
+        return out
+
     try:
         if chat:  # OpenAI opens each choice with the assistant's role
             for i in range(k):
@@ -453,12 +465,16 @@ async def _stream(queue: asyncio.Queue, handle, k: int, rid: str, created: int, 
             tokens[ev.index] = ev.tokens
             if parsers is not None:
                 p = parsers[ev.index]
+                if shaper is not None:
+                    _, piece = shaper.event(ev.index, ev.text, ev.logprobs, ev.prompt_logprobs)
+                    held[ev.index] += piece["content"]
                 for delta in p.feed(ev.text) + (p.finish() if ev.finish_reason is not None else []):
-                    yield chunk([{"index": ev.index, "delta": delta, "logprobs": None,
+                    yield chunk([{"index": ev.index, "delta": delta, "logprobs": take(ev.index),
                                   "finish_reason": None}])
                 if ev.finish_reason is not None:
                     reason = "tool_calls" if p.parsed else ev.finish_reason
-                    yield chunk([{"index": ev.index, "delta": {}, "logprobs": None, "finish_reason": reason}])
+                    yield chunk([{"index": ev.index, "delta": {}, "logprobs": take(ev.index),
+                                  "finish_reason": reason}])
                     left -= 1
                 continue
             text, piece = ev.text, None

@@ -40,7 +40,8 @@ MAX_SCHEMA_BYTES = 64 * 1024  # a JSON schema's size as compact JSON
 MAX_SCHEMA_DEPTH = 32  # nesting of objects/arrays in a schema document
 MAX_PATTERN_CHARS = 4096  # a regular expression's length
 MAX_TAGGED_SCHEMAS = 128  # alternatives of a tagged grammar (tools of one request)
-MAX_TAG_CHARS = 256  # the begin / end literals of a tagged grammar
+MAX_TAG_CHARS = 256  # the begin / end (and sep / gap) literals of a tagged grammar
+MAX_TAGGED_ITEMS = 64  # values of a tagged grammar taking several (tool calls: tools.py's MAX_CALLS)
 MAX_CACHED_TOKENIZERS = 8
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
@@ -183,23 +184,40 @@ def regex_grammar(tokenizer, pattern: str) -> Grammar:
     return Grammar(tokenizer, _llguidance().LLMatcher.grammar_from_regex(pattern), "pattern")
 
 
-def tagged_json_grammar(tokenizer, begin: str, schemas: list[dict], end: str) -> Grammar:
+def tagged_json_grammar(tokenizer, begin: str, schemas: list[dict], end: str, *, max_items: int = 1,
+                        sep: str | None = None, gap: str = "") -> Grammar:
     """The literal `begin`, then one JSON value valid against one of `schemas`, then the literal `end`
-    (tool calls: begin="<tool_call>\\n", end="\\n</tool_call>")."""
-    for name, s in (("begin", begin), ("end", end)):
+    (tool calls: begin="<tool_call>\\n", end="\\n</tool_call>").
+
+    max_items > 1: one to max_items values, written as the template writes several calls: `sep` given,
+    one `begin` with the values joined by `sep` before one `end` (Mistral's "[TOOL_CALLS][a, b]"); else
+    each value in its own begin/end, the wrappings joined by `gap` (Hermes' "\\n")."""
+    for name, s in (("begin", begin), ("end", end), ("sep", sep or ""), ("gap", gap)):
         if not isinstance(s, str) or len(s) > MAX_TAG_CHARS:
             raise GrammarError(f"{name}: give a string of at most {MAX_TAG_CHARS} characters")
     if not schemas or len(schemas) > MAX_TAGGED_SCHEMAS:
         raise GrammarError(f"schemas: give 1 to {MAX_TAGGED_SCHEMAS} schemas, got {len(schemas)}")
+    if not 1 <= max_items <= MAX_TAGGED_ITEMS:
+        raise GrammarError(f"max_items: give 1 to {MAX_TAGGED_ITEMS}, got {max_items}")
     for i, s in enumerate(schemas):
         _check_schema(s, f"schemas[{i}]")
     if sum(len(json.dumps(s)) for s in schemas) > MAX_SCHEMA_BYTES * 4:
         raise GrammarError(f"schemas: more than {MAX_SCHEMA_BYTES * 4} bytes of schemas in all")
     alts = " | ".join("%json" + json.dumps({**s, "x-guidance": {**_JSON_OPTIONS, "lenient": False}})
                       for s in schemas)
-    parts = [json.dumps(t) for t in (begin, end) if t]  # a JSON string is a Lark string literal
+
+    def lit(t: str) -> list[str]:  # a JSON string is a Lark string literal; Lark has no empty one
+        return [json.dumps(t)] if t else []
+
     body = f"({alts})"
-    source = "start: " + " ".join(([parts[0]] if begin else []) + [body] + ([parts[-1]] if end else []))
+    if max_items == 1:
+        source = "start: " + " ".join(lit(begin) + [body] + lit(end))
+    elif sep is not None:  # the rule `item` is written once: its alternatives compile once for all items
+        source = (f"start: {' '.join(lit(begin) + ['item'])} ({' '.join(lit(sep) + ['item'])})"
+                  f"{{0,{max_items - 1}}} {' '.join(lit(end))}\nitem: {body}")
+    else:
+        source = (f"start: wrapped ({' '.join(lit(gap) + ['wrapped'])}){{0,{max_items - 1}}}\n"
+                  f"wrapped: {' '.join(lit(begin) + [body] + lit(end))}")
     return Grammar(tokenizer, source, "schemas")
 
 

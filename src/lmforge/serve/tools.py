@@ -28,8 +28,12 @@ watch for: a reply that starts with "{" is held until it ends.
 
 tool_choice "required" / a named function: `call_grammar` builds the grammar engine's tagged JSON
 (serve/grammar.py) in the template's own markup, one alternative per allowed function, each the
-object {name: that name, arguments: its parameters' schema}, so the reply is exactly one call that
-parses and validates.
+object {name: that name, arguments: its parameters' schema}, so every call parses and validates.
+"required" means one call or more (OpenAI's meaning) where several are allowed (parallel_tool_calls
+true or absent, and a template that writes several in a markup with an opening): 1 to MAX_CALLS calls
+written as the template writes two (each wrapped, joined by the text the template puts between them,
+or one list joined by its separator); the model ends the reply after any complete call. With
+parallel_tool_calls false, a named function or a template that takes one call: exactly one.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from lmforge.data.chat_tools import MAX_DEPTH
 from lmforge.errors import LmforgeError
 
 MAX_TOOLS = 128  # OpenAI's limit on the functions of one request
+MAX_CALLS = 16  # calls of one reply under tool_choice "required" (the grammar ends the reply there)
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 MAX_DESCRIPTION_CHARS = 4096
 _JSON = json.JSONDecoder()
@@ -88,7 +93,8 @@ def _too_deep(value: Any) -> bool:
 @dataclass(frozen=True)
 class Markup:
     """How a template writes tool calls: `begin` {name_key: ..., args_key: {...}} `end`; several calls
-    each wrapped (sep None) or inside one begin/end joined by `sep`; `parallel`: more than one at all."""
+    each wrapped (sep None; `gap` between one's end and the next's begin) or inside one begin/end joined
+    by `sep`; `parallel`: more than one at all."""
 
     family: str
     begin: str
@@ -97,6 +103,7 @@ class Markup:
     args_key: str = "arguments"
     sep: str | None = None
     parallel: bool = True
+    gap: str = "\n"
 
 
 HERMES = Markup("hermes", "<tool_call>\n", "\n</tool_call>")
@@ -188,8 +195,8 @@ def detect_markup(template: ChatTemplate) -> Markup | None:
         return HERMES
     family = ("hermes" if "<tool_call>" in begin else "mistral" if "[TOOL_CALLS]" in begin
               else "json" if not begin.strip() else "template")
-    sep, parallel = _several(template, prompt, reply.text, begin, close)
-    return Markup(family, begin, close, name_key, args_key, sep, parallel)
+    sep, parallel, gap = _several(template, prompt, reply.text, begin, close)
+    return Markup(family, begin, close, name_key, args_key, sep, parallel, gap)
 
 
 def _call(i: int) -> dict:
@@ -228,27 +235,33 @@ def _find_call(text: str, name: str) -> tuple[int, int, str, str] | None:
 
 
 def _several(template: ChatTemplate, prompt: str, reply: str, begin: str, close: str
-             ) -> tuple[str | None, bool]:
-    """How two calls are written: (None, True) each wrapped, (sep, True) one list, (None, False) one only."""
+             ) -> tuple[str | None, bool, str]:
+    """How two calls are written: (None, True, gap) each wrapped, `gap` between them; (sep, True, _) one
+    list; (None, False, _) one only."""
     user = [{"role": "user", "content": "lmforge probe"}]
+    gap = HERMES.gap
     try:
         called = template.render(user + [{"role": "assistant", "tool_calls": [_call(0), _call(1)]}],
                                  tools=_PROBE_TOOLS)
     except TemplateError:
-        return None, False
+        return None, False, gap
     turn = _turn(prompt, called, reply)
     if turn is None or not turn.startswith(begin):
-        return None, False
+        return None, False, gap
     first = _find_call(turn, _PROBE_TOOLS[0]["function"]["name"])
     second = _find_call(turn[first[1]:], _PROBE_TOOLS[1]["function"]["name"]) if first else None
     if second is None:
-        return None, False
+        return None, False, gap
     between = turn[first[1]: first[1] + second[0]]
-    if close.strip() and between.strip().startswith(close.strip()):
-        return None, True  # each call has its own opening and closing
+    if close.strip() and between.strip().startswith(close.strip()):  # each call has its own opening
+        inner = between[len(close): len(between) - len(begin)]
+        exact = between.startswith(close) and between.endswith(begin) and len(between) >= len(close + begin)
+        # What the template writes between two wrapped calls (a forced reply writes the same); text that
+        # is not whitespace would be read back as content, so the common newline instead.
+        return None, True, inner if exact and not inner.strip() else gap
     if between.strip() and not close.strip().startswith(between.strip()):
-        return between, True
-    return None, False
+        return between, True, gap
+    return None, False, gap
 
 
 # -- parsing --------------------------------------------------------------------------------------------
@@ -522,13 +535,17 @@ def call_schemas(markup: Markup, tools: Sequence[dict], only: str | None = None)
 
 
 def call_grammar(tokenizer, plan: ToolPlan):
-    """The grammar that makes a reply one call in the template's markup: of `plan.only`, or of any of the
-    tools ("required"), its arguments valid against the function's parameters (every tool strict)."""
+    """The grammar that makes a reply calls in the template's markup: one of `plan.only`, or 1 to
+    MAX_CALLS of any of the tools ("required"; one where the plan keeps one), their arguments valid
+    against the function's parameters (every tool strict)."""
     from lmforge.serve.grammar import GrammarError, tagged_json_grammar
 
     m = plan.markup
+    # A markup without an opening (Llama's bare JSON) is read back as one call: never write more.
+    several = plan.mode == "required" and plan.parallel and bool(m.begin.strip())
     try:
-        return tagged_json_grammar(tokenizer, m.begin, call_schemas(m, plan.tools, plan.only), m.end)
+        return tagged_json_grammar(tokenizer, m.begin, call_schemas(m, plan.tools, plan.only), m.end,
+                                   max_items=MAX_CALLS if several else 1, sep=m.sep, gap=m.gap)
     except GrammarError as e:
         raise ToolsRefused(f"the tools' parameters cannot be enforced: {e}", "tools") from None
     except LmforgeError as e:  # llguidance is not installed
