@@ -262,6 +262,28 @@ def test_a_llama3_split_tokenizer_round_trips_and_needs_ignore_merges(tmp_path, 
     assert "ignore_merges=False with a llama-bpe split" in capsys.readouterr().err
 
 
+def test_o200k_exports_as_gpt_4o_with_a_note_and_llama_cpp_tokenizes_it(tmp_path, capsys):
+    """gpt-oss's o200k split: llama.cpp knows it as gpt-4o and runs an ASCII approximation of its regex,
+    so the export says so; on English text, digits, code, Cyrillic and CJK the ids are lmforge's (checked
+    by llama.cpp when installed: the name holds llama_cpp, so the tier runs it)."""
+    from lmforge.finetune.gguf_vocab import _SPLITS
+
+    o200k = next(regex for regex, name in _SPLITS.items() if name == "gpt-4o")
+    _split_tokenizer(tmp_path / "tok.json", o200k)
+    imported = _imported("llama", tmp_path / "tok.json", tmp_path)
+    capsys.readouterr()
+    _export(imported, tmp_path / "m.gguf", "q8_0")
+    assert "llama.cpp runs as an ASCII approximation" in capsys.readouterr().out
+    fields = {f.name: f for f in gguf.GGUFReader(tmp_path / "m.gguf").fields.values()}
+    assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == "gpt-4o"
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
+                                    "llama.cpp tier: bash scripts/llama_cpp_tier.sh builds it, ~4 minutes)")
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=64, vocab_only=True, verbose=False)
+    ours = Tokenizer.load(imported / "tokenizer.json")
+    for text in ("The quick brown fox, it's 1234567 times!", "def f(x):\n    return x  # ok\n", "ЖЖ 你好"):
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == ours.encode(text), text
+
+
 def test_a_lora_sft_run_exports_merged_with_its_template(families, tmp_path):
     """A fine-tuned run: its adapters are merged into the GGUF's weights (logits equal lmforge's merged
     model) and the template it was trained with is in the metadata, the Modelfile and the stops."""

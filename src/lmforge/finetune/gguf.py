@@ -179,6 +179,8 @@ def write_gguf(gguf, hf_dir: Path, path: Path, quant: str, name: str, say=print)
     n_vocab = tensors.shape("model.embed_tokens.weight")[0] if "model.embed_tokens.weight" in tensors.where \
         else int(cfg["vocab_size"])
     vocab = read_vocab(hf_dir, n_vocab, label=f"the tokenizer of {name}")
+    for note in vocab.notes:
+        say(note)
 
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(Path(name).resolve().name)

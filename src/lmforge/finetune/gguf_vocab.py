@@ -30,6 +30,18 @@ _SPLITS = {
     r"|\s+(?!\S)|\s+": "llama-bpe",
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+": "qwen2",
+    # o200k (gpt-oss, Llama 4): llama.cpp names it gpt-4o and runs an approximation (see _APPROXIMATE)
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+": "gpt-4o",
+}
+# Splits llama.cpp runs only approximately: what the export says. llama.cpp's own converter writes every
+# o200k model this way; refusing would leave gpt-oss without a GGUF at all.
+_APPROXIMATE = {
+    "gpt-4o": "note: the tokenizer splits text with o200k's regex, which llama.cpp runs as an ASCII "
+              "approximation (its gpt-4o pre-tokenizer, as in every gpt-oss GGUF): the same tokens on "
+              "English, code, digits, CJK and Cyrillic, but words in non-ASCII capitals (\"ÉCOLE\"), "
+              "titlecase digraphs and decomposed accents may split differently than in lmforge",
 }
 # Normalizers llama.cpp does not run but that change nothing a model's text holds in practice: Qwen2's
 # NFC (llama.cpp's own Qwen2 conversion drops it the same way).
@@ -54,6 +66,7 @@ class Vocab:
     stop_ids: list[int] = field(default_factory=list)  # every token generation ends at (Modelfile stops)
     scores: list[float] | None = None  # a sentencepiece-style vocabulary: each token's merge priority
     add_space_prefix: bool = False
+    notes: list[str] = field(default_factory=list)  # where llama.cpp tokenizes only approximately
 
     def write(self, writer) -> None:
         if self.scores is None:
@@ -92,7 +105,7 @@ def _pre_name(pre: dict[str, Any] | None, where: str) -> str:
     raise LmforgeError(
         f"{where}: its pre_tokenizer {json.dumps(pre)[:300]} is not one llama.cpp knows by name; "
         "GGUF export writes byte-level BPE tokenizers that split text like GPT-2 (lmforge's own "
-        "tokenizers), Llama 3 or Qwen2, so that llama.cpp tokenizes exactly as lmforge does"
+        "tokenizers), Llama 3, Qwen2 or o200k (gpt-oss), the splits llama.cpp knows"
     )
 
 
@@ -227,7 +240,8 @@ def read_vocab(hf_dir: Path, n_vocab: int, label: str = "the tokenizer") -> Voca
     return Vocab(pre=pre, tokens=filled, types=types, merges=merges, bos_id=bos, eos_id=eos,
                  eot_id=eot, pad_id=pad, add_bos=add_bos, chat_template=template, special=special,
                  stop_ids=list(dict.fromkeys(x for x in (eot, *stops, eos) if x is not None)),
-                 scores=scores, add_space_prefix=space_prefix)
+                 scores=scores, add_space_prefix=space_prefix,
+                 notes=[_APPROXIMATE[pre]] if pre in _APPROXIMATE else [])
 
 
 def _json(path: Path) -> dict[str, Any]:
