@@ -21,6 +21,7 @@ import torch
 
 from lmforge.cli import main
 from lmforge.data.tokenizer import Tokenizer
+from lmforge.errors import LmforgeError
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -401,6 +402,10 @@ def test_every_end_of_generation_id_becomes_a_stop(tokenizer_file, tmp_path):
     vocab = read_vocab(tmp_path, 320)
     assert (vocab.eos_id, vocab.eot_id, vocab.stop_ids) == (ids[0], ids[1], [ids[1], ids[0], ids[2]])
     assert len(vocab.tokens) == 320 and vocab.tokens[-1] == "[PAD319]" and vocab.types[-1] == 5  # UNUSED
+    # an id past the vocabulary (e.g. a config's default EOS kept with a smaller tokenizer) is refused by key
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids[0], 50279]}))
+    with pytest.raises(LmforgeError, match="eos_token_id 50279 lies outside the vocabulary"):
+        read_vocab(tmp_path, 320)
 
 
 def _spm_encode(text: str, tokens: list[str], scores: list[float], types: list[int]) -> list[int]:

@@ -222,6 +222,11 @@ def read_vocab(hf_dir: Path, n_vocab: int, label: str = "the tokenizer") -> Voca
     eot = stops[1] if len(stops) > 1 else named_eos if named_eos != eos else None
     bos = (ids("bos_token_id") or [_token_id(config.get("bos_token"), special)])[0]
     pad = (ids("pad_token_id") or [_token_id(config.get("pad_token"), special)])[0]
+    for key, values in (("bos_token_id", [bos]), ("eos_token_id", stops + [eos]), ("pad_token_id", [pad])):
+        for v in values:
+            if v is not None and not 0 <= v < n_vocab:
+                raise LmforgeError(f"{label}: {key} {v} lies outside the vocabulary (0..{n_vocab - 1}); "
+                                   "set the model config's special token ids to tokens the tokenizer has")
     # add_bos: what the tokenizer itself does (its post-processor), found by asking it
     tok = HFTokenizer.from_file(str(path))
     plain = tok.encode("a", add_special_tokens=False).ids
