@@ -17,8 +17,8 @@ computes Q8_0 matrix products on 8-bit activations too, so its own error is larg
 converter (convert_hf_to_gguf.py of the version the tier runs, on lmforge's Hugging Face export of the
 `gemma3_hf` model) writes a file whose logits equal those of ours bit for bit: 1.35e-3 at f16, 4.1e-2
 at q8_0. Its bound is GEMMA3_Q8_0; the layout is checked by f16's bound, which each key's absence
-breaks (no final cap 0.48, no layer pattern 0.92, no local RoPE base 1.1, attention cap 50 for 0.1
-in Gemma 2 2e-2)."""
+breaks (measured by leaving each out, gemma2 / gemma3: no final cap 8.1e-2 / 5.9e-2, no layer pattern
+0.84 / 0.69, no local RoPE base - / 0.87, attention cap 50 for 0.1 in Gemma 2 7.3e-2)."""
 
 from __future__ import annotations
 
