@@ -136,25 +136,23 @@ def test_the_gemma_metadata_keys(models, tmp_path):
     assert 0.8 < float(np.mean(tensors["blk.0.attn_q_norm.weight"].data)) < 1.2
 
 
-def _gemma2_checked(tokenizer_file, tmp_path, **more):
-    """A tiny Gemma 2 (32 wide) for the refusals."""
-    small = dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
-                 head_dim=16, query_pre_attn_scalar=16)
-    return _imported("gemma2", tokenizer_file, tmp_path, **{**small, **more})
+SMALL = {"gemma2": dict(hidden_size=32, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                        head_dim=16, query_pre_attn_scalar=16),
+         "gpt2": dict(n_embd=32)}
+SMALL["gemma3"] = SMALL["gemma2"]
 
 
 @pytest.mark.parametrize(("name", "setting", "message"), [
     ("gemma2", dict(query_pre_attn_scalar=10), "query_pre_attn_scalar=10"),
     ("gemma2", dict(final_logit_softcapping=None), "final_logit_softcapping=null"),
     ("gemma2", dict(tie_word_embeddings=False), "tie_word_embeddings=false"),
+    ("gemma3", dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+     "RoPE scaling 'yarn' on the full-attention layers"),
     ("gpt2", dict(activation_function="gelu"), "activation_function='gelu'"),
 ])
 def test_a_setting_the_gguf_cannot_express_is_refused_by_name(tokenizer_file, tmp_path, capsys, name,
                                                               setting, message):
-    if name == "gemma2":
-        imported = _gemma2_checked(tokenizer_file, tmp_path, **setting)
-    else:
-        imported = _imported(name, tokenizer_file, tmp_path, n_embd=32, **setting)
+    imported = _imported(name, tokenizer_file, tmp_path, **{**SMALL[name], **setting})
     capsys.readouterr()
     out = tmp_path / "out" / "m.gguf"
     assert main(["export", str(imported), str(out), "--format", "gguf"]) == 2

@@ -59,9 +59,11 @@ def check(cfg: dict[str, Any]) -> None:
         if not cfg.get("tie_word_embeddings", True):
             _refuse(cfg, "tie_word_embeddings=false (llama.cpp's gemma2 reads its LM head from the "
                          "embedding)")
-    elif cfg.get("attn_logit_softcapping") is not None:
-        _refuse(cfg, f"attn_logit_softcapping={cfg['attn_logit_softcapping']} (gemma3 does not soft-cap "
-                     "attention)")
+    else:
+        if cfg.get("attn_logit_softcapping") is not None:
+            _refuse(cfg, f"attn_logit_softcapping={cfg['attn_logit_softcapping']} (gemma3 does not soft-cap "
+                         "attention)")
+        _gemma3_rope_params(cfg)
     _sliding_layers(cfg)
 
 
@@ -99,26 +101,37 @@ def metadata(ctx: Context) -> None:
         return
     if cfg.get("final_logit_softcapping") is not None:
         w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
-    _gemma3_rope(ctx, any(sliding))
+    _gemma3_rope(ctx)
 
 
-def _gemma3_rope(ctx: Context, has_sliding: bool) -> None:
-    """The full layers' RoPE as the usual keys; the sliding layers' base as rope.freq_base_swa. llama.cpp
-    applies no scaling to the sliding layers (as transformers' Gemma 3 with its default local RoPE)
-    and the full layers' linear scaling to the others; a YaRN there would reach the sliding layers too."""
+def _gemma3_rope_params(cfg: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the full layers' RoPE parameters, the sliding layers' or None without sliding layers). llama.cpp
+    applies no scaling to the sliding layers (as transformers' Gemma 3 with its default local RoPE) and
+    the full layers' linear scaling to the others; its other scalings would reach the sliding layers."""
     from lmforge.models.hf import rope
 
-    params = ctx.cfg.get("rope_parameters") or {}
+    params = cfg.get("rope_parameters") or {}
     nested = bool(params) and all(isinstance(v, dict) for v in params.values())
     full = params.get("full_attention", {}) if nested else params
     local = params.get("sliding_attention", full) if nested else full
     if rope.rope_kind(full) not in ("default", "linear"):
-        _refuse(ctx.cfg, f"RoPE scaling {rope.rope_kind(full)!r} on the full-attention layers (llama.cpp's "
-                         "gemma3 takes linear only: its other scalings reach the sliding layers too)")
+        _refuse(cfg, f"RoPE scaling {rope.rope_kind(full)!r} on the full-attention layers (llama.cpp's "
+                     "gemma3 takes linear only: its other scalings reach the sliding layers too)")
+    if not any(_sliding_layers(cfg)):
+        return full, None
+    if rope.rope_kind(local) != "default":
+        _refuse(cfg, f"RoPE scaling {rope.rope_kind(local)!r} on the sliding-window layers (llama.cpp's "
+                     "gemma3 scales only the full-attention layers)")
+    return full, local
+
+
+def _gemma3_rope(ctx: Context) -> None:
+    """The full layers' RoPE as the usual keys; the sliding layers' base as rope.freq_base_swa."""
+    from lmforge.models.hf import rope
+
+    full, local = _gemma3_rope_params(ctx.cfg)
     rope_keys(replace(ctx, cfg={**ctx.cfg, "rope_parameters": full}))
-    if has_sliding:
-        if rope.rope_kind(local) != "default":
-            _refuse(ctx.cfg, f"RoPE scaling {rope.rope_kind(local)!r} on the sliding-window layers")
+    if local is not None:
         ctx.writer.add_rope_freq_base_swa(rope.rope_theta(ctx.cfg, local))
 
 
