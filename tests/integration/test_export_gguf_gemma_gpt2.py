@@ -61,17 +61,17 @@ MODELS = {
 }
 
 
-def _imported(name: str, tokenizer_file, root, **more):
+def _imported(name: str, tokenizer_file, root, specials=None, **more):
     config_cls, model_cls, kwargs = MODELS[name]
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>",
-                                                  pad_token="<|endoftext|>")
+    specials = specials or {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **specials)
     hf_tok.chat_template = TEMPLATE
     torch.manual_seed(0)
     # the ids of this tokenizer's specials (the configs' defaults are those of the real vocabularies)
-    specials = dict(eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.pad_token_id,
-                    pad_token_id=hf_tok.pad_token_id)
+    ids = dict(eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.bos_token_id or hf_tok.pad_token_id,
+               pad_token_id=hf_tok.pad_token_id)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
-        vocab_size=len(hf_tok), **{**specials, **kwargs, **more}))
+        vocab_size=len(hf_tok), **{**ids, **kwargs, **more}))
     # norms away from their neutral value (Gemma's weights w act as 1 + w: neutral at 0), biases from 0
     neutral = 0.0 if name.startswith("gemma") else 1.0
     with torch.no_grad():
@@ -183,3 +183,31 @@ def test_llama_cpp_loads_the_gguf_with_equal_logits(models, name, quant, tmp_pat
     print(f"llama.cpp {name} {quant}: max relative logit error {err:.2e}")
     bound = GEMMA3_Q8_0 if (name, quant) == ("gemma3", "q8_0") else TOLERANCE[quant]
     assert err < bound, (name, quant, err)
+
+
+def test_llama_cpp_tokenizes_a_gemma_sentencepiece_vocabulary_as_lmforge(tokenizer_file, tmp_path):
+    """Gemma's tokenizer files: a sentencepiece-style BPE with byte fallback whose only normalizer turns
+    spaces into U+2581, with no space in front (llama.cpp's add_space_prefix false) and a BOS added."""
+    import json
+
+    from test_export_gguf import _spm_tokenizer
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    _spm_tokenizer(tmp_path / "tok.json", "llama2")
+    spec = json.loads((tmp_path / "tok.json").read_text())
+    spec["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
+    spec["decoder"]["decoders"] = spec["decoder"]["decoders"][:3]  # no leading space to strip
+    (tmp_path / "tok.json").write_text(json.dumps(spec))
+    specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>"}
+    imported = _imported("gemma2", tmp_path / "tok.json", tmp_path, specials=specials, **SMALL["gemma2"])
+    _export(imported, tmp_path / "m.gguf", "q8_0")
+    fields = _fields(tmp_path / "m.gguf")
+    assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+    assert fields["tokenizer.ggml.add_space_prefix"].contents() is False
+    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=64, verbose=False, n_threads=2,
+                          vocab_only=True)
+    ours = Tokenizer.load(imported / "tokenizer.json")
+    assert ours.encode("the fox")[0] != ours.encode(" the fox")[0]  # no space prefix in lmforge either
+    for text in (TEXT, " the quick brown fox 1234567", "two  inner spaces 🙂 and\n a newline"):
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == ours.encode(text), text
+    assert llm.tokenize(b"the fox", add_bos=True)[0] == ours.token_id("<s>")
