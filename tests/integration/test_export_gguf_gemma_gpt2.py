@@ -6,6 +6,7 @@ is not the family default, Gemma 3's local RoPE base and linear scaling, an unti
 eps). transformers' GGUF loader reads fewer keys (not the soft-caps, query_pre_attn_scalar, the layer
 pattern or the local RoPE base: it takes its config defaults for those, and n_ctx rather than
 n_positions for GPT-2), so its tier uses models whose settings are those defaults (the `_hf` models).
+It reads a `gemma3` file as gemma3_text, i.e. Gemma3ForCausalLM (text only), what lmforge imports.
 
 Max relative logit error measured here (printed with -s), gemma2 / gemma3 / gpt2: llama.cpp f16
 9.2e-4 / 1.3e-3 / 4.5e-4, q8_0 2.1e-2 / 3.6e-2 / 1.4e-2, q4_k_m 0.16 / 0.34 / 0.06; transformers (the
