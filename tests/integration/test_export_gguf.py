@@ -186,21 +186,24 @@ def test_refusals_leave_existing_files_alone(families, tmp_path, capsys):
     assert struct.unpack("<I", out.read_bytes()[4:8])[0] == 3  # GGUF version 3
 
 
-def test_unsupported_family_is_refused_by_name(tmp_path, tokenizer_file, capsys, monkeypatch):
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>")
-    cfg = transformers.GPT2Config(vocab_size=len(hf_tok), n_embd=32, n_layer=1, n_head=2, n_positions=64)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hf")
-    hf_tok.save_pretrained(tmp_path / "hf")
-    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "imp")]) == 0
+def test_unsupported_family_is_refused_by_name(families, tmp_path, capsys, monkeypatch):
+    """A model_type no GGUF family module claims (as if the run were one lmforge exports only as Hugging
+    Face) is refused by name, with the supported list, before the full-size Hugging Face export."""
+    from lmforge.finetune.gguf_arch import families as gguf_families
+
+    imported, _ = families("llama")
 
     def no_export(*args, **kwargs):
         raise AssertionError("refused only after the full-size Hugging Face export")
 
     monkeypatch.setattr("lmforge.finetune.export.export_run", no_export)
-    assert main(["export", str(tmp_path / "imp"), str(tmp_path / "m.gguf"), "--format", "gguf"]) == 2
+    monkeypatch.setattr("lmforge.models.hf.convert.export_model_type", lambda *a, **k: "no_such_family")
+    capsys.readouterr()
+    assert main(["export", str(imported), str(tmp_path / "m.gguf"), "--format", "gguf"]) == 2
     err = capsys.readouterr().err
-    assert "model_type 'gpt2'" in err and all(f in err for f in ("llama", "mistral", "qwen2", "qwen3"))
-    assert not (tmp_path / "m.gguf").exists()
+    assert "model_type 'no_such_family'" in err and ", ".join(sorted(gguf_families())) in err, err
+    assert "gpt2" in gguf_families() and "llama" in gguf_families()
+    assert list(tmp_path.iterdir()) == []
 
 
 def _split_tokenizer(path, regex: str, ignore_merges: bool = False) -> None:

@@ -122,7 +122,7 @@ def _check_family(cfg: dict[str, Any]):
     """The family module of a Hugging Face config, after its own checks."""
     module = family(cfg.get("model_type"))
     arch = (cfg.get("architectures") or [""])[0]
-    if not arch.endswith("ForCausalLM"):
+    if not arch.endswith(("ForCausalLM", "LMHeadModel")):  # GPT-2's causal LM is GPT2LMHeadModel
         raise LmforgeError(f"GGUF export writes causal language models; this one is {arch} (a reward model?)")
     module.check(cfg)
     return module
