@@ -4,8 +4,12 @@ a 6-bit min) and Q6_K (6-bit, 16 sub-blocks of 16 with int8 scales). The byte la
 (block_q4_K / block_q6_K); tests/integration/test_export_gguf.py checks every byte layout through
 gguf-py's dequantizer and the whole file through transformers' loader.
 
-The scales are found in one pass (range per sub-block, then the scales themselves quantized), not by
-llama.cpp's iterative search, so the error is somewhat above llama.cpp's for the same type."""
+The scales are searched as llama.cpp's reference quantizers search them (quantize_row_q4_K_ref with
+make_qkx2_quants, quantize_row_q6_K_ref with make_qx_quants: the path `llama-quantize` takes without an
+importance matrix): a few candidate scales per sub-block, each refined by a weighted least-squares fit,
+the best kept. Every step is float32 in llama.cpp's order of operations (its sums run element by
+element, so ours do too, one row of a (values, sub-blocks) array at a time), which makes the blocks
+byte-identical to llama.cpp's (tests/integration/test_export_gguf_kquants.py compares them)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ import re
 import numpy as np
 
 QK_K = 256
+_CHUNK = 2048  # blocks quantized together: (32, 16384) float32 work arrays of 2 MiB stay in cache
+_F = np.float32
+_EPS = _F(1e-15)  # llama.cpp's GROUP_MAX_EPS: a sub-block below it is all zero
 
 
 def _use_more_bits(layer: int, n_layers: int) -> bool:
@@ -48,51 +55,153 @@ def quantize(arr: np.ndarray, qtype) -> np.ndarray:
     *lead, cols = arr.shape
     assert cols % QK_K == 0, cols
     blocks = arr.astype(np.float32).reshape(-1, QK_K)
-    data = _q4_k(blocks) if qtype == T.Q4_K else _q6_k(blocks)
+    one = _q4_k if qtype == T.Q4_K else _q6_k
+    data = np.concatenate([one(blocks[i:i + _CHUNK]) for i in range(0, max(len(blocks), 1), _CHUNK)])
     return data.reshape(*lead, -1)
 
 
-def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.divide(a, b, out=np.zeros(np.broadcast(a, b).shape, np.float32), where=b != 0)
+def _rint(a: np.ndarray) -> np.ndarray:
+    # llama.cpp's nearest_int rounds half to even, as np.rint does
+    return np.rint(a, out=a)
+
+
+def _sum(a: np.ndarray) -> np.ndarray:
+    """(k, S) -> (S,): summed element by element in order, as llama.cpp's loops sum (numpy's own
+    reduction sums pairwise, which rounds differently)."""
+    acc = a[0].copy()
+    for row in a[1:]:
+        acc += row
+    return acc
+
+
+def _fit_q4(x: np.ndarray):
+    """make_qkx2_quants(32, 15, x, weights, ..., rmin=-1, rdelta=0.1, nstep=20, use_mad=false) for
+    every sub-block at once: x (32, S), values down the columns. Returns (scale (S,), min (S,) >= 0
+    as subtracted, L (32, S) float levels 0..15)."""
+    n = x.shape[0]
+    av_x = np.sqrt(_sum(x * x) / _F(n))
+    w = av_x + np.abs(x)
+    sum_w, sum_x = _sum(w), _sum(w * x)
+    lo = np.minimum(x.min(axis=0), _F(0))
+    hi = x.max(axis=0)
+    flat = hi == lo
+    lo = np.where(flat, _F(0), lo)  # (a constant sub-block is left out of the search below)
+    iscale = _F(15) / (hi - lo)
+    scale = _F(1) / iscale
+    L = np.clip(_rint(iscale * (x - lo)), 0, 15)
+    diff = scale * L + lo - x
+    best = _sum(w * (diff * diff))
+    for step in range(21):
+        # as llama.cpp's loop: each candidate is laid over the best fit's min so far, not the range's
+        iscale = (_F(-1) + _F(0.1) * _F(step) + _F(15)) / (hi - lo)
+        la = np.clip(_rint(iscale * (x - lo)), 0, 15)
+        wl = w * la
+        sum_l, sum_l2, sum_xl = _sum(wl), _sum(wl * la), _sum(wl * x)
+        D = sum_w * sum_l2 - sum_l * sum_l
+        ok = D > 0
+        Ds = np.where(ok, D, _F(1))
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / Ds
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / Ds
+        pos = this_min > 0  # a positive offset is not representable (the min is subtracted): refit without
+        this_min = np.where(pos, _F(0), this_min)
+        this_scale = np.where(pos, sum_xl / np.where(sum_l2 != 0, sum_l2, _F(1)), this_scale)
+        diff = this_scale * la + this_min - x
+        cur = _sum(w * (diff * diff))
+        better = ok & (cur < best) & ~flat
+        L = np.where(better, la, L)
+        best = np.where(better, cur, best)
+        scale = np.where(better, this_scale, scale)
+        lo = np.where(better, this_min, lo)
+    # a constant sub-block (max == min): levels 0, scale 0, the min its value (or 0 when positive)
+    lo = np.where(flat, np.minimum(hi, _F(0)), lo)
+    return np.where(flat, _F(0), scale), -lo, np.where(flat, _F(0), L)
+
+
+def _to_u8(a: np.ndarray) -> np.ndarray:
+    # C's uint8_t = nearest_int(...) wraps a negative int; the MIN(63, .) after it then clamps
+    return np.minimum(_rint(a).astype(np.int64) & 0xFF, 63).astype(np.uint8)
 
 
 def _q4_k(x: np.ndarray) -> np.ndarray:
     n = x.shape[0]
-    sub = x.reshape(n, 8, 32)
-    lo = np.minimum(sub.min(axis=2), 0.0)  # (n, 8): a sub-block's offset is subtracted, so min <= 0
-    hi = sub.max(axis=2)
-    scale, mins = (hi - lo) / 15.0, -lo
-    d = scale.max(axis=1, keepdims=True) / 63.0  # (n, 1): the 6-bit scales' own scale
-    dmin = mins.max(axis=1, keepdims=True) / 63.0
-    sc = np.clip(np.rint(_div(scale, d)), 0, 63).astype(np.uint8)
-    m = np.clip(np.rint(_div(mins, dmin)), 0, 63).astype(np.uint8)
-    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
-    # quantize against the scales as stored (f16, 6-bit), so the dequantized values are the nearest ones
-    step = d16.astype(np.float32) * sc
-    off = dmin16.astype(np.float32) * m
-    q = np.clip(np.rint(_div(sub + off[..., None], step[..., None])), 0, 15).astype(np.uint8)  # (n, 8, 32)
-    scales = np.zeros((n, 12), np.uint8)
-    scales[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
-    scales[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
-    scales[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    sub = np.ascontiguousarray(x.reshape(n * 8, 32).T)  # (32, n*8): one sub-block per column
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        scales, mins, L = _fit_q4(sub)
+        scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
+        max_scale = np.maximum(scales.max(axis=1), _F(0))
+        max_min = np.maximum(mins.max(axis=1), _F(0))
+        inv_scale = np.where(max_scale > 0, _F(63) / max_scale, _F(0))
+        inv_min = np.where(max_min > 0, _F(63) / max_min, _F(0))
+        sc = _to_u8(inv_scale[:, None] * scales)
+        m = _to_u8(inv_min[:, None] * mins)
+        d16 = (max_scale / _F(63)).astype(np.float16)
+        dmin16 = (max_min / _F(63)).astype(np.float16)
+        # the levels again against the scales as stored (f16 times 6 bits); a sub-block whose stored
+        # scale is 0 keeps the search's levels, as llama.cpp's does
+        d = (d16.astype(np.float32)[:, None] * sc).reshape(-1)
+        dm = (dmin16.astype(np.float32)[:, None] * m).reshape(-1)
+        fresh = np.clip(_rint((sub + dm) / np.where(d != 0, d, _F(1))), 0, 15)
+        L = np.where(d != 0, fresh, L)
+    q = L.T.astype(np.uint8).reshape(n, 8, 32)
+    scales_b = np.zeros((n, 12), np.uint8)
+    scales_b[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    scales_b[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    scales_b[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
     # each 32 bytes of qs hold two sub-blocks: the even one in the low nibbles, the odd one in the high
     qs = (q[:, 0::2, :] | (q[:, 1::2, :] << 4)).reshape(n, 128)
-    return np.concatenate([d16.view(np.uint8), dmin16.view(np.uint8), scales, qs], axis=1)
+    return np.concatenate([d16.reshape(n, 1).view(np.uint8), dmin16.reshape(n, 1).view(np.uint8),
+                           scales_b, qs], axis=1)
+
+
+def _fit_q6(x: np.ndarray):
+    """make_qx_quants(16, 32, x, L, rmse_type=1, NULL) for every sub-block at once: x (16, S). Returns
+    (scale (S,), levels (16, S) in -32..31). The weights are x squared."""
+    idx = np.abs(x).argmax(axis=0)
+    peak = np.take_along_axis(x, idx[None], axis=0)[0]  # the signed value of largest magnitude (first)
+    zero = np.abs(peak) < _EPS
+    peak = np.where(zero, _F(1), peak)
+    wx = (x * x) * x
+    w = x * x
+
+    def levels(iscale):
+        la = np.clip(_rint(iscale * x), -32, 31)
+        wl = w * la
+        return la, _sum(wx * la), _sum(wl * la)
+
+    L, sumlx, suml2 = levels(_F(-32) / peak)
+    scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, _F(1)), _F(0))
+    best = scale * sumlx
+    for step in (-9, -8, -7, -6, -5, -4, -3, -2, -1, 1, 2, 3, 4, 5, 6, 7, 8, 9):
+        la, sumlx, suml2 = levels(-(_F(32) + _F(0.1) * _F(step)) / peak)
+        better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        L = np.where(better, la, L)
+        scale = np.where(better, sumlx / np.where(suml2 > 0, suml2, _F(1)), scale)
+        best = np.where(better, scale * sumlx, best)
+    return np.where(zero, _F(0), scale), np.where(zero, _F(-32), L)
 
 
 def _q6_k(x: np.ndarray) -> np.ndarray:
     n = x.shape[0]
-    sub = x.reshape(n, 16, 16)
-    amax = np.abs(sub).max(axis=2)
-    scale = amax / 31.0  # (n, 16): values map to -31..31 (the type holds -32..31)
-    d = np.abs(scale).max(axis=1, keepdims=True) / 127.0
-    sc = np.clip(np.rint(_div(scale, d)), -128, 127).astype(np.int8)
-    d16 = d.astype(np.float16)
-    step = d16.astype(np.float32) * sc
-    q = (np.clip(np.rint(_div(sub, step[..., None])), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)
+    sub = np.ascontiguousarray(x.reshape(n * 16, 16).T)  # (16, n*16)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        scales, L = _fit_q6(sub)
+        scales = scales.reshape(n, 16)
+        pick = np.abs(scales).argmax(axis=1)
+        max_scale = np.take_along_axis(scales, pick[:, None], axis=1)[:, 0]  # signed, largest magnitude
+        empty = np.abs(max_scale) < _EPS  # llama.cpp writes such a block as all zero bytes
+        iscale = _F(-128) / np.where(empty, _F(1), max_scale)
+        d16 = np.where(empty, _F(0), _F(1) / iscale).astype(np.float16)
+        sc = np.minimum(_rint(iscale[:, None] * scales), 127).astype(np.int8)
+        sc[empty] = 0
+        d = (d16.astype(np.float32)[:, None] * sc).reshape(-1)
+        fresh = np.clip(_rint(sub / np.where(d != 0, d, _F(1))), -32, 31)
+        L = np.where(d != 0, fresh, L)
+    q = (L.T + 32).astype(np.uint8).reshape(n, 16 * 16)
+    q[empty] = 0
+    q = q.reshape(n, 2, 4, 32)
     # per half of 128 values: ql packs quarters 0|2 and 1|3 as low|high nibbles, qh the top 2 bits of all four
     ql = np.concatenate([(q[:, :, 0] & 0xF) | ((q[:, :, 2] & 0xF) << 4),
                          (q[:, :, 1] & 0xF) | ((q[:, :, 3] & 0xF) << 4)], axis=2).reshape(n, 128)
     qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
           | ((q[:, :, 3] >> 4) << 6)).reshape(n, 64)
-    return np.concatenate([ql, qh, sc.view(np.uint8), d16.view(np.uint8)], axis=1)
+    return np.concatenate([ql, qh, sc.view(np.uint8), d16.reshape(n, 1).view(np.uint8)], axis=1)
