@@ -13,7 +13,9 @@ byte-identical to llama.cpp's (tests/integration/test_export_gguf_kquants.py com
 
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -47,17 +49,29 @@ def q4_k_m_type(role: str):
     return T.Q6_K if role in ("output", "more_bits") else T.Q4_K
 
 
-def quantize(arr: np.ndarray, qtype) -> np.ndarray:
+def quantize(arr: np.ndarray, qtype, threads: int | None = None) -> np.ndarray:
     """(..., cols) float32 -> (..., cols // 256 * block bytes) uint8 of Q4_K or Q6_K blocks (a stack of
-    experts' matrices too: blocks run along the last axis)."""
+    experts' matrices too: blocks run along the last axis). Chunks of blocks are quantized on `threads`
+    threads (default: the cores this process may use); numpy releases the GIL inside each operation,
+    and the result does not depend on the number of threads."""
     from gguf import GGMLQuantizationType as T
 
     *lead, cols = arr.shape
     assert cols % QK_K == 0, cols
     blocks = arr.astype(np.float32).reshape(-1, QK_K)
     one = _q4_k if qtype == T.Q4_K else _q6_k
-    data = np.concatenate([one(blocks[i:i + _CHUNK]) for i in range(0, max(len(blocks), 1), _CHUNK)])
-    return data.reshape(*lead, -1)
+    chunks = [blocks[i:i + _CHUNK] for i in range(0, max(len(blocks), 1), _CHUNK)]
+    threads = min(threads or _cores(), len(chunks))
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            parts = list(pool.map(one, chunks))
+    else:
+        parts = [one(c) for c in chunks]
+    return np.concatenate(parts).reshape(*lead, -1)
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _rint(a: np.ndarray) -> np.ndarray:
@@ -74,6 +88,14 @@ def _sum(a: np.ndarray) -> np.ndarray:
     return acc
 
 
+def _take(L: np.ndarray, la: np.ndarray, better: np.ndarray, t: np.ndarray) -> None:
+    """L[:, better] = la[:, better], in place: levels are small integers, so L + (la - L) * 0|1 is exact
+    (and several times faster than a broadcast mask)."""
+    np.subtract(la, L, out=t)
+    t *= better.astype(np.float32)
+    L += t
+
+
 def _fit_q4(x: np.ndarray):
     """make_qkx2_quants(32, 15, x, weights, ..., rmin=-1, rdelta=0.1, nstep=20, use_mad=false) for
     every sub-block at once: x (32, S), values down the columns. Returns (scale (S,), min (S,) >= 0
@@ -86,17 +108,34 @@ def _fit_q4(x: np.ndarray):
     hi = x.max(axis=0)
     flat = hi == lo
     lo = np.where(flat, _F(0), lo)  # (a constant sub-block is left out of the search below)
+    x_buf = np.empty_like(x)
     iscale = _F(15) / (hi - lo)
     scale = _F(1) / iscale
-    L = np.clip(_rint(iscale * (x - lo)), 0, 15)
-    diff = scale * L + lo - x
-    best = _sum(w * (diff * diff))
+    L, la, t = np.empty_like(x), np.empty_like(x), np.empty_like(x)  # work arrays, reused (speed)
+
+    def levels(out):  # clamp(nearest_int(iscale * (x - lo)), 0, 15)
+        np.subtract(x, lo, out=out)
+        out *= iscale
+        return np.clip(_rint(out), _F(0), _F(15), out=out)
+
+    def error(s, m, lv, out):  # sum of w * (s * l + m - x)^2, in that order
+        np.multiply(s, lv, out=out)
+        out += m
+        out -= x
+        out *= out
+        out *= w
+        return _sum(out)
+
+    levels(L)
+    best = error(scale, lo, L, t)
     for step in range(21):
         # as llama.cpp's loop: each candidate is laid over the best fit's min so far, not the range's
         iscale = (_F(-1) + _F(0.1) * _F(step) + _F(15)) / (hi - lo)
-        la = np.clip(_rint(iscale * (x - lo)), 0, 15)
-        wl = w * la
-        sum_l, sum_l2, sum_xl = _sum(wl), _sum(wl * la), _sum(wl * x)
+        levels(la)
+        wl = np.multiply(w, la, out=t)
+        sum_l = _sum(wl)
+        sum_xl = _sum(np.multiply(wl, x, out=x_buf))
+        sum_l2 = _sum(np.multiply(wl, la, out=t))
         D = sum_w * sum_l2 - sum_l * sum_l
         ok = D > 0
         Ds = np.where(ok, D, _F(1))
@@ -105,10 +144,9 @@ def _fit_q4(x: np.ndarray):
         pos = this_min > 0  # a positive offset is not representable (the min is subtracted): refit without
         this_min = np.where(pos, _F(0), this_min)
         this_scale = np.where(pos, sum_xl / np.where(sum_l2 != 0, sum_l2, _F(1)), this_scale)
-        diff = this_scale * la + this_min - x
-        cur = _sum(w * (diff * diff))
+        cur = error(this_scale, this_min, la, t)
         better = ok & (cur < best) & ~flat
-        L = np.where(better, la, L)
+        _take(L, la, better, t)
         best = np.where(better, cur, best)
         scale = np.where(better, this_scale, scale)
         lo = np.where(better, this_min, lo)
@@ -160,21 +198,24 @@ def _fit_q6(x: np.ndarray):
     peak = np.take_along_axis(x, idx[None], axis=0)[0]  # the signed value of largest magnitude (first)
     zero = np.abs(peak) < _EPS
     peak = np.where(zero, _F(1), peak)
-    wx = (x * x) * x
     w = x * x
+    wx = w * x
+    L, la, t = np.empty_like(x), np.empty_like(x), np.empty_like(x)  # work arrays, reused (speed)
 
-    def levels(iscale):
-        la = np.clip(_rint(iscale * x), -32, 31)
-        wl = w * la
-        return la, _sum(wx * la), _sum(wl * la)
+    def levels(iscale, out):  # clamp(nearest_int(iscale * x), -32, 31); sum w x l; sum w l l
+        np.multiply(iscale, x, out=out)
+        np.clip(_rint(out), _F(-32), _F(31), out=out)
+        sumlx = _sum(np.multiply(wx, out, out=t))
+        np.multiply(w, out, out=t)
+        return sumlx, _sum(np.multiply(t, out, out=t))
 
-    L, sumlx, suml2 = levels(_F(-32) / peak)
+    sumlx, suml2 = levels(_F(-32) / peak, L)
     scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, _F(1)), _F(0))
     best = scale * sumlx
     for step in (-9, -8, -7, -6, -5, -4, -3, -2, -1, 1, 2, 3, 4, 5, 6, 7, 8, 9):
-        la, sumlx, suml2 = levels(-(_F(32) + _F(0.1) * _F(step)) / peak)
+        sumlx, suml2 = levels(-(_F(32) + _F(0.1) * _F(step)) / peak, la)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        L = np.where(better, la, L)
+        _take(L, la, better, t)
         scale = np.where(better, sumlx / np.where(suml2 > 0, suml2, _F(1)), scale)
         best = np.where(better, scale * sumlx, best)
     return np.where(zero, _F(0), scale), np.where(zero, _F(-32), L)
