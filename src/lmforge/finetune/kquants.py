@@ -88,14 +88,6 @@ def _sum(a: np.ndarray) -> np.ndarray:
     return acc
 
 
-def _take(L: np.ndarray, la: np.ndarray, better: np.ndarray, t: np.ndarray) -> None:
-    """L[:, better] = la[:, better], in place: levels are small integers, so L + (la - L) * 0|1 is exact
-    (and several times faster than a broadcast mask)."""
-    np.subtract(la, L, out=t)
-    t *= better.astype(np.float32)
-    L += t
-
-
 def _fit_q4(x: np.ndarray):
     """make_qkx2_quants(32, 15, x, weights, ..., rmin=-1, rdelta=0.1, nstep=20, use_mad=false) for
     every sub-block at once: x (32, S), values down the columns. Returns (scale (S,), min (S,) >= 0
@@ -111,9 +103,9 @@ def _fit_q4(x: np.ndarray):
     x_buf = np.empty_like(x)
     iscale = _F(15) / (hi - lo)
     scale = _F(1) / iscale
-    L, la, t = np.empty_like(x), np.empty_like(x), np.empty_like(x)  # work arrays, reused (speed)
+    la, t = np.empty_like(x), np.empty_like(x)  # work arrays, reused (speed)
 
-    def levels(out):  # clamp(nearest_int(iscale * (x - lo)), 0, 15)
+    def levels(iscale, lo, out):  # clamp(nearest_int(iscale * (x - lo)), 0, 15)
         np.subtract(x, lo, out=out)
         out *= iscale
         return np.clip(_rint(out), _F(0), _F(15), out=out)
@@ -126,12 +118,14 @@ def _fit_q4(x: np.ndarray):
         out *= w
         return _sum(out)
 
-    levels(L)
-    best = error(scale, lo, L, t)
+    # the levels of the best fit are recomputed once at the end from its (iscale, min) rather than kept
+    # at every improvement (a pass over all values per step saved)
+    best_iscale, best_lo = iscale, lo
+    best = error(scale, lo, levels(iscale, lo, la), t)
     for step in range(21):
         # as llama.cpp's loop: each candidate is laid over the best fit's min so far, not the range's
         iscale = (_F(-1) + _F(0.1) * _F(step) + _F(15)) / (hi - lo)
-        levels(la)
+        levels(iscale, lo, la)
         wl = np.multiply(w, la, out=t)
         sum_l = _sum(wl)
         sum_xl = _sum(np.multiply(wl, x, out=x_buf))
@@ -146,10 +140,12 @@ def _fit_q4(x: np.ndarray):
         this_scale = np.where(pos, sum_xl / np.where(sum_l2 != 0, sum_l2, _F(1)), this_scale)
         cur = error(this_scale, this_min, la, t)
         better = ok & (cur < best) & ~flat
-        _take(L, la, better, t)
+        best_iscale = np.where(better, iscale, best_iscale)
+        best_lo = np.where(better, lo, best_lo)
         best = np.where(better, cur, best)
         scale = np.where(better, this_scale, scale)
         lo = np.where(better, this_min, lo)
+    L = levels(best_iscale, best_lo, la)
     # a constant sub-block (max == min): levels 0, scale 0, the min its value (or 0 when positive)
     lo = np.where(flat, np.minimum(hi, _F(0)), lo)
     return np.where(flat, _F(0), scale), -lo, np.where(flat, _F(0), L)
@@ -200,7 +196,7 @@ def _fit_q6(x: np.ndarray):
     peak = np.where(zero, _F(1), peak)
     w = x * x
     wx = w * x
-    L, la, t = np.empty_like(x), np.empty_like(x), np.empty_like(x)  # work arrays, reused (speed)
+    la, t = np.empty_like(x), np.empty_like(x)  # work arrays, reused (speed)
 
     def levels(iscale, out):  # clamp(nearest_int(iscale * x), -32, 31); sum w x l; sum w l l
         np.multiply(iscale, x, out=out)
@@ -209,16 +205,19 @@ def _fit_q6(x: np.ndarray):
         np.multiply(w, out, out=t)
         return sumlx, _sum(np.multiply(t, out, out=t))
 
-    sumlx, suml2 = levels(_F(-32) / peak, L)
+    best_iscale = _F(-32) / peak  # the best candidate's levels are recomputed from it at the end
+    sumlx, suml2 = levels(best_iscale, la)
     scale = np.where(suml2 != 0, sumlx / np.where(suml2 != 0, suml2, _F(1)), _F(0))
     best = scale * sumlx
     for step in (-9, -8, -7, -6, -5, -4, -3, -2, -1, 1, 2, 3, 4, 5, 6, 7, 8, 9):
-        sumlx, suml2 = levels(-(_F(32) + _F(0.1) * _F(step)) / peak, la)
+        iscale = -(_F(32) + _F(0.1) * _F(step)) / peak
+        sumlx, suml2 = levels(iscale, la)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
-        _take(L, la, better, t)
+        best_iscale = np.where(better, iscale, best_iscale)
         scale = np.where(better, sumlx / np.where(suml2 > 0, suml2, _F(1)), scale)
         best = np.where(better, scale * sumlx, best)
-    return np.where(zero, _F(0), scale), np.where(zero, _F(-32), L)
+    levels(best_iscale, la)
+    return np.where(zero, _F(0), scale), np.where(zero, _F(-32), la)
 
 
 def _q6_k(x: np.ndarray) -> np.ndarray:
