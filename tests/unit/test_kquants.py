@@ -70,3 +70,11 @@ def test_threads_and_chunks_do_not_change_a_byte(qtype, monkeypatch):
     assert whole.shape == (3, 5, 2 * gguf.GGML_QUANT_SIZES[qtype][1])
     back = gguf.quants.dequantize(whole.reshape(15, -1), qtype).reshape(x.shape)
     assert np.sqrt(((back - x) ** 2).mean() / (x ** 2).mean()) < 0.15
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K], ids=lambda t: t.name)
+def test_no_rows_and_all_zero_rows(qtype):
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    assert kquants.quantize(np.zeros((0, 512), np.float32), qtype).shape == (0, 2 * size)
+    zeros = kquants.quantize(np.zeros((2, 256), np.float32), qtype)
+    assert zeros.shape == (2, size) and not zeros.any()  # llama.cpp's all-zero block: every byte 0

@@ -54,6 +54,7 @@ def quantize(arr: np.ndarray, qtype, threads: int | None = None) -> np.ndarray:
     experts' matrices too: blocks run along the last axis). Chunks of blocks are quantized on `threads`
     threads (default: the cores this process may use); numpy releases the GIL inside each operation,
     and the result does not depend on the number of threads."""
+    from gguf import GGML_QUANT_SIZES
     from gguf import GGMLQuantizationType as T
 
     *lead, cols = arr.shape
@@ -67,7 +68,7 @@ def quantize(arr: np.ndarray, qtype, threads: int | None = None) -> np.ndarray:
             parts = list(pool.map(one, chunks))
     else:
         parts = [one(c) for c in chunks]
-    return np.concatenate(parts).reshape(*lead, -1)
+    return np.concatenate(parts).reshape(*lead, cols // QK_K * GGML_QUANT_SIZES[qtype][1])
 
 
 def _cores() -> int:
