@@ -21,9 +21,11 @@ def _matrices() -> dict[str, np.ndarray]:
     outliers = 0.02 * rng.standard_normal((256, 512))
     outliers[rng.random(outliers.shape) < 0.002] = 3.0  # a few large weights, as trained models have
     shifted = rng.standard_normal((300, 256)) + 0.5 + 0.1 * rng.standard_t(1, (300, 256))
+    tiny = rng.standard_normal((256, 256))
+    tiny[:8, :64] *= 1e-39  # float32 subnormals: a Q4_K sub-block scale overflows, as it does in llama.cpp
     return {
         "token_embd.weight": shifted,
-        "blk.0.attn_q.weight": rng.standard_normal((256, 256)),
+        "blk.0.attn_q.weight": tiny,
         "blk.0.ffn_up.weight": rng.standard_t(2, (512, 256)),
         "blk.0.ffn_gate.weight": rng.standard_t(3, (512, 256)) * 1e-3,
         "blk.0.attn_v.weight": rng.standard_normal((256, 256)),

@@ -76,8 +76,16 @@ def _cores() -> int:
 
 
 def _rint(a: np.ndarray) -> np.ndarray:
-    # llama.cpp's nearest_int rounds half to even, as np.rint does
+    # llama.cpp's nearest_int rounds half to even, as np.rint does, for |a| < 2^22 (the range it asserts)
     return np.rint(a, out=a)
+
+
+def _nearest_int(a: np.ndarray) -> np.ndarray:
+    """llama.cpp's nearest_int bit for bit (as float32), outside its asserted range too: the low 23 bits
+    of a + 1.5 * 2^23 less 2^22, so inf gives -2^22 and NaN 0. Where a scale overflows (sub-blocks of
+    values near float32's smallest), llama.cpp's levels come from exactly this."""
+    bits = (a.astype(np.float32) + _F(12582912)).view(np.int32)
+    return ((bits & 0x7FFFFF) - 0x400000).astype(np.float32)
 
 
 def _sum(a: np.ndarray) -> np.ndarray:
@@ -97,7 +105,8 @@ def _fit_q4(x: np.ndarray):
     av_x = np.sqrt(_sum(x * x) / _F(n))
     w = av_x + np.abs(x)
     sum_w, sum_x = _sum(w), _sum(w * x)
-    lo = np.minimum(x.min(axis=0), _F(0))
+    x_min = x.min(axis=0)
+    lo = np.minimum(x_min, _F(0))
     hi = x.max(axis=0)
     flat = hi == lo
     lo = np.where(flat, _F(0), lo)  # (a constant sub-block is left out of the search below)
@@ -109,7 +118,14 @@ def _fit_q4(x: np.ndarray):
     def levels(iscale, lo, out):  # clamp(nearest_int(iscale * (x - lo)), 0, 15)
         np.subtract(x, lo, out=out)
         out *= iscale
-        return np.clip(_rint(out), _F(0), _F(15), out=out)
+        # |iscale * (x - lo)| is bounded per sub-block by its ends: np.rint is nearest_int unless a scale
+        # overflowed (a span near float32's smallest values), then the exact but slower emulation
+        bound = np.abs(iscale) * np.maximum(np.abs(hi - lo), np.abs(x_min - lo))
+        if (bound < _F(2**21)).all():
+            _rint(out)
+        else:
+            out[...] = _nearest_int(out)
+        return np.clip(out, _F(0), _F(15), out=out)
 
     def error(s, m, lv, out):  # sum of w * (s * l + m - x)^2, in that order
         np.multiply(s, lv, out=out)
@@ -154,7 +170,7 @@ def _fit_q4(x: np.ndarray):
 
 def _to_u8(a: np.ndarray) -> np.ndarray:
     # C's uint8_t = nearest_int(...) wraps a negative int; the MIN(63, .) after it then clamps
-    return np.minimum(_rint(a).astype(np.int64) & 0xFF, 63).astype(np.uint8)
+    return np.minimum(_nearest_int(a).astype(np.int64) & 0xFF, 63).astype(np.uint8)
 
 
 def _q4_k(x: np.ndarray) -> np.ndarray:
@@ -175,7 +191,7 @@ def _q4_k(x: np.ndarray) -> np.ndarray:
         # scale is 0 keeps the search's levels, as llama.cpp's does
         d = (d16.astype(np.float32)[:, None] * sc).reshape(-1)
         dm = (dmin16.astype(np.float32)[:, None] * m).reshape(-1)
-        fresh = np.clip(_rint((sub + dm) / np.where(d != 0, d, _F(1))), 0, 15)
+        fresh = np.clip(_nearest_int((sub + dm) / np.where(d != 0, d, _F(1))), 0, 15)
         L = np.where(d != 0, fresh, L)
     q = L.T.astype(np.uint8).reshape(n, 8, 32)
     scales_b = np.zeros((n, 12), np.uint8)
@@ -232,10 +248,10 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
         empty = np.abs(max_scale) < _EPS  # llama.cpp writes such a block as all zero bytes
         iscale = _F(-128) / np.where(empty, _F(1), max_scale)
         d16 = np.where(empty, _F(0), _F(1) / iscale).astype(np.float16)
-        sc = np.minimum(_rint(iscale[:, None] * scales), 127).astype(np.int8)
+        sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127).astype(np.int8)
         sc[empty] = 0
         d = (d16.astype(np.float32)[:, None] * sc).reshape(-1)
-        fresh = np.clip(_rint(sub / np.where(d != 0, d, _F(1))), -32, 31)
+        fresh = np.clip(_nearest_int(sub / np.where(d != 0, d, _F(1))), -32, 31)
         L = np.where(d != 0, fresh, L)
     q = (L.T + 32).astype(np.uint8).reshape(n, 16 * 16)
     q[empty] = 0
