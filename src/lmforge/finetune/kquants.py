@@ -179,8 +179,9 @@ def _q4_k(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         scales, mins, L = _fit_q4(sub)
         scales, mins = scales.reshape(n, 8), mins.reshape(n, 8)
-        max_scale = np.maximum(scales.max(axis=1), _F(0))
-        max_min = np.maximum(mins.max(axis=1), _F(0))
+        # as llama.cpp's `if (scale > max_scale)` from 0: a NaN (from a float32 overflow) never wins
+        max_scale = np.fmax(np.fmax.reduce(scales, axis=1), _F(0))
+        max_min = np.fmax(np.fmax.reduce(mins, axis=1), _F(0))
         inv_scale = np.where(max_scale > 0, _F(63) / max_scale, _F(0))
         inv_min = np.where(max_min > 0, _F(63) / max_min, _F(0))
         sc = _to_u8(inv_scale[:, None] * scales)
@@ -243,9 +244,11 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         scales, L = _fit_q6(sub)
         scales = scales.reshape(n, 16)
-        pick = np.abs(scales).argmax(axis=1)
+        mag = np.abs(scales)
+        mag[np.isnan(mag)] = 0  # as llama.cpp's `if (abs_scale > max_abs_scale)`: a NaN never wins
+        pick = mag.argmax(axis=1)
         max_scale = np.take_along_axis(scales, pick[:, None], axis=1)[:, 0]  # signed, largest magnitude
-        empty = np.abs(max_scale) < _EPS  # llama.cpp writes such a block as all zero bytes
+        empty = ~(np.take_along_axis(mag, pick[:, None], axis=1)[:, 0] >= _EPS)  # written as all zero bytes
         iscale = _F(-128) / np.where(empty, _F(1), max_scale)
         d16 = np.where(empty, _F(0), _F(1) / iscale).astype(np.float16)
         sc = np.minimum(_nearest_int(iscale[:, None] * scales), 127).astype(np.int8)
