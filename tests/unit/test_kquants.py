@@ -20,12 +20,13 @@ from lmforge.finetune import kquants  # noqa: E402
 
 def _fixed_rows() -> np.ndarray:
     """Rows built from integer arithmetic only (exact in float32 on any machine, unlike a random
-    stream): spread values, heavy tails, subnormals, an all-positive row, zero runs, tiny values, an
-    all-zero block and a constant sub-block."""
+    stream): spread values, heavy tails, subnormals, huge values, an all-positive row, zero runs, tiny
+    values, an all-zero block and a constant sub-block."""
     i = np.arange(8 * 512, dtype=np.int64).reshape(8, 512)
     x = (((i * 7919) % 1001) - 500) / 128.0
     x[2:4] = (((i[2:4] * 104729) % 97) - 48) ** 3 / 4096.0
     x[1, :32] = (((i[1, :32] * 31) % 7) - 3) * 2.0 ** -140  # float32 subnormals: the scale overflows
+    x[0, 256:] *= 2.0 ** 70  # cubes overflow float32 (Q6_K's weights): llama.cpp's NaN handling
     x[4] = np.abs(x[4]) + 2
     x[5, :48] = 0
     x[6] /= 1024.0
@@ -37,8 +38,8 @@ def _fixed_rows() -> np.ndarray:
 # sha256 of llama.cpp's blocks for _fixed_rows(), from its reference quantizers (ctypes into
 # libggml-base, llama-cpp-python 0.3.36); lmforge's one-pass fit before this search wrote other bytes
 LLAMA_CPP_DIGESTS = {
-    T.Q4_K: "0c6faa101dc0693cafc5b86cf2bcd0a8e2a339d04c20a7f56ef62d1cf15aef71",
-    T.Q6_K: "025558b7e802a91f99679d5691cb7b59e2ee34a063356b97305f1e6a4c808dc5",
+    T.Q4_K: "7de39751c662257f98cfc8b73b49c1188e17d09d5abf7380f37835f42f599ecd",
+    T.Q6_K: "5c8ad5cd06dd0a9b787636e61759cd84f32ae4062c4ecf3988b498653008813e",
 }
 
 
