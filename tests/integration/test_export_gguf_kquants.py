@@ -89,3 +89,30 @@ def test_llama_cpp_quantizer_writes_our_k_quant_blocks(tmp_path):
         if same_bytes:
             assert identical, name
     assert types == {T.Q4_K, T.Q6_K}
+
+
+def test_llama_cpp_falls_back_to_the_types_lmforge_chooses(tmp_path):
+    """Rows that fill no 256-block (a 704-wide ffn_down, as the demo model's): llama.cpp's quantizer falls
+    back to Q5_0 for a Q4_K tensor and Q8_0 for a Q6_K one, to F16 where 32 does not divide the row;
+    lmforge's export chooses the same types and gguf-py's Q5_0 / Q8_0 are llama.cpp's bytes."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
+                                    "llama.cpp tier: bash scripts/llama_cpp_tier.sh builds it, ~4 minutes)")
+    from gguf import GGMLQuantizationType as T
+
+    from lmforge.finetune.gguf import _choose, _encode
+    from lmforge.finetune.kquants import role_of
+
+    rng = np.random.default_rng(1)
+    mats = {"token_embd.weight": rng.standard_normal((300, 256)),
+            "blk.0.attn_q.weight": rng.standard_normal((256, 704)),    # Q4_K -> Q5_0
+            "blk.0.ffn_down.weight": rng.standard_normal((256, 704)),  # Q6_K (more bits) -> Q8_0
+            "blk.0.ffn_gate.weight": rng.standard_normal((64, 100)),   # no 32-block either -> F16
+            "output.weight": rng.standard_normal((300, 256))}
+    mats = {name: arr.astype(np.float32) for name, arr in mats.items()}
+    theirs = _llama_cpp_q4_k_m(llama_cpp, mats, tmp_path)
+    for name, x in mats.items():
+        qtype = _choose(gguf, list(x.shape), "q4_k_m", role_of(name, False, 1))
+        assert T(theirs[name].tensor_type) == qtype, (name, qtype.name, T(theirs[name].tensor_type).name)
+        if qtype in (T.Q5_0, T.Q8_0):
+            ours = _encode(gguf, x, qtype)
+            assert np.array_equal(ours, np.array(theirs[name].data).reshape(ours.shape)), name

@@ -144,8 +144,10 @@ def _choose(gguf, shape: list[int], quant: str, role: str):
     if (quant == "q4_0" and role == "output") or (quant in ("q4_0", "q4_k_m") and role == "q8_0"):
         want = T.Q8_0
     if want != T.F16 and shape[-1] % gguf.GGML_QUANT_SIZES[want][0] != 0:
-        # a K-quant needs rows of 256; llama.cpp's fallback for 32-multiples is 8-bit, else 16-bit
-        want = T.Q8_0 if want in (T.Q4_K, T.Q6_K) and shape[-1] % 32 == 0 else T.F16
+        # a K-quant needs rows of 256; llama.cpp's quantizer falls back to a 32-block type (Q4_K -> Q5_0,
+        # Q6_K -> Q8_0) where the row fits one, else to F16
+        fallback = {T.Q4_K: T.Q5_0, T.Q6_K: T.Q8_0}.get(want, T.F16)
+        want = fallback if shape[-1] % gguf.GGML_QUANT_SIZES[fallback][0] == 0 else T.F16
     return want
 
 
