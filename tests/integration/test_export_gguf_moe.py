@@ -195,3 +195,29 @@ def test_an_eight_expert_model_keeps_attn_k_and_v_at_8_bits(tokenizer_file, tmp_
     assert int(fields["llama.context_length"].parts[-1][0]) == 16
     shapes = {t.name: list(t.shape) for t in reader.tensors}  # GGUF's order: in, out, expert
     assert shapes["blk.0.ffn_down_exps.weight"] == [32, 256, 8]
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "olmoe"])
+def test_a_tied_model_gets_the_output_llama_cpp_requires(tokenizer_file, tmp_path, name):
+    """llama.cpp's qwen2moe and olmoe require output.weight (their loaders fall back to no embedding):
+    a model with tied embeddings gets the embedding written a second time as the output, and loads."""
+    from lmforge.checkpoint.runs import load_model, run_config
+
+    imported = _imported(name, tokenizer_file, tmp_path, tie_word_embeddings=True)
+    out = tmp_path / "m.gguf"
+    _export(imported, out, "f16")
+    tensors = {t.name: np.array(t.data) for t in gguf.GGUFReader(out).tensors}
+    assert np.array_equal(tensors["output.weight"], tensors["token_embd.weight"])
+    if name == "qwen2_moe":
+        assert "blk.0.attn_q.bias" in tensors  # Qwen2-MoE's q/k/v biases are written
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    ours = load_model(*run_config(imported))[0].eval()
+    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    ids = _ids(ours.cfg.vocab_size, (40,))
+    llm.eval(ids.tolist())
+    theirs = torch.from_numpy(np.array(llm.scores[:40], dtype=np.float32))
+    with torch.no_grad():
+        a = ours(ids[None])[0]
+    err = float((a - theirs).abs().max() / a.abs().max())
+    print(f"llama.cpp {name} tied f16: max relative logit error {err:.2e}")
+    assert err < TOLERANCE["f16"], (name, err)
