@@ -162,6 +162,7 @@ def test_llama_cpp_loads_the_moe_gguf_with_equal_logits(families, name, quant, t
     ("qwen3_moe", dict(norm_topk_prob=False), "norm_topk_prob=false (llama.cpp's qwen3moe always "
                                                "renormalises"),
     ("olmoe", dict(num_key_value_heads=2), "no grouped-query attention"),
+    ("qwen3_moe", dict(attention_bias=True), "attention_bias (llama.cpp's qwen3moe has no attention-output"),
 ])
 def test_settings_the_gguf_cannot_express_are_refused_by_name(tokenizer_file, tmp_path, capsys, name, more,
                                                                says):
