@@ -29,9 +29,10 @@ ARCHES = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", 
 # whether llama.cpp's graph for the architecture renormalises the top-k routing weights (the `norm_w`
 # argument its build_moe_ffn call passes; fixed in code, not read from the file)
 _RENORMALISES = {"mixtral": True, "qwen3_moe": True, "qwen2_moe": False, "olmoe": False}
-_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 # Hugging Face projection name -> llama.cpp's stacked tensor (Mixtral's w1 gate, w3 up, w2 down)
 _PROJ = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.("
+                         + "|".join(_PROJ) + r")\.weight")
 
 
 def _n_experts(cfg: dict[str, Any]) -> int:
