@@ -18,12 +18,10 @@ import torch
 
 from lmforge.errors import LmforgeError
 from lmforge.finetune.gguf_arch.common import Context, Planned, context_length
+from lmforge.models.hf.deepseek import LATENT_NORM_EPS
 
 ARCHES = {"deepseek_v3": "deepseek2"}
 
-# llama.cpp's deepseek2 normalises the q and kv latents with the model's rms_norm_eps; transformers (and
-# lmforge: models/hf/deepseek.LATENT_NORM_EPS) with a fixed 1e-6.
-_LATENT_EPS = 1e-6
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 _FFN = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
@@ -81,9 +79,10 @@ def check(cfg: dict[str, Any]) -> None:
     if cfg.get("attention_bias"):
         raise _refuse("attention_bias=true (deepseek2 has no q/kv/o projection biases)")
     eps = float(cfg.get("rms_norm_eps", 1e-6))
-    if not math.isclose(eps, _LATENT_EPS, rel_tol=1e-6):
+    # llama.cpp normalises the q and kv latents with rms_norm_eps; transformers with a fixed 1e-6
+    if not math.isclose(eps, LATENT_NORM_EPS, rel_tol=1e-6):
         raise _refuse(f"rms_norm_eps={eps}: llama.cpp's deepseek2 also normalises the q/kv latents with it, "
-                      f"where this model uses {_LATENT_EPS} (a model with model.norm_eps=1e-6 exports)")
+                      f"where this model uses {LATENT_NORM_EPS} (a model with model.norm_eps=1e-6 exports)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise _refuse(f"hidden_act={cfg['hidden_act']!r} (deepseek2's MLPs are SwiGLU)")
     if int(cfg.get("num_nextn_predict_layers") or 0) > 0:
