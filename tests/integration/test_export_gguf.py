@@ -206,6 +206,22 @@ def test_unsupported_family_is_refused_by_name(families, tmp_path, capsys, monke
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_setting_the_family_cannot_hold_is_refused_before_the_hf_export(tokenizer_file, tmp_path, capsys,
+                                                                        monkeypatch):
+    """The family module's check runs on the config.json the export would write, so a large run is
+    refused at once, not after its full-size Hugging Face export."""
+    imported = _imported("llama", tokenizer_file, tmp_path, attention_bias=True, mlp_bias=True)
+
+    def no_export(*args, **kwargs):
+        raise AssertionError("refused only after the full-size Hugging Face export")
+
+    monkeypatch.setattr("lmforge.finetune.export.export_run", no_export)
+    capsys.readouterr()
+    assert main(["export", str(imported), str(tmp_path / "m.gguf"), "--format", "gguf"]) == 2
+    assert "attention_bias" in capsys.readouterr().err
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def _split_tokenizer(path, regex: str, ignore_merges: bool = False) -> None:
     """A byte-level BPE that splits text with `regex` first (Qwen2's / Llama 3's layout), NFC-normalised."""
     from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers

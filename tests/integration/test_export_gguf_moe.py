@@ -190,7 +190,8 @@ def test_an_eight_expert_model_keeps_attn_k_and_v_at_8_bits(tokenizer_file, tmp_
     types = _types(tmp_path / "m.gguf")
     assert types["blk.0.attn_k.weight"] == types["blk.1.attn_v.weight"] == "Q8_0"
     assert types["blk.0.attn_q.weight"] == "Q4_K" and types["blk.0.attn_output.weight"] == "Q6_K"
-    assert types["blk.0.ffn_down_exps.weight"] == "Q8_0"  # rows of 32: no k-quant block fits
+    # rows of 32: no k-quant block fits; Q4_K falls back to Q5_0, as in llama.cpp's quantizer
+    assert types["blk.0.ffn_down_exps.weight"] == "Q5_0"
     reader = gguf.GGUFReader(tmp_path / "m.gguf")
     fields = {f.name: f for f in reader.fields.values()}
     assert int(fields["llama.expert_count"].parts[-1][0]) == 8

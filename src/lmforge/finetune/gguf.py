@@ -87,15 +87,18 @@ def export_gguf(src: str | Path, out: str | Path, quant: str = "f16", overwrite:
 
 
 def _precheck(src: str | Path) -> None:
-    """Refuse a family llama.cpp has no architecture for before the (full-size) Hugging Face export."""
+    """Refuse a family llama.cpp has no architecture for, or a setting its architecture cannot hold,
+    before the (full-size) Hugging Face export: the family's check reads the config.json the export
+    will write (write_gguf checks the written one again)."""
     from lmforge.checkpoint.runs import run_config
-    from lmforge.models.hf.convert import export_model_type
+    from lmforge.models.hf.convert import export_model_type, model_config_to_hf
 
     cfg, _ = run_config(src)
     if cfg.model.score_head:
         raise LmforgeError(f"{src} is a reward model (a score head); GGUF export writes causal language "
                            "models")
-    family(export_model_type(cfg.model))  # refuses a model_type no family module writes
+    model_type = export_model_type(cfg.model)
+    family(model_type).check(model_config_to_hf(cfg.model, model_type=model_type))
 
 
 class _Tensors:
