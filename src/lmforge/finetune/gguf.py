@@ -9,9 +9,10 @@ tensor layout written by its family module in finetune/gguf_arch/ (one module pe
 OUT and the Modelfile are renamed into place at the end, so a refusal or failure leaves whatever was
 there untouched.
 
-Quantization: gguf-py quantizes Q8_0 and Q4_0 itself (gguf.quants); Q4_K and Q6_K (q4_k_m) it only
-dequantizes, so lmforge writes those blocks itself (finetune/kquants.py), checked against gguf-py's
-dequantizer in the tests."""
+Quantization: gguf-py quantizes Q8_0, Q5_0 and Q4_0 itself (gguf.quants); Q4_K and Q6_K (q4_k_m) it only
+dequantizes, so lmforge writes those blocks itself (finetune/kquants.py: llama.cpp's reference search,
+byte-identical to its quantizer; the llama.cpp tier checks it). The type of each tensor follows
+llama.cpp's q4_k_m rules (`_choose`, kquants.role_of, a family's Planned.role)."""
 
 from __future__ import annotations
 
