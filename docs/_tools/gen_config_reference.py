@@ -84,7 +84,8 @@ def default_text(field) -> str:
     if isinstance(value, BaseModel):
         return "(section)"
     if isinstance(value, list) and value and isinstance(value[0], BaseModel):
-        return f"{len(value)} steps (see below)"
+        # A default list of union members (curate.steps): name each in order by its discriminator.
+        return ", ".join((_discriminator(type(v)) or type(v).__name__).split(": ")[-1] for v in value)
     try:
         return json.dumps(value, default=str)
     except TypeError:
