@@ -4,8 +4,8 @@ With packing, the examples are put into rows of seq_len tokens once, by best-fit
 first, each into the fullest row it still fits; TRL's "bfd" strategy, which this reproduces row for
 row), and the rows are then the units an epoch shuffles. Without packing each example is a unit, and a
 batch is padded to its longest example. Epoch e visits the units in randperm order seeded with
-seed * 1000003 + e; rank r of W takes every W-th unit (the order trimmed to a multiple of W), as the
-TokenLoader does with windows.
+seed * 1000003 + e; rank r of W takes every W-th unit (the order trimmed to a multiple of W): the
+`EpochSampler` the TokenLoader uses for its windows.
 
 Targets: position i of an example predicts its token i + 1 where that token carries the loss; the
 last position of each example predicts nothing, so no row ever learns one conversation from another.
@@ -21,11 +21,9 @@ import numpy as np
 import torch
 
 from lmforge.data.batch import IGNORE_INDEX, ChatBatch, PreferenceBatch, PromptBatch, UnpairedBatch
+from lmforge.data.sampler import EpochSampler
 from lmforge.data.sft import SFTSplit
 from lmforge.errors import DataError
-
-_SEED_STRIDE = 1000003
-_CHECKED = ("seq_len", "seed", "units", "shuffle", "drop_last", "packing")
 
 
 def pack_bfd(lengths: np.ndarray, seq_len: int) -> list[list[int]]:
@@ -92,7 +90,6 @@ class ChatLoader:
                 "data was prepared for a longer train.seq_len; prepare it again"
             )
         self.units: list[list[int]] = self._make_units(lengths)
-        self._per_rank = len(self.units) // world_size
         need = world_size * (batch_size if drop_last else 1)
         if len(self.units) < need:
             what = "packed rows" if packing else "conversations"
@@ -101,10 +98,11 @@ class ChatLoader:
                 f"batch_size={batch_size} on world_size={world_size} needs at least {need}: use "
                 "more data or a smaller batch"
             )
-        full, rest = divmod(self._per_rank, batch_size)
-        self.batches_per_epoch = full + (1 if rest and not drop_last else 0)
-        self._epoch = self._cursor = 0
-        self._order: tuple[int, np.ndarray] | None = None
+        self.sampler = EpochSampler(len(self.units), batch_size, seed=seed, rank=rank, world_size=world_size,
+                                    shuffle=shuffle, drop_last=drop_last, kind="ChatLoader",
+                                    count_key="units",
+                                    settings={"seq_len": seq_len, "packing": int(packing)})
+        self.batches_per_epoch = self.sampler.batches_per_epoch
 
     def _make_units(self, lengths: np.ndarray) -> list[list[int]]:
         """What an epoch shuffles and a batch row holds: packed rows, or one example each."""
@@ -112,15 +110,10 @@ class ChatLoader:
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self.sampler.epoch
 
     def next_batch(self) -> ChatBatch:
-        b = self.batch_size
-        units = self._rank_units(self._epoch)[self._cursor * b : (self._cursor + 1) * b]
-        self._cursor += 1
-        if self._cursor == self.batches_per_epoch:
-            self._epoch, self._cursor = self._epoch + 1, 0
-        return self.collate([self.units[int(u)] for u in units])
+        return self.collate([self.units[int(u)] for u in self.sampler.next_units()])
 
     def __iter__(self) -> Iterator[ChatBatch]:
         while True:
@@ -128,12 +121,8 @@ class ChatLoader:
 
     def iter_eval_batches(self, max_batches: int | None = None) -> Iterator[ChatBatch]:
         """One sequential pass over this rank's units; the loader's state is untouched."""
-        units = self._rank_slice(np.arange(len(self.units)))
-        stop = len(units) if not self.drop_last else len(units) // self.batch_size * self.batch_size
-        for k, i in enumerate(range(0, stop, self.batch_size)):
-            if max_batches is not None and k >= max_batches:
-                return
-            yield self.collate([self.units[int(u)] for u in units[i : i + self.batch_size]])
+        for units in self.sampler.eval_units(max_batches):
+            yield self.collate([self.units[int(u)] for u in units])
 
     def collate(self, rows: list[list[int]]) -> ChatBatch:
         """The batch of `rows`, each a list of example indices (one per row without packing)."""
@@ -160,58 +149,14 @@ class ChatLoader:
         return ChatBatch(t(ids), t(targets), t(pos), t(seg), real)
 
     def state_dict(self) -> dict[str, int]:
-        return {
-            "epoch": self._epoch,
-            "cursor": self._cursor,
-            "seq_len": self.seq_len,
-            "batch_size": self.batch_size,
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "units": len(self.units),
-            "shuffle": int(self.shuffle),
-            "drop_last": int(self.drop_last),
-            "packing": int(self.packing),
-        }
+        return self.sampler.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
-        missing = [k for k in ("epoch", "cursor", "world_size", "batch_size", *_CHECKED) if k not in sd]
-        if missing:
-            raise DataError(
-                f"data loader state lacks {', '.join(missing)}; it is not a ChatLoader state "
-                "(was the run trained with another objective?)"
-            )
-        mine = self.state_dict()
-        differ = [f"{k} {int(sd[k])} -> {mine[k]}" for k in _CHECKED if int(sd[k]) != mine[k]]
-        if differ:
-            raise DataError(
-                f"cannot resume the data loader: {'; '.join(differ)} (checkpoint -> now); "
-                "resume with the same data, seq_len, packing and seed"
-            )
-        global_units = int(sd["cursor"]) * int(sd["batch_size"]) * int(sd["world_size"])
-        cursor, rem = divmod(global_units, self.batch_size * self.world_size)
-        epoch = int(sd["epoch"])
-        if rem or cursor > self.batches_per_epoch or epoch < 0:
-            raise DataError(
-                f"cannot resume the data loader saved on world_size={sd['world_size']} x batch_size="
-                f"{sd['batch_size']} on world_size={self.world_size} x batch_size={self.batch_size}: "
-                "that position is not a whole number of global batches here; resume on the old layout"
-            )
-        if cursor == self.batches_per_epoch:
-            epoch, cursor = epoch + 1, 0
-        self._epoch, self._cursor = epoch, cursor
-
-    def _rank_slice(self, order: np.ndarray) -> np.ndarray:
-        return order[: self._per_rank * self.world_size][self.rank :: self.world_size]
+        self.sampler.load_state_dict(sd)
 
     def _rank_units(self, epoch: int) -> np.ndarray:
-        if self._order is None or self._order[0] != epoch:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * _SEED_STRIDE + epoch)
-                order = torch.randperm(len(self.units), generator=g).numpy()
-            else:
-                order = np.arange(len(self.units))
-            self._order = (epoch, self._rank_slice(order))
-        return self._order[1]
+        """The units this rank visits in `epoch`, in order."""
+        return self.sampler.rank_order(epoch)
 
 
 class PreferenceLoader(ChatLoader):
@@ -277,7 +222,7 @@ class PromptLoader(ChatLoader):
         super().__init__(split, seq_len, batch_size, packing=False, **kw)
 
     def next_batch(self) -> PromptBatch:
-        key = [self.seed, self.rank, self._epoch, self._cursor]
+        key = [self.seed, self.rank, self.sampler.epoch, self.sampler.cursor]
         batch = super().next_batch()
         seed = int(np.random.SeedSequence(key).generate_state(1, np.uint64)[0] >> np.uint64(1))
         return PromptBatch(batch.prompts, batch.info, seed)

@@ -5,8 +5,9 @@ nanoGPT / GPT-2). The stream is cut into N = (tokens - 1) // T non-overlapping w
 inputs tokens[wT : wT+T] and targets tokens[wT+1 : wT+T+1]. Epoch e visits the windows in the order
 randperm(N) seeded with seed * 1000003 + e, and rank r of W takes every W-th window of that order
 (after trimming it to a multiple of W), so ranks are disjoint, cover the data and all take the same
-number of batches. The global batch k is therefore order[k*B*W : (k+1)*B*W]: this is what lets a run
-resume with another world size when that position divides evenly.
+number of batches (the `EpochSampler` every loader shares). The global batch k is therefore
+order[k*B*W : (k+1)*B*W]: this is what lets a run resume with another world size when that position
+divides evenly.
 """
 
 from __future__ import annotations
@@ -19,11 +20,9 @@ import numpy as np
 import torch
 
 from lmforge.data.batch import TokenBatch
+from lmforge.data.sampler import EpochSampler
 from lmforge.data.shards import open_shard
 from lmforge.errors import DataError
-
-_SEED_STRIDE = 1000003  # a prime: epochs of nearby seeds never share a permutation seed
-_CHECKED = ("seq_len", "seed", "num_windows", "shuffle", "drop_last")
 
 
 class TokenLoader:
@@ -62,7 +61,6 @@ class TokenLoader:
             self._starts.append(self._starts[-1] + len(s))
         self.num_tokens = self._starts[-1]
         self.num_windows = max(self.num_tokens - 1, 0) // seq_len
-        self._per_rank = self.num_windows // world_size
         need = world_size * (batch_size if drop_last else 1)
         if self.num_tokens < seq_len + 1 or self.num_windows < need:
             raise DataError(
@@ -71,34 +69,26 @@ class TokenLoader:
                 f"world_size={world_size} need at least {need * seq_len + 1:,} tokens: use more data, "
                 "a shorter seq_len or a smaller batch"
             )
-        full, rest = divmod(self._per_rank, batch_size)
-        self.batches_per_epoch = full + (1 if rest and not drop_last else 0)
-        self._windows_per_epoch = self._per_rank if not drop_last else full * batch_size
-        self._epoch = 0
-        self._cursor = 0  # batches taken in the current epoch; always < batches_per_epoch
-        self._order: tuple[int, np.ndarray] | None = None  # (epoch, this rank's windows) cache
+        self.sampler = EpochSampler(self.num_windows, batch_size, seed=seed, rank=rank, world_size=world_size,
+                                    shuffle=shuffle, drop_last=drop_last, kind="TokenLoader",
+                                    count_key="num_windows", settings={"seq_len": seq_len})
+        self.batches_per_epoch = self.sampler.batches_per_epoch
 
     # ---- iteration ------------------------------------------------------------------------------------
 
     @property
     def epoch(self) -> int:
         """The epoch the next batch comes from."""
-        return self._epoch
+        return self.sampler.epoch
 
     @property
     def tokens_seen(self) -> int:
         """Input tokens this rank has yielded so far (multiply by world_size for the global count)."""
-        windows = self._epoch * self._windows_per_epoch + self._cursor * self.batch_size
-        return windows * self.seq_len
+        return self.sampler.units_taken * self.seq_len
 
     def next_batch(self) -> TokenBatch:
         """The next batch; moves to the next epoch after the last one."""
-        b = self.batch_size
-        windows = self._rank_windows(self._epoch)[self._cursor * b:(self._cursor + 1) * b]
-        self._cursor += 1
-        if self._cursor == self.batches_per_epoch:
-            self._epoch, self._cursor = self._epoch + 1, 0
-        return self._gather(windows)
+        return self._gather(self.sampler.next_units())
 
     def __iter__(self) -> Iterator[TokenBatch]:
         while True:
@@ -108,66 +98,21 @@ class TokenLoader:
         self, max_batches: int | None = None
     ) -> Iterator[TokenBatch]:
         """One sequential pass over this rank's windows (no shuffle); the loader's state is untouched."""
-        windows = self._rank_slice(np.arange(self.num_windows))
-        stop = len(windows) if not self.drop_last else len(windows) // self.batch_size * self.batch_size
-        for k, i in enumerate(range(0, stop, self.batch_size)):
-            if max_batches is not None and k >= max_batches:
-                return
-            yield self._gather(windows[i:i + self.batch_size])
+        for windows in self.sampler.eval_units(max_batches):
+            yield self._gather(windows)
 
     # ---- state --------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, int]:
         """Position plus the settings it is only valid for; the same on every rank."""
-        return {"epoch": self._epoch, "cursor": self._cursor, "seq_len": self.seq_len,
-                "batch_size": self.batch_size, "seed": self.seed, "world_size": self.world_size,
-                "num_windows": self.num_windows, "shuffle": int(self.shuffle),
-                "drop_last": int(self.drop_last)}
+        return self.sampler.state_dict()
 
     def load_state_dict(self, sd: dict) -> None:
-        """Resume at the position in `sd`; DataError if it was taken with other data or settings.
-
-        A different world size or per-rank batch size (e.g. 2 ranks x 4 -> 1 rank x 8, the same global
-        batch) is accepted when the global position (cursor * batch_size * world_size windows into
-        the epoch) is a whole number of new global batches; otherwise resume on the old layout.
-        """
-        missing = [k for k in ("epoch", "cursor", "world_size", "batch_size", *_CHECKED) if k not in sd]
-        if missing:
-            raise DataError(f"data loader state lacks {', '.join(missing)}; it is not a TokenLoader state")
-        mine = self.state_dict()
-        differ = [f"{k} {int(sd[k])} -> {mine[k]}" for k in _CHECKED if int(sd[k]) != mine[k]]
-        if differ:
-            raise DataError(f"cannot resume the data loader: {'; '.join(differ)} (checkpoint -> now); "
-                            "resume with the same data, seq_len and seed")
-        epoch, cursor = int(sd["epoch"]), int(sd["cursor"])
-        old_ws, old_bs = int(sd["world_size"]), int(sd["batch_size"])
-        global_windows = cursor * old_bs * old_ws
-        cursor, rem = divmod(global_windows, self.batch_size * self.world_size)
-        if rem or cursor > self.batches_per_epoch or epoch < 0:
-            raise DataError(
-                f"cannot resume the data loader saved on world_size={old_ws} x batch_size={old_bs} at epoch "
-                f"{epoch}, batch {int(sd['cursor'])} on world_size={self.world_size} x batch_size="
-                f"{self.batch_size}: that position is not a whole number of global batches here; resume "
-                "on the old layout"
-            )
-        if cursor == self.batches_per_epoch:
-            epoch, cursor = epoch + 1, 0
-        self._epoch, self._cursor = epoch, cursor
+        """Resume at the position in `sd`; DataError if it was taken with other data or settings, or
+        on a layout it does not divide into (see EpochSampler.load_state_dict)."""
+        self.sampler.load_state_dict(sd)
 
     # ---- internals ----------------------------------------------------------------------------------
-
-    def _rank_slice(self, order: np.ndarray) -> np.ndarray:
-        return order[: self._per_rank * self.world_size][self.rank::self.world_size]
-
-    def _rank_windows(self, epoch: int) -> np.ndarray:
-        if self._order is None or self._order[0] != epoch:
-            if self.shuffle:
-                g = torch.Generator().manual_seed(self.seed * _SEED_STRIDE + epoch)
-                order = torch.randperm(self.num_windows, generator=g).numpy()
-            else:
-                order = np.arange(self.num_windows)
-            self._order = (epoch, self._rank_slice(order))
-        return self._order[1]
 
     def _gather(self, windows: np.ndarray) -> TokenBatch:
         t = self.seq_len

@@ -1,11 +1,12 @@
-"""One spec per optimizer: how to build it from its config section, where it can run, and what it
-needs after each update. Drivers (the assembly, the lr finder, benchmarks) ask the spec; nothing
-outside this package names an optimizer.
+"""One spec per optimizer: how to build it from its config section, where it can run, what it
+needs after each update and how much memory it holds. Drivers (the assembly, the lr finder, the
+memory estimator, benchmarks) ask the spec; nothing outside this package names an optimizer.
 
     spec = SPECS[cfg.optim.name]
     optimizer = build_optimizer(model, cfg.optim)
     problems = spec.capabilities(cfg.optim).problems(...)       # refuse a layout before any work
     hooks = spec.hooks(optimizer)                               # passed to the step (Sophia's Hessian)
+    spec.memory.state_bytes(tensor, cfg.optim, "cuda")          # bytes of state (optim/memory.py)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from lmforge.engine.step import StepHook
 from lmforge.optim.adafactor import Adafactor
 from lmforge.optim.adamw8bit import AdamW8bit, bitsandbytes_adamw8bit, use_bitsandbytes
 from lmforge.optim.lion import Lion
+from lmforge.optim.memory import MEMORY, MemoryFacts
 from lmforge.optim.muon import MuonAdamW, hidden_matrices, split_muon_groups
 from lmforge.optim.sophia import HessianRefresh, Sophia
 
@@ -53,6 +55,7 @@ class Capabilities:
 class OptimizerSpec:
     name: str
     build: Callable[[nn.Module, list[dict], OptimConfig], torch.optim.Optimizer]
+    memory: MemoryFacts
     capabilities: Callable[[OptimConfig], Capabilities] = lambda cfg: Capabilities()
     hooks: Callable[[torch.optim.Optimizer], list[StepHook]] = field(default=lambda optimizer: [])
 
@@ -187,18 +190,20 @@ _ADAMW8BIT = Capabilities(
 )
 
 SPECS: dict[str, OptimizerSpec] = {
-    "adamw": OptimizerSpec("adamw", _adamw),
-    "adam": OptimizerSpec("adam", _adam),
-    "sgd": OptimizerSpec("sgd", _sgd),
-    "lion": OptimizerSpec("lion", _lion),
-    "adafactor": OptimizerSpec("adafactor", _adafactor, lambda cfg: Capabilities(
+    "adamw": OptimizerSpec("adamw", _adamw, MEMORY["adamw"]),
+    "adam": OptimizerSpec("adam", _adam, MEMORY["adam"]),
+    "sgd": OptimizerSpec("sgd", _sgd, MEMORY["sgd"]),
+    "lion": OptimizerSpec("lion", _lion, MEMORY["lion"]),
+    "adafactor": OptimizerSpec("adafactor", _adafactor, MEMORY["adafactor"], lambda cfg: Capabilities(
         fixed_lr="optim.adafactor.relative_step=true computes its own step size and ignores the lr"
         if cfg.adafactor.relative_step else None)),
-    "adamw8bit": OptimizerSpec("adamw8bit", _adamw8bit, lambda cfg: _ADAMW8BIT),
-    "sophia": OptimizerSpec("sophia", _sophia, _sophia_capabilities, lambda opt: [HessianRefresh(opt)]),
-    "muon": OptimizerSpec("muon", _muon, lambda cfg: _MUON),
+    "adamw8bit": OptimizerSpec("adamw8bit", _adamw8bit, MEMORY["adamw8bit"], lambda cfg: _ADAMW8BIT),
+    "sophia": OptimizerSpec("sophia", _sophia, MEMORY["sophia"], _sophia_capabilities,
+                            lambda opt: [HessianRefresh(opt)]),
+    "muon": OptimizerSpec("muon", _muon, MEMORY["muon"], lambda cfg: _MUON),
 }
 assert SPECS.keys() == OPTIMIZER_CONFIGS.keys(), "every optimizer in the config schema has a spec"
+assert all(spec.memory is MEMORY[name] for name, spec in SPECS.items()), "one memory fact per optimizer"
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:

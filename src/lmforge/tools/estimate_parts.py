@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from lmforge.config.schema import Config, ModelConfig
+from lmforge.optim.memory import MEMORY
 
 if TYPE_CHECKING:
     from lmforge.tools.estimate_adapters import Adapters
@@ -175,52 +176,11 @@ def _tensor_info(name: str, shape: tuple[int, ...], block: int | None, tied: boo
 # -- optimizers ------------------------------------------------------------------------------------
 
 
-def _fused(optim) -> bool:
-    return getattr(optim, "fused", None) is not False
-
-
 def optimizer_state_bytes(tensors: list[TensorInfo], optim, device_type: str = "cpu") -> int:
     """Bytes of optimizer state once every tensor has had its first update (state is created lazily
-    at step 1), as each of lmforge's optimizers allocates it (optim/builder.py)."""
-    name = optim.name
-    total = 0
-    for t in tensors:
-        if not (t.trainable and t.in_optimizer):
-            continue
-        n = t.local
-        if name in ("adamw", "adam"):
-            total += 8 * n + 4  # exp_avg, exp_avg_sq (fp32), step (a 0-dim fp32 tensor)
-        elif name == "sophia":
-            total += 8 * n + 4  # exp_avg, hessian, step
-        elif name == "lion":
-            total += 4 * n
-        elif name == "sgd":
-            total += 4 * n if optim.sgd.momentum > 0 else 0
-        elif name == "adafactor":
-            total += 4  # step
-            if optim.adafactor.beta1 is not None:
-                total += 4 * n
-            if len(t.shape) >= 2:
-                rows = math.prod(t.shape[:-1]) * n // max(t.numel, 1)
-                cols = math.prod(t.shape[:-2]) * t.shape[-1]
-                total += 4 * (rows + cols)
-            else:
-                total += 4 * n
-        elif name == "adamw8bit":
-            q = optim.adamw8bit
-            bnb = device_type == "cuda" and q.backend != "torch" and q.block_size == 256
-            if n < q.min_size:
-                total += 8 * n + 4
-            else:
-                block = 256 if bnb else q.block_size
-                total += 2 * n + 2 * 4 * math.ceil(n / block) + 4
-                if bnb:
-                    total += 2 * 256 * 4  # bitsandbytes keeps both quantisation maps per tensor
-        elif name == "muon":
-            total += 4 * n if t.hidden else 8 * n + 4
-        else:  # pragma: no cover - the config schema lists the optimizers
-            raise AssertionError(name)
-    return total
+    at step 1), as the optimizer's spec says it allocates it (optim/memory.py, its OptimizerSpec.memory)."""
+    state_bytes = MEMORY[optim.name].state_bytes
+    return sum(state_bytes(t, optim, device_type) for t in tensors if t.trainable and t.in_optimizer)
 
 
 def optimizer_step_scratch(tensors: list[TensorInfo], optim, device_type: str = "cpu") -> int:
@@ -229,12 +189,7 @@ def optimizer_step_scratch(tensors: list[TensorInfo], optim, device_type: str = 
     sizes = [t.local for t in tensors if t.trainable and t.in_optimizer]
     if not sizes:
         return 0
-    big = max(sizes) * 4
-    name = optim.name
-    if name in ("adamw", "adam"):
-        return 0 if _fused(optim) else 2 * big
-    copies = {"sgd": 1, "lion": 1, "sophia": 2, "adafactor": 3, "adamw8bit": 5, "muon": 3}[name]
-    return copies * big
+    return MEMORY[optim.name].step_copies(optim) * max(sizes) * 4
 
 
 # -- activations -----------------------------------------------------------------------------------

@@ -1,11 +1,11 @@
 """`lmforge train` and `lmforge.Trainer`: the training loop over the parts `build_run` assembles.
 
 The loop (`Trainer.fit`) reads top to bottom: budget -> schedule -> step -> account -> callbacks ->
-validate -> checkpoint. Everything with state is a Stateful part in `Trainer.states` (progress, training
-clock, lr scale, data
-loader, RNG, precision scaler, stability guards, weight averages, stateful callbacks, the batches an
-objective trains on again); the checkpoint manager saves and restores that dict without knowing its
-members, so a run killed at any point resumes onto the exact same loss curve.
+validate -> checkpoint. Everything with state is a Stateful part in `Trainer.states` (progress and lr
+scale: train/state.py; the training clock, which owns train.max_time: train/clock.py; data loader, RNG,
+precision scaler, stability guards, weight averages, stateful callbacks, the batches an objective trains
+on again); the checkpoint manager saves and restores that dict without knowing its members, so a run
+killed at any point resumes onto the exact same loss curve.
 
     trainer = lmforge.Trainer("configs/demo.yaml")                     # what `lmforge train` runs
     trainer = lmforge.Trainer(model=my_module, train_data=texts, eval_data=held_out,
@@ -20,7 +20,6 @@ import math
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +43,9 @@ from lmforge.parallel.init import abandon, shutdown
 from lmforge.parallel.world import World
 from lmforge.train.averaging import build_averages
 from lmforge.train.callbacks import Callback, EarlyStopping, MetricsLogging, state_key
+from lmforge.train.clock import Clock
 from lmforge.train.stability import NonFiniteGuard, Spike, SpikeDetector
+from lmforge.train.state import Control, Progress
 from lmforge.utils.host_memory import keep_freed_memory
 from lmforge.utils.rng import RNGState
 
@@ -62,66 +63,6 @@ class TrainingInterrupted(LmforgeError):
     def __init__(self, msg: str, signum: int) -> None:
         super().__init__(msg)
         self.exit_code = 128 + signum
-
-
-@dataclass
-class Progress:
-    """Where the run is: optimizer steps taken, tokens seen (all ranks), steps whose update was skipped."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    skipped_steps: int = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "skipped_steps": self.skipped_steps}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
-        self.skipped_steps = int(sd.get("skipped_steps", 0))
-
-
-@dataclass
-class Clock:
-    """Seconds spent training (the loop's steps, data and logging; not validation or checkpointing),
-    summed over every process that worked on the run, and the last iteration's length (what the next
-    one is expected to take): what train.max_time and schedule.unit=time count. Its own part, outside a
-    spike rollback: time spent on steps that were redone is spent."""
-
-    seconds: float = 0.0
-    last: float = 0.0
-
-    def add(self, seconds: float) -> None:
-        self.seconds += seconds
-        self.last = seconds
-
-    def would_overrun(self, budget: float | None) -> bool:
-        """Whether one more iteration as long as the last one would end past `budget` seconds."""
-        return budget is not None and self.seconds + self.last > budget
-
-    def state_dict(self) -> dict:
-        return {"seconds": self.seconds, "last": self.last}
-
-    def load_state_dict(self, sd: dict) -> None:
-        values = float(sd["seconds"]), float(sd.get("last", 0.0))
-        if not all(math.isfinite(v) and v >= 0 for v in values):
-            raise CheckpointError(f"the training clock in this checkpoint reads {values!r} seconds; finite "
-                                  "numbers >= 0 were expected")
-        self.seconds, self.last = values
-
-
-@dataclass
-class Control:
-    """What callbacks and the stability machinery ask of the loop: an lr scale (saved, so a resumed
-    run keeps it) and a stop request (not saved: it ends this process's loop)."""
-
-    lr_scale: float = 1.0
-    stop: tuple[str | None, dict[str, Any]] | None = None
-
-    def state_dict(self) -> dict:
-        return {"lr_scale": self.lr_scale}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.lr_scale = float(sd["lr_scale"])
 
 
 # What a loss-spike rollback restores from the checkpoint; the data position, RNG, stability state and
@@ -184,7 +125,11 @@ class Trainer:
         self.cfg, self.world, self.device, self.dims = run.cfg, run.world, run.device, run.dims
         self.model, self.parallel = run.model, run.parallel
         self.optimizer, self.precision = run.optimizer, run.precision
-        self.progress, self.control, self.clock = Progress(), Control(), Clock()
+        self.progress, self.control = Progress(), Control()
+        budget = self.cfg.train.max_time  # the one read of train.max_time: the clock owns the budget
+        # time is looked up here at each reading (not bound once), so a test can stand in a clock for it
+        self.clock = Clock(budget, now=lambda: time.perf_counter(),
+                           agree=max_over_ranks if budget is not None and self.world.world_size > 1 else None)
         sc = self.cfg.stability
         self.guard = NonFiniteGuard(sc.max_nonfinite)
         self.spikes = SpikeDetector(sc) if sc.spike_detection else None
@@ -227,9 +172,7 @@ class Trainer:
             self._restore()
         # A resumed run that already reached train.max_steps (or spent train.max_time) has nothing to do
         # and changes nothing.
-        budget = self.cfg.train.max_time
-        self.complete = run.resumed and (self.step >= self.cfg.train.max_steps
-                                         or self.clock.would_overrun(budget))
+        self.complete = run.resumed and (self.step >= self.cfg.train.max_steps or self.clock.expired)
         if self.world.is_main and not self.complete:  # a refused resume leaves the old config intact
             save_config(self.cfg, run.run_dir / "config.yaml")
         n_params = sum(p.numel() for p in self.model.parameters())
@@ -297,14 +240,15 @@ class Trainer:
         while self.step < tc.max_steps:
             if self._out_of_time():
                 break
-            t0 = time.perf_counter()
+            self.clock.start()
             result = self._train_step()
             if result.verdict is not None and self._recover(result.verdict.finding):
-                self._tick(t0)
+                self.clock.stop()
                 continue  # rolled back: the steps since the checkpoint are redone on new data
             self._account(result)
             self._emit("on_step_end", self.step, result)
-            self._tick(t0)
+            # before validation and checkpointing, which the budget does not count
+            self.clock.stop()
             if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
                 self.validate()
             if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
@@ -333,9 +277,9 @@ class Trainer:
             self.console.warn(f"the run in {self.run_dir} is complete (step {self.step} of train.max_steps="
                               f"{tc.max_steps}); nothing to do. Raise train.max_steps to train on.")
         else:
-            self.console.warn(f"the run in {self.run_dir} has spent its time budget ({self.clock.seconds:.1f}"
-                              f"s of train.max_time={tc.max_time:g}s); nothing to do. Raise train.max_time "
-                              "to train on.")
+            self.console.warn(f"the run in {self.run_dir} has spent its time budget ({self.clock.elapsed:.1f}"
+                              f"s of train.max_time={self.clock.budget:g}s); nothing to do. Raise "
+                              "train.max_time to train on.")
         records = read_metrics(self.run_dir / "metrics.jsonl")
         val = [r for r in records if r.get("step") == self.step and "val_loss" in r]
         train = [r["loss"] for r in records if "loss" in r and "event" not in r]
@@ -349,31 +293,22 @@ class Trainer:
         return out
 
     # -- pieces of the loop -------------------------------------------------------------------
-    def _tick(self, t0: float) -> None:
-        """Add the iteration since `t0` to the training clock (before validation and checkpointing, which
-        the budget does not count). Ranks agree on the clock: the slowest rank's time counts, so every
-        rank stops at the same step."""
-        seconds = time.perf_counter() - t0
-        if self.cfg.train.max_time is not None and self.world.world_size > 1:
-            seconds = max_over_ranks(seconds)
-        self.clock.add(seconds)
-
     def _out_of_time(self) -> bool:
         """train.max_time: stop before a step that, taking as long as the last one, would end past the
         budget (a budget never overruns by a step). Records the stop in metrics.jsonl."""
-        budget = self.cfg.train.max_time
-        if not self.clock.would_overrun(budget):
+        clock = self.clock
+        if not clock.expired:
             return False
-        self._event("time_budget", train_seconds=round(self.clock.seconds, 3), max_time=budget,
+        self._event("time_budget", train_seconds=round(clock.elapsed, 3), max_time=clock.budget,
                     tokens_seen=self.tokens_seen)
-        self.console(f"train.max_time={budget:g}s reached after {self.clock.seconds:.1f}s of training "
+        self.console(f"train.max_time={clock.budget:g}s reached after {clock.elapsed:.1f}s of training "
                      f"(step {self.step}); saving and evaluating")
         return True
 
     def _train_step(self) -> StepResult:
         tc, run = self.cfg.train, self.run
         self.lr = run.schedule.apply(self.optimizer, self.step, self.tokens_seen, self.control.lr_scale,
-                                     seconds=self.clock.seconds)
+                                     seconds=self.clock.elapsed)
         t0 = time.perf_counter()
         again = self.replay.take() if self.replay is not None else None
         if again is not None:
