@@ -20,7 +20,7 @@ Adapters: r 16, alpha 32, dropout 0 on q/k/v/o/gate/up/down of every block (lmfo
 fp32 adapter parameters on both sides (PEFT's autocast_adapter_dtype does the same over a bf16 base).
 Over a bf16 base PEFT also computes the adapter path in fp32 (it casts x up); lmforge computes it in
 the activations' dtype (bf16 here, as autocast computes any linear layer), fused into the base GEMM
-(finetune/lora.py, _LoRALinearFn), with fp32 gradients on its fp32 A and B. PEFT's
+(finetune/lora_fused.py, LoRALinearFn), with fp32 gradients on its fp32 A and B. PEFT's
 lora_A start as a copy of ours (B = 0 on both), so both sides train the same function on the same
 batches and their losses stay equal step after step (printed: the largest loss difference).
 

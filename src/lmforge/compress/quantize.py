@@ -78,32 +78,11 @@ def quantize_run(
     model, step = load_merged(cfg, ckpt)
     model.float()
     names = quant_targets(model, qcfg.targets, qcfg.head)
-    for name in names:
-        k = model.get_submodule(name).in_features
-        if group_size is not None and k % group_size:
-            raise LmforgeError(f"--group-size {group_size} does not divide the {k} inputs of {name}; use "
-                               "a group size that divides every quantized layer's in_features (e.g. 32, 64)")
-        if bits == 4 and k % 2:
-            raise LmforgeError(f"int4 packs two weights per byte: {name} has an odd number of inputs ({k})")
+    _check_shapes(model, names, bits, group_size)
     ids = _calibration_ids(cfg, tokenizer, calib, calib_samples, min(calib_seq_len, cfg.model.max_seq_len),
                            required=method == "gptq")
     reference = copy.deepcopy(model)
-    if method == "gptq":
-        say(f"GPTQ on {ids.shape[0]} calibration sequences of {ids.shape[1]} tokens, {len(names)} layers")
-        _gptq_model(model, names, qcfg, ids, act_order, percdamp)
-    else:
-        for name in names:
-            layer = QuantLinear.from_linear(model.get_submodule(name), bits, group_size, symmetric,
-                                            scale_dtype_of(qcfg.scale_dtype))
-            _replace(model, name, layer)
-    if embeddings:  # round to nearest: a lookup table has no activations for GPTQ to weigh
-        emb = model.tok_embeddings
-        if group_size is not None and emb.embedding_dim % group_size:
-            raise LmforgeError(f"--group-size {group_size} does not divide the embedding size "
-                               f"{emb.embedding_dim}; use a group size that divides it")
-        model.tok_embeddings = QuantEmbedding.from_embedding(emb, bits, group_size, symmetric,
-                                                             scale_dtype_of(qcfg.scale_dtype))
-        names = [*names, "tok_embeddings"]
+    names = _quantize_model(model, names, qcfg, ids, act_order, percdamp, say)
     model.cfg = model_cfg
     _round_kept(model, _DTYPES[keep_dtype])
     report = {"source": str(src), "step": step, "bits": bits, "group_size": group_size,
@@ -112,19 +91,9 @@ def quantize_run(
     if ids is not None:
         report["logits"] = logit_deviation(reference, model, ids[:4])
     del reference
-    new_cfg = cfg.model_copy(update={
-        "run": cfg.run.model_copy(update={"dir": str(out), "name": f"{cfg.run.name}-int{bits}-{method}"}),
-        "model": model_cfg,
-        "finetune": cfg.finetune.model_copy(update={"method": "full"}),
-    })
     src_data = data_dir(cfg)
     own_data = not is_hf_dir(Path(src)) and (src_data / "tokenizer.json").is_file()
-    if own_data:
-        new_cfg = new_cfg.model_copy(update={"data": cfg.data.model_copy(update={"dir": None})})
-    else:  # an imported model: its tokenizer files travel with it
-        tokenizer_cfg = cfg.data.tokenizer.model_copy(update={"path": str(out / "tokenizer.json")})
-        data = cfg.data.model_copy(update={"dir": None, "tokenizer": tokenizer_cfg})
-        new_cfg = new_cfg.model_copy(update={"data": data})
+    new_cfg = _output_config(cfg, out, model_cfg, f"{cfg.run.name}-int{bits}-{method}", own_data)
     stored = model.to(_DTYPES[keep_dtype])  # QuantLinear's integer buffers keep their dtype
 
     def write(tmp: Path) -> None:
@@ -143,6 +112,23 @@ def quantize_run(
     write_output_dir(out, overwrite, inputs, write)
     say(_summary(report, out))
     return report
+
+
+def _output_config(cfg, out: Path, model_cfg: ModelConfig, name: str, own_data: bool):
+    """The config of the quantized run at `out`: the quantized model section, a full-weights
+    fine-tune, and the data section of its own copy of the source's data dir (own_data) or, for an
+    imported model, the tokenizer files beside it."""
+    new_cfg = cfg.model_copy(update={
+        "run": cfg.run.model_copy(update={"dir": str(out), "name": name}),
+        "model": model_cfg,
+        "finetune": cfg.finetune.model_copy(update={"method": "full"}),
+    })
+    if own_data:
+        return new_cfg.model_copy(update={"data": cfg.data.model_copy(update={"dir": None})})
+    # an imported model: its tokenizer files travel with it
+    tokenizer_cfg = cfg.data.tokenizer.model_copy(update={"path": str(out / "tokenizer.json")})
+    data = cfg.data.model_copy(update={"dir": None, "tokenizer": tokenizer_cfg})
+    return new_cfg.model_copy(update={"data": data})
 
 
 # -- checks ------------------------------------------------------------------------------------------
@@ -167,6 +153,17 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise LmforgeError(f"{out} exists and is not a directory; choose another output dir")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise LmforgeError(f"{out} is not empty; choose another output dir or pass --overwrite")
+
+
+def _check_shapes(model: nn.Module, names: list[str], bits: int, group_size: int | None) -> None:
+    """Every layer to quantize splits into groups of group_size inputs, and an even count for int4."""
+    for name in names:
+        k = model.get_submodule(name).in_features
+        if group_size is not None and k % group_size:
+            raise LmforgeError(f"--group-size {group_size} does not divide the {k} inputs of {name}; use "
+                               "a group size that divides every quantized layer's in_features (e.g. 32, 64)")
+        if bits == 4 and k % 2:
+            raise LmforgeError(f"int4 packs two weights per byte: {name} has an odd number of inputs ({k})")
 
 
 # -- calibration -------------------------------------------------------------------------------------
@@ -213,6 +210,30 @@ def _val_stream(cfg) -> tuple[np.ndarray | None, str]:
 def _replace(model: nn.Module, name: str, layer: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, layer)
+
+
+def _quantize_model(model: nn.Module, names: list[str], qcfg: QuantConfig, ids: torch.Tensor | None,
+                    act_order: bool, percdamp: float, say) -> list[str]:
+    """Replace the linear layers `names` by QuantLinear (GPTQ on `ids`, or round to nearest), and the
+    embeddings by a QuantEmbedding when qcfg asks; returns the names of every quantized module."""
+    bits, group_size, symmetric = qcfg.bits, qcfg.group_size, qcfg.symmetric
+    if qcfg.method == "gptq":
+        say(f"GPTQ on {ids.shape[0]} calibration sequences of {ids.shape[1]} tokens, {len(names)} layers")
+        _gptq_model(model, names, qcfg, ids, act_order, percdamp)
+    else:
+        for name in names:
+            layer = QuantLinear.from_linear(model.get_submodule(name), bits, group_size, symmetric,
+                                            scale_dtype_of(qcfg.scale_dtype))
+            _replace(model, name, layer)
+    if qcfg.embeddings:  # round to nearest: a lookup table has no activations for GPTQ to weigh
+        emb = model.tok_embeddings
+        if group_size is not None and emb.embedding_dim % group_size:
+            raise LmforgeError(f"--group-size {group_size} does not divide the embedding size "
+                               f"{emb.embedding_dim}; use a group size that divides it")
+        model.tok_embeddings = QuantEmbedding.from_embedding(emb, bits, group_size, symmetric,
+                                                             scale_dtype_of(qcfg.scale_dtype))
+        names = [*names, "tok_embeddings"]
+    return names
 
 
 class _Inputs(Exception):

@@ -151,8 +151,6 @@ def read_vocab(hf_dir: Path, n_vocab: int, label: str = "the tokenizer") -> Voca
     `n_vocab` rows (a padded embedding's extra rows get unused placeholder tokens, as llama.cpp's
     converter writes them). LmforgeError for a tokenizer llama.cpp would not reproduce, naming it `label`
     (hf_dir is a scratch export: its path means nothing to the user)."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     path = hf_dir / "tokenizer.json"
     if not path.is_file():
         raise LmforgeError(f"{label} has no tokenizer.json; GGUF export needs a fast (tokenizers) tokenizer")
@@ -164,21 +162,50 @@ def read_vocab(hf_dir: Path, n_vocab: int, label: str = "the tokenizer") -> Voca
             "tokenizers: byte-level (lmforge's own, GPT-2, Llama 3, Qwen2/3) and sentencepiece-style with "
             "byte fallback (Llama 2, Mistral)")
     spm = bool(model.get("byte_fallback"))
+    pre, space_prefix = _split(spec, model, spm, label)
+    tokens, types, special = _token_table(spec, model, n_vocab, label)
+    merges = _merges(model)
+    scores = None
     if spm:
-        pre, space_prefix = "default", _spm_layout(spec, label)
-    else:
-        norm = spec.get("normalizer")
-        if norm is not None and norm.get("type") not in _HARMLESS_NORMALIZERS:
-            raise LmforgeError(f"{label}: normalizer {norm.get('type')!r} has no llama.cpp equivalent; GGUF "
-                               "export supports tokenizers without a normalizer (or with NFC)")
-        pre, space_prefix = _pre_name(spec.get("pre_tokenizer"), label), False
-        # llama.cpp looks a whole word up before merging (tokenizers' ignore_merges) for Llama 3's
-        # vocabulary and only there; a tokenizer that differs would tokenize some words differently
-        if bool(model.get("ignore_merges")) != (pre == "llama-bpe"):
-            raise LmforgeError(f"{label}: ignore_merges={bool(model.get('ignore_merges'))} with a {pre} "
-                               "split; llama.cpp uses ignore_merges exactly for Llama 3's split, so it would "
-                               "tokenize some words differently")
+        scores = _spm_scores(tokens, merges)
+        for i, t in enumerate(tokens):
+            if types[i] == NORMAL and re.fullmatch(r"<0x[0-9A-F]{2}>", t):
+                types[i] = BYTE
+        if model.get("unk_token") in model["vocab"]:
+            types[model["vocab"][model["unk_token"]]] = UNKNOWN
+    config = _json(hf_dir / "tokenizer_config.json")
+    bos, eos, eot, pad, stops = _special_ids(hf_dir, config, special, n_vocab, label)
+    add_bos, bos = _adds_bos(path, bos, label)
+    return Vocab(pre=pre, tokens=tokens, types=types, merges=merges, bos_id=bos, eos_id=eos,
+                 eot_id=eot, pad_id=pad, add_bos=add_bos, chat_template=_chat_template(hf_dir, config),
+                 special=special, scores=scores, add_space_prefix=space_prefix,
+                 stop_ids=list(dict.fromkeys(x for x in (eot, *stops, eos) if x is not None)),
+                 notes=[_APPROXIMATE[pre]] if pre in _APPROXIMATE else [])
 
+
+def _split(spec: dict[str, Any], model: dict[str, Any], spm: bool, label: str) -> tuple[str, bool]:
+    """(llama.cpp's pre-tokenizer name, add_space_prefix) of the tokenizer, or LmforgeError where
+    llama.cpp would split the text differently."""
+    if spm:
+        return "default", _spm_layout(spec, label)
+    norm = spec.get("normalizer")
+    if norm is not None and norm.get("type") not in _HARMLESS_NORMALIZERS:
+        raise LmforgeError(f"{label}: normalizer {norm.get('type')!r} has no llama.cpp equivalent; GGUF "
+                           "export supports tokenizers without a normalizer (or with NFC)")
+    pre = _pre_name(spec.get("pre_tokenizer"), label)
+    # llama.cpp looks a whole word up before merging (tokenizers' ignore_merges) for Llama 3's
+    # vocabulary and only there; a tokenizer that differs would tokenize some words differently
+    if bool(model.get("ignore_merges")) != (pre == "llama-bpe"):
+        raise LmforgeError(f"{label}: ignore_merges={bool(model.get('ignore_merges'))} with a {pre} "
+                           "split; llama.cpp uses ignore_merges exactly for Llama 3's split, so it would "
+                           "tokenize some words differently")
+    return pre, False
+
+
+def _token_table(spec: dict[str, Any], model: dict[str, Any], n_vocab: int,
+                 label: str) -> tuple[list[str], list[int], dict[str, int]]:
+    """(tokens, types, special token text -> id) over the model's n_vocab rows: the vocabulary and the
+    added tokens by id, rows no token names filled with unused placeholders."""
     tokens: list[str | None] = [None] * n_vocab
     types = [UNUSED] * n_vocab
     for text, i in model["vocab"].items():
@@ -196,18 +223,12 @@ def read_vocab(hf_dir: Path, n_vocab: int, label: str = "the tokenizer") -> Voca
             special[added["content"]] = i
     if sum(t is not None for t in tokens) < len(model["vocab"]):
         raise LmforgeError(f"{label}: the vocabulary has ids beyond the model's {n_vocab} embedding rows")
-    filled = [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)]
-    merges = _merges(model)
-    scores = None
-    if spm:
-        scores = _spm_scores(filled, merges)
-        for i, t in enumerate(filled):
-            if types[i] == NORMAL and re.fullmatch(r"<0x[0-9A-F]{2}>", t):
-                types[i] = BYTE
-        if model.get("unk_token") in model["vocab"]:
-            types[model["vocab"][model["unk_token"]]] = UNKNOWN
+    return [t if t is not None else f"[PAD{i}]" for i, t in enumerate(tokens)], types, special
 
-    config = _json(hf_dir / "tokenizer_config.json")
+
+def _special_ids(hf_dir: Path, config: dict[str, Any], special: dict[str, int], n_vocab: int,
+                 label: str) -> tuple[int | None, int | None, int | None, int | None, list[int]]:
+    """(bos, eos, eot, pad, every eos id) from the model's config files, each within the vocabulary."""
     model_cfg, gen = _json(hf_dir / "config.json"), _json(hf_dir / "generation_config.json")
 
     def ids(key: str) -> list[int]:  # generation_config wins over config.json, as in transformers
@@ -227,7 +248,14 @@ def read_vocab(hf_dir: Path, n_vocab: int, label: str = "the tokenizer") -> Voca
             if v is not None and not 0 <= v < n_vocab:
                 raise LmforgeError(f"{label}: {key} {v} lies outside the vocabulary (0..{n_vocab - 1}); "
                                    "set the model config's special token ids to tokens the tokenizer has")
-    # add_bos: what the tokenizer itself does (its post-processor), found by asking it
+    return bos, eos, eot, pad, stops
+
+
+def _adds_bos(path: Path, bos: int | None, label: str) -> tuple[bool, int | None]:
+    """(whether the tokenizer itself puts a BOS before the text, the BOS id then), found by asking it
+    (its post-processor); LmforgeError when it adds tokens after the text, which llama.cpp would not."""
+    from tokenizers import Tokenizer as HFTokenizer
+
     tok = HFTokenizer.from_file(str(path))
     plain = tok.encode("a", add_special_tokens=False).ids
     wrapped = tok.encode("a", add_special_tokens=True).ids
@@ -237,16 +265,17 @@ def read_vocab(hf_dir: Path, n_vocab: int, label: str = "the tokenizer") -> Voca
     if len(wrapped) > len(plain) and not add_bos:
         raise LmforgeError(f"{label}: the tokenizer adds special tokens after the text (e.g. an EOS), which "
                            "llama.cpp would not do; GGUF export supports adding a BOS only")
+    return add_bos, bos
+
+
+def _chat_template(hf_dir: Path, config: dict[str, Any]) -> str | None:
+    """The chat template of the tokenizer config (its default one of several), or of chat_template.jinja."""
     template = config.get("chat_template")
     if template is None and (hf_dir / "chat_template.jinja").is_file():
         template = (hf_dir / "chat_template.jinja").read_text(encoding="utf-8")
     if isinstance(template, list):  # named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    return Vocab(pre=pre, tokens=filled, types=types, merges=merges, bos_id=bos, eos_id=eos,
-                 eot_id=eot, pad_id=pad, add_bos=add_bos, chat_template=template, special=special,
-                 stop_ids=list(dict.fromkeys(x for x in (eot, *stops, eos) if x is not None)),
-                 scores=scores, add_space_prefix=space_prefix,
-                 notes=[_APPROXIMATE[pre]] if pre in _APPROXIMATE else [])
+    return template
 
 
 def _json(path: Path) -> dict[str, Any]:

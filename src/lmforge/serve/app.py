@@ -91,14 +91,18 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
     created = now()
     if not template.trusted:
         pool().resize(max(pool().size, RENDER_WORKERS))
-    specials = tokenizer.special_tokens()
-    chat_stops = frozenset(stop_ids(template, tokenizer))
-    # A template's end of turn that is not one token (ChatML over a tokenizer that was never
-    # fine-tuned) still ends the reply: as a stop string.
-    eot = template.end_of_turn
-    chat_stop_text = (eot,) if eot and tokenizer.token_id(eot) is None else ()
     token_text = TokenText(tokenizer)
-    template_tools = TemplateTools(template)  # its tool markup, learned on the first request with tools
+    _add_error_handlers(app)
+    _add_model_routes(app, engine, model_name, created)
+    if admin:
+        _add_admin_routes(app, adapters, admin_key.encode(), model_name)
+    _add_completions_route(app, engine, tokenizer, model_name, token_text)
+    _add_chat_route(app, engine, tokenizer, template, model_name, token_text)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape; anything unexpected a bare 500 (no trace leaves the server)."""
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -112,6 +116,10 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
     async def _internal(request: Request, e: Exception) -> JSONResponse:
         return JSONResponse(error_body(500, "internal server error"), status_code=500)
 
+
+def _add_model_routes(app: FastAPI, engine: Engine, model_name: str, created: int) -> None:
+    """GET /health, /v1/models and /v1/models/{id}: what is served (the base and its adapters)."""
+    adapters = engine.adapters
     card = {"id": model_name, "object": "model", "created": created, "owned_by": "lmforge",
             "max_model_len": engine.max_len}
 
@@ -130,32 +138,38 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
         adapter = _route(model_id, model_name, adapters)
         return card if adapter is None else adapter.card(model_name)
 
-    if admin:
-        from lmforge.serve.adapters import LoadAdapterRequest, UnloadAdapterRequest
 
-        secret = admin_key.encode()
+def _add_admin_routes(app: FastAPI, adapters, secret: bytes, model_name: str) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter, which take the admin key `secret` only."""
+    from lmforge.serve.adapters import LoadAdapterRequest, UnloadAdapterRequest
 
-        @app.post("/v1/load_lora_adapter")
-        async def load_lora_adapter(request: Request):
-            _check_admin(request, secret)
-            body = _parse(await request.body(), LoadAdapterRequest)
-            try:  # in a thread: reading an adapter takes a while and must not hold up the event loop
-                adapter = await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path)
-            except LmforgeError as e:
-                raise ApiError(400, str(e), param=getattr(e, "param", "lora_path")) from None
-            return {"object": "lora_adapter", "id": adapter.name, "kind": adapter.kind, "rank": adapter.rank,
-                    "parent": model_name, "status": "loaded"}
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        _check_admin(request, secret)
+        body = _parse(await request.body(), LoadAdapterRequest)
+        try:  # in a thread: reading an adapter takes a while and must not hold up the event loop
+            adapter = await asyncio.to_thread(adapters.load, body.lora_name, body.lora_path)
+        except LmforgeError as e:
+            raise ApiError(400, str(e), param=getattr(e, "param", "lora_path")) from None
+        return {"object": "lora_adapter", "id": adapter.name, "kind": adapter.kind, "rank": adapter.rank,
+                "parent": model_name, "status": "loaded"}
 
-        @app.post("/v1/unload_lora_adapter")
-        async def unload_lora_adapter(request: Request):
-            _check_admin(request, secret)
-            body = _parse(await request.body(), UnloadAdapterRequest)
-            try:
-                adapters.unload(body.lora_name)
-            except KeyError:
-                raise ApiError(404, f"no adapter named `{body.lora_name}` is loaded", code="model_not_found",
-                               param="lora_name") from None
-            return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"}
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        _check_admin(request, secret)
+        body = _parse(await request.body(), UnloadAdapterRequest)
+        try:
+            adapters.unload(body.lora_name)
+        except KeyError:
+            raise ApiError(404, f"no adapter named `{body.lora_name}` is loaded", code="model_not_found",
+                           param="lora_name") from None
+        return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"}
+
+
+def _add_completions_route(app: FastAPI, engine: Engine, tokenizer, model_name: str,
+                           token_text: TokenText) -> None:
+    """POST /v1/completions: raw prompts (text or token ids), with echo and logprobs."""
+    adapters = engine.adapters
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -177,18 +191,26 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
             params = dataclasses.replace(params, logprobs=k, prompt_logprobs=k if body.echo else None)
         return await _respond(request, engine, body, prompts, params, body.model, chat=False, shaper=shaper)
 
+
+def _add_chat_route(app: FastAPI, engine: Engine, tokenizer, template: ChatTemplate, model_name: str,
+                    token_text: TokenText) -> None:
+    """POST /v1/chat/completions: messages rendered by the run's chat template, with tools,
+    response_format and logprobs."""
+    adapters = engine.adapters
+    specials = tokenizer.special_tokens()
+    chat_stops = frozenset(stop_ids(template, tokenizer))
+    # A template's end of turn that is not one token (ChatML over a tokenizer that was never
+    # fine-tuned) still ends the reply: as a stop string.
+    eot = template.end_of_turn
+    chat_stop_text = (eot,) if eot and tokenizer.token_id(eot) is None else ()
+    template_tools = TemplateTools(template)  # its tool markup, learned on the first request with tools
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = _parse(await request.body(), ChatCompletionRequest)
         adapter = _route(body.model, model_name, adapters)
         messages = body.conversation()
-        for i, m in enumerate(messages):
-            bad = next((s for s in specials if s and any(s in t for t in strings(m))), None)
-            if bad is not None:  # it would be encoded as the token itself and could forge a turn
-                where = next(f for f in ("content", "tool_calls", "tool_call_id", "name")
-                             if any(bad in t for t in strings(m.get(f))))
-                raise ApiError(400, f"messages[{i}].{where} contains the control token {bad!r}",
-                               param=f"messages.{i}.{where}")
+        _refuse_control_tokens(messages, specials)
         plan = await _tool_plan(body, template_tools, template, specials)
         try:  # in a thread: an untrusted template's render waits on its worker, not on the event loop
             ids = await asyncio.to_thread(chat_prompt_ids, template, tokenizer, messages, engine.max_len,
@@ -219,7 +241,17 @@ def create_app(engine: Engine, tokenizer, template: ChatTemplate, *, model_name:
         return await _respond(request, engine, body, [ids], params, body.model, chat=True, shaper=shaper,
                               plan=plan)
 
-    return app
+
+def _refuse_control_tokens(messages: list[dict[str, Any]], specials) -> None:
+    """A 400 naming the first message field that holds a control token's text: it would be encoded as
+    the token itself and could forge a turn."""
+    for i, m in enumerate(messages):
+        bad = next((s for s in specials if s and any(s in t for t in strings(m))), None)
+        if bad is not None:
+            where = next(f for f in ("content", "tool_calls", "tool_call_id", "name")
+                         if any(bad in t for t in strings(m.get(f))))
+            raise ApiError(400, f"messages[{i}].{where} contains the control token {bad!r}",
+                           param=f"messages.{i}.{where}")
 
 
 async def _tool_plan(body: ChatCompletionRequest, template_tools: TemplateTools, template: ChatTemplate,

@@ -19,9 +19,9 @@ the end the window is moved back to column 0 (one copy every max_seq_len steps o
 longer than pos moves it right. Running rows are kept in slots 0..B-1 (a finished row's slot is
 filled by moving the later rows down), so a step computes B rows, not the whole capacity.
 
-Sampling: temperature 0 is greedy argmax; otherwise lmforge.models.generation.sample_next with the
-request's temperature / top-k / top-p and a generator per choice (seeded with seed + choice index
-when the request gives a seed), so a seeded reply does not depend on what else is running.
+Sampling (serve/sampling.py): temperature 0 is greedy argmax; otherwise a generator per choice (seeded
+with seed + choice index when the request gives a seed), so a seeded reply does not depend on what
+else is running.
 Text is decoded incrementally: a delta is sent once no stop string can still begin in it and no
 multi-byte character is cut; a stop string ends the reply before it (finish_reason "stop"), as do
 the stop token ids (not part of the text); max_tokens or the model's context ends it with "length".
@@ -43,53 +43,14 @@ from torch import nn
 from lmforge.errors import LmforgeError
 from lmforge.models.common.attention import KVCache, cache_shapes
 from lmforge.models.common.rope import refuse_stale_cache
-from lmforge.models.generation import sample_next
-from lmforge.serve.grammar import Grammar, GrammarError, Matcher, mask_logits_
+from lmforge.serve.grammar import GrammarError, Matcher, mask_logits_
 from lmforge.serve.logprobs import TokenLogprob, chosen_logprobs, prompt_logprobs
 from lmforge.serve.prefix_cache import BLOCK_TOKENS, PrefixCache, skips_head, unsupported
+from lmforge.serve.sampling import SamplingParams, adjust_, choice_generator, sample, token_counts
 
 
 class EngineBusy(LmforgeError):
     """The queue of waiting sequences is full; the request was not accepted (try again later)."""
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the choices of one request are sampled and when they end.
-
-    max_tokens: tokens to generate at most (each choice is also capped by the model's context; 0: none).
-    temperature 0 is greedy; top_k None and top_p 1.0 keep every token. n: choices per prompt.
-    seed: choice j draws with a generator seeded seed + j (None: a random seed).
-    stop: strings that end a reply (excluded from its text); stop_ids: token ids that do (EOS,
-    end of turn; excluded from the text, counted as generated tokens). grammar: each choice's tokens
-    are masked to what it allows (serve/grammar.py), the stop ids only once it is complete, and the
-    reply ends with "stop" when nothing else may follow. logit_bias: (token id, bias) added to that
-    token's logit at every step; presence_penalty / frequency_penalty: subtracted from the logit of
-    each token the choice has generated, once / once per time (OpenAI's definitions; the model's raw
-    logits are what logprobs report)."""
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int | None = None
-    n: int = 1
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_ids: frozenset[int] = frozenset()
-    # log-probabilities (lmforge.serve.logprobs): None reports none (and computes none); k reports the
-    # chosen token's with the k most likely. prompt_logprobs: the prompt's tokens too (with
-    # max_tokens 0: the prompt scored, nothing generated).
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    adapter: Any = None  # the LoRA adapter (serve/adapters.py's Adapter) its rows decode with; None: the base
-    grammar: Grammar | None = None
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    def adjusts(self) -> bool:
-        """Whether the logits are changed before sampling (bias or penalties)."""
-        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0
 
 
 @dataclass(frozen=True)
@@ -399,14 +360,7 @@ class Engine:
             buf[slot, :, start : self.pos] = src[0]
         self.off = min(self.off, start) if self.rows else start
         params = req.params
-        gen = None
-        if params.temperature > 0:
-            seed = params.seed + index % params.n if params.seed is not None else None
-            gen = torch.Generator(device=self.device)
-            if seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(seed)
+        gen = choice_generator(params, index, self.device)
         seq = _Seq(req, index, L, start, min(params.max_tokens, self.max_len - L), gen, prompt_lp=prompt_lp,
                    matcher=params.grammar.matcher() if params.grammar is not None else None)
         self.rows.append(seq)
@@ -488,7 +442,7 @@ class Engine:
             self._adjust(rows, logits)
         if constrained:
             self._constrain(rows, logits)
-        tokens = self._sample(rows, logits)
+        tokens = sample(logits, [r.req.params for r in rows], [r.generator for r in rows])
         for r, tok in zip(rows, tokens) if adjusted else ():
             if r.counts is not None:
                 r.counts[tok] += 1
@@ -505,16 +459,9 @@ class Engine:
         """Add the rows' logit biases and subtract their presence / frequency penalties, in place."""
         for i, r in enumerate(rows):
             p = r.req.params
-            if p.logit_bias:
-                ids, bias = r.req.bias(logits.device)
-                logits[i, ids] += bias.to(logits.dtype)
-            if p.presence_penalty != 0 or p.frequency_penalty != 0:
-                if r.counts is None:
-                    r.counts = torch.zeros(logits.shape[-1], device=logits.device)
-                    for t in r.text_ids:  # what it generated before (only its first token, at admission)
-                        r.counts[t] += 1
-                c = r.counts
-                logits[i] -= (c * p.frequency_penalty + (c > 0) * p.presence_penalty).to(logits.dtype)
+            if p.penalises() and r.counts is None:  # what it generated before (its first token, at admission)
+                r.counts = token_counts(r.text_ids, logits.shape[-1], logits.device)
+            adjust_(logits[i], p, r.req.bias(logits.device) if p.logit_bias else None, r.counts)
 
     def _constrain(self, rows: list[_Seq], logits: torch.Tensor) -> None:
         """Mask, in place, the logits of the rows under a grammar to the tokens it allows; the other
@@ -537,16 +484,6 @@ class Engine:
         records = chosen_logprobs(logits[asking], [tokens[i] for i in asking], ks)
         for i, rec in zip(asking, records):
             rows[i].lp_pending.append(rec)
-
-    def _sample(self, rows: list[_Seq], logits: torch.Tensor) -> list[int]:
-        """The next token of each row from its logits (B, V): greedy rows by argmax, the others with
-        their own generator (one row at a time, so a draw does not depend on the batch)."""
-        out = logits.argmax(dim=-1).tolist()
-        for i, r in enumerate(rows):
-            p = r.req.params
-            if p.temperature > 0:
-                out[i] = int(sample_next(logits[i : i + 1], p.temperature, p.top_k, p.top_p, r.generator)[0])
-        return out
 
     def _emit(self, r: _Seq, tok: int) -> None:
         """Account token `tok` to row r: report the text that is now certain, and whether r ended."""
