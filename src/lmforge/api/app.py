@@ -36,11 +36,11 @@ from lmforge.api.progress import Progress
 from lmforge.api.publish import Publisher
 from lmforge.api.routes.artifacts import artifacts_router
 from lmforge.api.routes.auth import bearer_user
-from lmforge.api.routes.events import events_router
 from lmforge.api.routes.health import health_router
 from lmforge.api.routes.jobs import jobs_router
 from lmforge.api.routes.publish import publish_router
 from lmforge.api.routes.state import JobsState
+from lmforge.api.routes.watch import watch_router
 from lmforge.api.runner import Runner
 from lmforge.api.store import Store
 
@@ -87,7 +87,7 @@ def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tupl
     app.include_router(jobs_router(state, user_of))
     app.include_router(publish_router(state, user_of, publisher))
     app.include_router(artifacts_router(state, user_of))
-    app.include_router(events_router(state, user_of))
+    app.include_router(watch_router(state, user_of))
 
     from lmforge.api.dashboard import mount_dashboard  # the web page at /: a client of the routes above
 

@@ -3,8 +3,8 @@
     state.py      JobsState: what every route shares (store, runner, confiner, limits, ...), passed in
     auth.py       the bearer-token dependency every /v1 route takes
     health.py     GET /health (no token)
-    jobs.py       create, list, get, cancel, resume, delete, logs
-    events.py     the server-sent event stream of one job
+    jobs.py       create, list, get, cancel, resume, delete
+    watch.py      a job's logs and its server-sent event stream
     artifacts.py  a job's files: the list and one file's bytes
     publish.py    a finished adapter onto a running `lmforge serve`
 

@@ -1,4 +1,4 @@
-"""The job routes: create, list, get, cancel, resume, delete, and a job's logs.
+"""The job routes: create, list, get, cancel, resume, delete (a job's output: watch.py).
 
     POST   /v1/jobs                             create (train / eval / generate / export); 201
     GET    /v1/jobs?status=&limit=&after=       the caller's jobs, newest first; `after` pages on
@@ -6,7 +6,6 @@
     POST   /v1/jobs/{id}/cancel                 SIGTERM: a train job saves a checkpoint and stops
     POST   /v1/jobs/{id}/resume                 a cancelled / interrupted / failed train job continues
     DELETE /v1/jobs/{id}?artifacts=true         refused while it runs; artifacts=true removes its dir
-    GET    /v1/jobs/{id}/logs?tail=N&stream=    the last N lines of stdout / stderr
 """
 
 from __future__ import annotations
@@ -22,8 +21,6 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
 from lmforge.api.jobs import RequestError, build_job, parse_request
-from lmforge.api.launch import STDERR, STDOUT
-from lmforge.api.progress import tail_lines
 from lmforge.api.routes.state import JobsState
 from lmforge.api.store import RESUMABLE, STATUSES, TERMINAL
 
@@ -127,17 +124,5 @@ def jobs_router(state: JobsState, user_of: Callable) -> APIRouter:
             await asyncio.to_thread(shutil.rmtree, state.job_dir(job), True)
         return {"id": job.id, "object": "lmforge.job.deleted", "deleted": True,
                 "artifacts_deleted": artifacts}
-
-    @router.get("/v1/jobs/{job_id}/logs", tags=["jobs"])
-    async def logs(job_id: str, tail: int = Query(100, ge=0, le=10000),
-                   stream: str = Query("both", pattern="^(stdout|stderr|both)$"),
-                   user: str = Depends(user_of)) -> dict[str, Any]:
-        """The last `tail` lines of the job's stdout and/or stderr."""
-        d = state.job_dir(state.own_job(job_id, user))
-        out: dict[str, Any] = {"object": "lmforge.job.logs", "id": job_id}
-        for name, file in (("stdout", STDOUT), ("stderr", STDERR)):
-            if stream in (name, "both"):
-                out[name] = tail_lines(d / file, tail)
-        return out
 
     return router

@@ -1,4 +1,8 @@
-"""GET /v1/jobs/{id}/events: a job's server-sent events (status, metrics, log lines) until it ends."""
+"""Watching a job: its logs and its server-sent events.
+
+    GET    /v1/jobs/{id}/logs?tail=N&stream=    the last N lines of stdout / stderr
+    GET    /v1/jobs/{id}/events                 SSE: status, metrics (metrics.jsonl lines), log lines
+"""
 
 from __future__ import annotations
 
@@ -7,20 +11,32 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
 from lmforge.api.launch import STDERR, STDOUT
-from lmforge.api.progress import Tail
+from lmforge.api.progress import Tail, tail_lines
 from lmforge.api.routes.state import JobsState
 from lmforge.api.store import TERMINAL, Job
 
 SSE_POLL_S = 0.25
 
 
-def events_router(state: JobsState, user_of: Callable) -> APIRouter:
-    """The event stream route; `user_of` is the bearer-token dependency."""
+def watch_router(state: JobsState, user_of: Callable) -> APIRouter:
+    """The logs and event-stream routes; `user_of` is the bearer-token dependency."""
     router = APIRouter()
+
+    @router.get("/v1/jobs/{job_id}/logs", tags=["jobs"])
+    async def logs(job_id: str, tail: int = Query(100, ge=0, le=10000),
+                   stream: str = Query("both", pattern="^(stdout|stderr|both)$"),
+                   user: str = Depends(user_of)) -> dict[str, Any]:
+        """The last `tail` lines of the job's stdout and/or stderr."""
+        d = state.job_dir(state.own_job(job_id, user))
+        out: dict[str, Any] = {"object": "lmforge.job.logs", "id": job_id}
+        for name, file in (("stdout", STDOUT), ("stderr", STDERR)):
+            if stream in (name, "both"):
+                out[name] = tail_lines(d / file, tail)
+        return out
 
     @router.get("/v1/jobs/{job_id}/events", tags=["jobs"])
     async def events(job_id: str, request: Request, user: str = Depends(user_of)):
