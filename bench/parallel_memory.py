@@ -241,7 +241,7 @@ def run_bubble(kind: str, m: int, steps: int, world) -> dict:
 # ---- processes ----------------------------------------------------------------------------------
 
 def worker(args) -> None:
-    from lmforge.parallel.init import init_distributed, shutdown
+    from lmforge.parallel.process_group import init_distributed, shutdown
 
     world = init_distributed(timeout_s=300)
     out = {"strategies": {}, "bubble": {}}

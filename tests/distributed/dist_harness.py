@@ -226,7 +226,7 @@ def _run(spec: dict, world) -> dict:
     if spec.get("count_twin"):
         # What a CUDA (NCCL) job sums its target counts over: a gloo twin of the dp group, forced here
         # where the dp group is gloo already.
-        from lmforge.parallel.init import host_twin
+        from lmforge.parallel.process_group import host_twin
 
         pm.comm.count_group = host_twin(pm.comm.dp_group, force=True)
     if spec.get("load_dir"):
@@ -285,7 +285,7 @@ def _run(spec: dict, world) -> dict:
 
 
 def _worker(spec_file: str, out_dir: str) -> None:
-    from lmforge.parallel.init import init_distributed, shutdown
+    from lmforge.parallel.process_group import init_distributed, shutdown
 
     _count_collectives()
     scenarios = json.loads(Path(spec_file).read_text())

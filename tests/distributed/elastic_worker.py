@@ -1,4 +1,4 @@
-"""A torchrun worker for test_launch: joins the job through lmforge.parallel.init, checks an
+"""A torchrun worker for test_launch: joins the job through lmforge.parallel.process_group, checks an
 all-reduce, and - when asked - dies on the first attempt so that torchrun restarts everyone."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from lmforge.parallel.init import init_distributed, shutdown
+from lmforge.parallel.process_group import init_distributed, shutdown
 
 if __name__ == "__main__":
     out, crash_first = Path(sys.argv[1]), sys.argv[2] == "crash"

@@ -142,7 +142,7 @@ def test_tokens_seen_counts_the_whole_job(setup, name):
 # ---- worker side ------------------------------------------------------------------------------
 def _worker(spec_file: str, out_dir: str) -> None:
     from lmforge.config import load_config
-    from lmforge.parallel.init import shutdown
+    from lmforge.parallel.process_group import shutdown
     from lmforge.parallel.world import World
     from lmforge.train.trainer import Trainer
 

@@ -19,7 +19,7 @@ from lmforge.engine.precision import Precision
 from lmforge.engine.step import train_step
 from lmforge.models import build_model
 from lmforge.optim.builder import build_optimizer
-from lmforge.parallel import init
+from lmforge.parallel import process_group as init
 from lmforge.parallel.api import parallelize
 from lmforge.parallel.dims import ParallelDims
 from lmforge.parallel.world import World

@@ -1,7 +1,7 @@
 """Distributed training applied from outside the model (models/ never imports this package).
 
     world.py            who am I (rank, world size) from torchrun's environment
-    init.py             process group start / clean shutdown
+    process_group.py    process group start / clean shutdown, the host-side (gloo) groups
     dims.py             parallel.* -> checked degrees -> DeviceMesh (pp, dp_replicate, dp_shard, tp)
     api.py              parallelize(model, cfg, dims) -> ParallelModel (.model, .step, .wrap_optimizer)
     tensor_parallel.py  TP / sequence parallelism plans
@@ -28,7 +28,7 @@ def __getattr__(name: str):
 
         return ParallelDims
     if name in ("init_distributed", "shutdown"):
-        from lmforge.parallel import init
+        from lmforge.parallel import process_group
 
-        return getattr(init, name)
+        return getattr(process_group, name)
     raise AttributeError(f"module 'lmforge.parallel' has no attribute {name!r}")

@@ -148,7 +148,7 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: st
         raise ValueError("ParallelDims.build_mesh(device_type) must run before parallelize()")
     from lmforge.parallel.comm import DistComm
     from lmforge.parallel.data_parallel import apply_ddp, apply_fsdp, mixed_precision
-    from lmforge.parallel.init import host_twin
+    from lmforge.parallel.process_group import host_twin
     from lmforge.parallel.tensor_parallel import apply_tp
 
     mesh, pc = dims.mesh, dims.cfg

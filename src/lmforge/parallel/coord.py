@@ -26,7 +26,7 @@ def on_rank0(fn: Callable[[], T]) -> T:
     """Run `fn` on rank 0 only; every rank returns its result, or raises its LmforgeError."""
     if not _active():
         return fn()
-    from lmforge.parallel.init import coord_group
+    from lmforge.parallel.process_group import coord_group
 
     box: list = [None]
     if dist.get_rank() == 0:
@@ -56,7 +56,7 @@ def any_rank(flag: bool) -> bool:
     over the host (gloo) group: asking every step never waits on the device."""
     if not _active():
         return flag
-    from lmforge.parallel.init import host_group
+    from lmforge.parallel.process_group import host_group
 
     t = torch.tensor([int(flag)], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group())
@@ -68,7 +68,7 @@ def max_over_ranks(value: float) -> float:
     host (gloo) group like `any_rank`."""
     if not _active():
         return value
-    from lmforge.parallel.init import host_group
+    from lmforge.parallel.process_group import host_group
 
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=host_group())

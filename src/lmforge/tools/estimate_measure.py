@@ -188,7 +188,7 @@ def _worker(spec_path: str, out_dir: str) -> None:
     from lmforge.optim.builder import build_optimizer
     from lmforge.parallel.api import parallelize
     from lmforge.parallel.dims import ParallelDims
-    from lmforge.parallel.init import init_distributed
+    from lmforge.parallel.process_group import init_distributed
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = Config.model_validate(spec["config"])
