@@ -154,6 +154,9 @@ def _mode_args(name: str):
         if name == "compare":
             p.add_argument("path", nargs="*", help="two or more run dirs, checkpoint dirs or Hugging Face "
                            "dirs")
+        elif name == "tasks":  # several runs parse, to be pointed at compare (not 'unrecognized')
+            p.add_argument("path", nargs="*", help="run dir, checkpoint dir or Hugging Face dir (default: "
+                           "run.dir of -c; several: lmforge eval compare)")
         else:
             p.add_argument("path", nargs="?", help="run dir, checkpoint dir or Hugging Face dir (default: "
                            "run.dir of -c)")
