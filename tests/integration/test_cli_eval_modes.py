@@ -76,3 +76,18 @@ def test_a_mode_refuses_what_is_not_its_own(run_dir, tmp_path, capsys, argv, wor
     err = capsys.readouterr().err
     assert words in err and "error: " in err and "Traceback" not in err and "deprecated" not in err
     assert sorted(p.name for p in run_dir.iterdir()) == before  # refused before any evaluation
+
+
+@pytest.mark.parametrize("old, new", [
+    (["NONE", "--redteam", "--limit", "1"], ["redteam", "NONE", "--limit", "1"]),  # --redteam is the mode
+    (["NONE", "NONE", "--tasks", "t.yaml"], ["compare", "NONE", "NONE", "--tasks", "t.yaml"]),
+    (["NONE", "--tasks", "builtin:code"], ["tasks", "NONE", "--tasks", "builtin:code"]),
+    (["-c", "NONE.yaml"], ["loss", "-c", "NONE.yaml"]),
+])
+def test_the_old_form_names_the_new_one_even_when_it_then_fails(tmp_path, capsys, old, new):
+    missing = str(tmp_path / "none")
+    fill = lambda argv: [a.replace("NONE", missing) for a in argv]  # noqa: E731
+    assert main(["eval", *fill(old)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("name the mode: " + shlex.join(["lmforge", "eval", *fill(new)]))
+    assert len(lines) == 2 and lines[1].startswith("lmforge eval: error: ")
