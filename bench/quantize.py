@@ -14,7 +14,7 @@ layer quantized is not a mode, so it is the source loaded and saved in bf16 by t
 
 Reported per variant: checkpoint data on disk (MiB, measured on the files) and the ratio to bf16;
 validation loss / perplexity (`lmforge.eval.entry.evaluate`, eval.max_batches 20 of 8 x 256 tokens);
-builtin:code task metrics (`lmforge eval RUN... --tasks builtin:code --limit 100`, delta to bf16); CPU
+builtin:code task metrics (`lmforge eval tasks RUN... --tasks builtin:code --limit 100`, delta to bf16); CPU
 generation tokens/s (greedy decode of 64 tokens from a 16-token prompt, batch 1, KV cache,
 `lmforge.eval.generate.generate`), variants interleaved round by round, medians, ratio to bf16.
 Matmul table: y = x W^T for W 4096 x 4096 at 1, 4, 16 and 256 rows: F.linear fp32 and bf16 against

@@ -30,10 +30,10 @@ print(f"[lmforge] the judge preferred the right answer in {right} of {decided} A
       f"one answer was right ({right / max(decided, 1):.1%})")
 PY
 echo; echo "[lmforge] before: the fine-tuned demo model on held-out prompts"
-lmforge eval runs/sft-full --tasks data/cai/held_out.jsonl
+lmforge eval exact runs/sft-full --tasks data/cai/held_out.jsonl
 echo; echo "[lmforge] DPO (LoRA) on the AI-feedback pairs"
 lmforge dpo -c configs/dpo/lora.yaml --set run.overwrite=true --set run.name=cai-dpo --set run.dir=runs/cai-dpo \
   --set "preference.data=[data/cai/out/feedback.jsonl]" --set "preference.val_data=[]" \
   --set preference.val_fraction=0.05 --set train.max_steps=60 --set train.eval_every=30 "$@"
-lmforge eval runs/cai-dpo --tasks data/cai/held_out.jsonl
+lmforge eval exact runs/cai-dpo --tasks data/cai/held_out.jsonl
 echo "[lmforge] data: data/cai/out (sft.jsonl, revisions.jsonl, feedback.jsonl); run dir: runs/cai-dpo"

@@ -7,8 +7,8 @@ CONFIG="${1:-configs/demo.yaml}"
 shift || true
 RUN_DIR="$(lmforge config -c "$CONFIG" "$@" | python -c 'import sys, yaml; print(yaml.safe_load(sys.stdin)["run"]["dir"])')"
 lmforge train -c "$CONFIG" --set run.overwrite=true "$@"
-lmforge eval "$RUN_DIR"
-lmforge eval "$RUN_DIR" --tasks builtin:code --limit 100
+lmforge eval loss "$RUN_DIR"
+lmforge eval tasks "$RUN_DIR" --tasks builtin:code --limit 100
 lmforge generate "$RUN_DIR" --prompt "def " --set generate.max_new_tokens=120 --set generate.num_samples=2
 echo
 echo "[lmforge] run dir: $RUN_DIR (config.yaml, metrics.jsonl, curves.png, checkpoints/)"

@@ -14,6 +14,6 @@ echo; echo "[lmforge] the same student distilled from runs/demo"
 lmforge distill -c configs/distill/student.yaml --set run.overwrite=true "$@"
 for run in runs/student-scratch runs/student-distill runs/demo; do
   echo; echo "[lmforge] $run"
-  lmforge eval "$run" --set eval.max_batches=50 --set objective.name=causal_lm
-  lmforge eval "$run" --tasks builtin:code --limit 100 --no-contamination
+  lmforge eval loss "$run" --set eval.max_batches=50 --set objective.name=causal_lm
+  lmforge eval tasks "$run" --tasks builtin:code --limit 100 --no-contamination
 done

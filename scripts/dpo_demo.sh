@@ -14,10 +14,10 @@ fi
 lmforge tasks --pairs -o data/dpo/pairs_train.jsonl --n 4000 --seed 7 --test-out data/dpo/pairs_test.jsonl \
   --n-test 400 --difficulty 2 --overwrite
 echo; echo "[lmforge] before: the fine-tuned demo model answering the held-out prompts"
-lmforge eval runs/sft-full --tasks data/dpo/pairs_test.jsonl
+lmforge eval exact runs/sft-full --tasks data/dpo/pairs_test.jsonl
 echo; echo "[lmforge] DPO (LoRA)"
 lmforge dpo -c configs/dpo/lora.yaml --set run.overwrite=true "$@"
 echo; echo "[lmforge] after, on the held-out pairs (ref_logp_accuracy: the model before DPO)"
-lmforge eval runs/dpo-lora
-lmforge eval runs/dpo-lora --tasks data/dpo/pairs_test.jsonl
+lmforge eval loss runs/dpo-lora
+lmforge eval exact runs/dpo-lora --tasks data/dpo/pairs_test.jsonl
 echo "[lmforge] run dir: runs/dpo-lora; lmforge export runs/dpo-lora OUT --adapter writes PEFT adapters"

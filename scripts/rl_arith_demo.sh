@@ -20,11 +20,11 @@ lmforge tasks -o data/rl/arith_sft.jsonl --n 4000 --seed 3 --exclude-prompts dat
 echo; echo "[lmforge] SFT on the other prompts (60 steps)"
 lmforge sft -c configs/rl/arith_sft.yaml --set run.overwrite=true
 echo; echo "[lmforge] before GRPO: the SFT model on the RL prompts, then on the held-out prompts"
-lmforge eval runs/sft-arith --tasks data/rl/arith_rl.jsonl
-lmforge eval runs/sft-arith --tasks data/rl/arith_test.jsonl
+lmforge eval exact runs/sft-arith --tasks data/rl/arith_rl.jsonl
+lmforge eval exact runs/sft-arith --tasks data/rl/arith_test.jsonl
 echo; echo "[lmforge] GRPO on the RL prompts (8 samples per prompt, exact-match reward, beta 0.04)"
 lmforge rl -c configs/rl/grpo_arith.yaml --set run.overwrite=true "$@"
 echo; echo "[lmforge] after GRPO: the RL prompts, then the held-out prompts"
-lmforge eval runs/grpo-arith --tasks data/rl/arith_rl.jsonl
-lmforge eval runs/grpo-arith --tasks data/rl/arith_test.jsonl
+lmforge eval exact runs/grpo-arith --tasks data/rl/arith_rl.jsonl
+lmforge eval exact runs/grpo-arith --tasks data/rl/arith_test.jsonl
 echo "[lmforge] run dirs: runs/sft-arith, runs/grpo-arith (curves.png: reward and val_reward against step)"

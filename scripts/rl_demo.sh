@@ -13,9 +13,9 @@ fi
 lmforge tasks -o data/rl/compare_train.jsonl --tasks compare --n 4000 --seed 11 --difficulty 2 \
   --test-out data/rl/compare_test.jsonl --n-test 300 --overwrite
 echo; echo "[lmforge] before: the fine-tuned demo model answering the held-out prompts"
-lmforge eval runs/sft-full --tasks data/rl/compare_test.jsonl
+lmforge eval exact runs/sft-full --tasks data/rl/compare_test.jsonl
 echo; echo "[lmforge] GRPO (8 samples per prompt, exact-match reward)"
 lmforge rl -c configs/rl/grpo.yaml --set run.overwrite=true "$@"
 echo; echo "[lmforge] after, on the same held-out prompts"
-lmforge eval runs/grpo --tasks data/rl/compare_test.jsonl
+lmforge eval exact runs/grpo --tasks data/rl/compare_test.jsonl
 echo "[lmforge] run dir: runs/grpo (curves.png: train reward and held-out exact match against step)"

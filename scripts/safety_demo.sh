@@ -28,11 +28,11 @@ for when in before after; do
     run=runs/safety-sft
   fi
   echo; echo "[lmforge] $when: red-team attacks and benign look-alikes ($run)"
-  lmforge eval "$run" --redteam
+  lmforge eval redteam "$run"
   echo; echo "[lmforge] $when: held-out generated safety prompts (refuse: refused; benign: answered)"
-  lmforge eval "$run" --tasks data/safety/safety_test.jsonl
+  lmforge eval exact "$run" --tasks data/safety/safety_test.jsonl
   echo; echo "[lmforge] $when: held-out ordinary tasks"
-  lmforge eval "$run" --tasks data/sft/tasks_test.jsonl  # last: its eval_tasks JSON is the one read below
+  lmforge eval exact "$run" --tasks data/sft/tasks_test.jsonl  # last: its eval_tasks JSON is the one read below
 done
 echo
 python - <<'PY'

@@ -12,11 +12,11 @@ fi
 lmforge tasks -o data/sft/tasks_train.jsonl --n 6000 --test-out data/sft/tasks_test.jsonl --n-test 400 \
   --difficulty 2 --overwrite
 echo; echo "[lmforge] before fine-tuning: the pretrained demo model"
-lmforge eval runs/demo --tasks data/sft/tasks_test.jsonl
+lmforge eval exact runs/demo --tasks data/sft/tasks_test.jsonl
 for method in full lora; do
   echo; echo "[lmforge] fine-tuning ($method)"
   lmforge sft -c "configs/sft/$method.yaml" --set run.overwrite=true "$@"
-  lmforge eval "runs/sft-$method" --tasks data/sft/tasks_test.jsonl
+  lmforge eval exact "runs/sft-$method" --tasks data/sft/tasks_test.jsonl
 done
 echo
 lmforge generate runs/sft-full --chat --prompt "Reverse the letters: forge" --set generate.temperature=0 \

@@ -284,7 +284,7 @@ def build_job(req: Request, user: str, workspace: Path, confiner: Confiner, get_
     d.mkdir(parents=True)
     archive = None
     if req.kind == "eval":
-        args = ["eval", run, *sets]
+        args = ["eval", "loss", run, *sets]
     elif req.kind == "generate":
         args = ["generate", run, *sets] + (["--prompt", req.prompt] if req.prompt is not None else [])
     else:

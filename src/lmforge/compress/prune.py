@@ -151,7 +151,7 @@ def units_to_remove(spec: PruneSpec, cfg: ModelConfig) -> int:
 def calibration_batches(tokenizer, seq_len: int, n_seqs: int, path: str | Path | None = None,
                         data=None, batch_size: int = 8) -> list[torch.Tensor]:
     """Up to `n_seqs` windows of `seq_len` token ids as (B, T) batches: from the text at `path` (a
-    .txt/.md/.jsonl/.parquet file or a folder; lmforge eval --data reads the same), else from the
+    .txt/.md/.jsonl/.parquet file or a folder; lmforge eval data --data reads the same), else from the
     start of the prepared data's train split."""
     if path is not None:
         ids = torch.tensor(token_stream(tokenizer, [t for _, t in read_texts(path)]), dtype=torch.long)
@@ -273,7 +273,7 @@ def _recovery_config(raw: dict, overrides: list[str] | tuple[str, ...], source: 
 
 
 def _eval(run, model: nn.Module, max_batches: int | None = None) -> dict[str, float]:
-    """Validation loss of `model` on the source run's evaluation batches (what lmforge eval measures;
+    """Validation loss of `model` on the source run's evaluation batches (what lmforge eval loss measures;
     `max_batches` caps them)."""
     batches = run.eval_batches if max_batches is None else max_batches
     out = evaluate_loss(model, run.val_loader.iter_eval_batches(batches), run.objective,

@@ -756,7 +756,7 @@ class TrainConfig(Section):
     eval_batches: int = Field(20, ge=1, description="Validation micro-batches per evaluation.")
     eval_tasks: list[str] = Field(
         default_factory=list, description="Task evaluation at every validation: task files in "
-        "lm-evaluation-harness's YAML format, dirs of them, or builtin:code (lmforge eval --tasks); the "
+        "lm-evaluation-harness's YAML format, dirs of them, or builtin:code (lmforge eval tasks); the "
         "scores are logged as task/<task>/<metric> (metrics.jsonl, TensorBoard)."
     )
     eval_tasks_limit: float | None = Field(

@@ -5,7 +5,7 @@ Why this text: lmforge's demo pretrains on `builtin:python` (this Python's docs 
 these packages are not part of: their code is held-out Python of the same kind, so a model that has
 learnt Python from the stdlib should score above chance and an untrained one at chance. Each task
 names its chance level; the package versions are written beside the documents (they decide the
-text), and `lmforge eval --tasks` reports n-gram overlap with the run's training data.
+text), and `lmforge eval tasks --tasks` reports n-gram overlap with the run's training data.
 
   code_next_line        multiple choice: eight lines of a function, then which of four lines comes
                         next (three distractors: lines of other files with the same indentation and

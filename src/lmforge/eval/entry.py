@@ -47,7 +47,7 @@ def eval_data(path: str | Path, data: str | Path, overrides: list[str] | tuple[s
               weights: str = "model", max_length: int | None = None, stride: int | None = None,
               batch_size: int = 8, say=print, limit: float | None = None) -> dict:
     """Perplexity, bits per byte, top-1/top-5 token accuracy and next-token calibration of a run on
-    any text (`lmforge eval RUN --data FILE_OR_DIR`), in sliding windows of max_length tokens moved by
+    any text (`lmforge eval data RUN --data FILE_OR_DIR`), in sliding windows of max_length tokens moved by
     `stride` (eval/perplexity.py); `limit`: the first N documents (or that fraction). Written to
     eval_data_<name>_step_N.json with a reliability diagram."""
     import re

@@ -1,4 +1,4 @@
-"""`lmforge eval RUN --tasks ...`: task evaluation of a run (or checkpoint, or HF dir) with a results
+"""`lmforge eval tasks RUN --tasks ...`: task evaluation of a run (or checkpoint, or HF dir) with a results
 JSON, the per-document samples (JSONL) and a markdown report with reliability diagrams.
 
 Written into the run dir (never over anything but an earlier report of the same step and weights):

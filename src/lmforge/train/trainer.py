@@ -111,7 +111,7 @@ class Trainer:
             self._eval_tasks = load_task_set(cfg.train.eval_tasks)
             require_code_sandbox(self._eval_tasks, "os", "Training runs such code only in the sandbox: "
                                  "take these tasks out of train.eval_tasks and, if you trust the code, run "
-                                 "`lmforge eval RUN --tasks ... --unsafe-code-exec` on the trained run")
+                                 "`lmforge eval tasks RUN --tasks ... --unsafe-code-exec` on the trained run")
         self.run = build_run(cfg, "train", model=model, train_data=train_data, eval_data=eval_data,
                              tokenizer=tokenizer, objective=objective, resume=resume, say=self.console)
         try:
@@ -139,7 +139,7 @@ class Trainer:
         if self._eval_tasks and (self.dims is not None and self.dims.pp > 1 or run.tokenizer is None):
             raise ConfigError("train.eval_tasks needs the run's tokenizer and a model whose forward gives "
                               "logits on every rank (not pipeline parallelism): unset train.eval_tasks and "
-                              "run lmforge eval --tasks on the checkpoints")
+                              "run lmforge eval tasks --tasks on the checkpoints")
         self.callbacks: list[Callback] = [MetricsLogging(), self.early, *callbacks]
         self.states: dict[str, Any] = {
             "progress": self.progress,
