@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from lmforge.config.curate import CurateConfig
+from lmforge.config.methods import CausalLMObjective, ObjectiveConfig, check_arch
 from lmforge.config.optim import AdamWConfig, OptimConfig
 from lmforge.config.presets import PRESETS
 from lmforge.config.section import SEED_MAX, Section
@@ -774,21 +775,6 @@ class TrainConfig(Section):
         return parse_duration(value) if isinstance(value, str) else value
 
 
-class ObjectiveConfig(Section):
-    """What a training step minimises. Each objective declares the batches it takes."""
-
-    name: Literal["causal_lm", "sft", "dpo", "reward", "rl", "distill", "mlm"] = Field(
-        "causal_lm", description="causal_lm: next-token prediction over every target token (pretraining); "
-        "sft: supervised fine-tuning on the chat data of the sft section (loss on the tokens sft.loss_on "
-        "picks); dpo: preference optimisation on the pairs of the preference section (the DPO family, "
-        "SimPO, ORPO: preference.loss); reward: a reward model (a scalar score head, Bradley-Terry loss) on "
-        "the same pairs; rl: reinforcement learning on sampled completions of the rl "
-        "section's prompts, scored by rewards (GRPO, RLOO: rl.algorithm); distill: knowledge distillation "
-        "from the teacher of the distill section on the pretraining data (next-token targets); mlm: masked "
-        "language modelling of an encoder (model.arch=encoder) on the pretraining data (the mlm section)."
-    )
-
-
 class MLMConfig(Section):
     """Masked-LM corruption (objective mlm), BERT's recipe: of the positions picked, replace 80% by the
     mask token, 10% by a random token, keep 10%; the loss is over the picked positions only."""
@@ -1213,7 +1199,9 @@ class Config(Section):
                                "its own settings sit in optim.<name>.")
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, description="Learning-rate schedule.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
-    objective: ObjectiveConfig = Field(default_factory=ObjectiveConfig, description="Training objective.")
+    objective: ObjectiveConfig = Field(default_factory=CausalLMObjective, description="Training method: "
+                                     "objective.name picks one (causal_lm, sft, dpo, reward, rl, distill, "
+                                     "mlm); its settings sit in its own section.")
     sft: SFTConfig = Field(default_factory=SFTConfig,
                            description="Supervised fine-tuning data (objective sft).")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
@@ -1249,12 +1237,7 @@ class Config(Section):
         if self.schedule.unit == "time" and self.train.max_time is None:
             raise ValueError("schedule.unit=time spreads the schedule over the wall-clock budget: set "
                              "train.max_time (e.g. 5m), or count steps or tokens (schedule.unit)")
-        encoder, mlm = self.model.arch == "encoder", self.objective.name == "mlm"
-        if encoder != mlm:
-            raise ValueError(
-                f"objective.name={self.objective.name} does not fit model.arch={self.model.arch}: an encoder "
-                "trains with objective mlm and objective mlm needs model.arch=encoder"
-            )
+        check_arch(self.objective.name, self.model.arch)
         return self
 
     @property
