@@ -55,10 +55,12 @@ def test_the_section_is_a_union_on_its_name():
 
 
 def test_a_copied_section_answers_for_the_name_it_holds():
-    # `cfg.objective.model_copy(update={"name": ...})` keeps the class; the facts go by the name
+    # `cfg.objective.model_copy(update={"name": ...})` (a method verb does it) gives that method's class
     cfg = Config()
     cfg = cfg.model_copy(update={"objective": cfg.objective.model_copy(update={"name": "sft"})})
     assert method_facts(cfg).chat and method_facts(cfg).data_section == "sft"
+    assert type(cfg.objective).__name__ == "SFTObjective"
+    assert type(cfg.objective.model_copy()).__name__ == "SFTObjective"
 
 
 @pytest.mark.parametrize("name", ["causal_lm", "sft", "distill", "dpo", "rl"])

@@ -78,6 +78,13 @@ class _Method(Section):
         return MethodFacts(cls.model_fields["name"].default, cls.data, cls.token_loss, cls.data_section,
                            cls.settings_section)
 
+    def model_copy(self, *, update: dict[str, Any] | None = None, deep: bool = False) -> _Method:
+        """A copy; one that names another method (`update={"name": "sft"}`, as the verb of a method does)
+        is that method's section, validated, so that its class and its facts agree with its name."""
+        if update and update.get("name", self.name) != self.name:
+            return objective_config(**{**self.model_dump(), **update})
+        return super().model_copy(update=update, deep=deep)
+
 
 class CausalLMObjective(_Method):
     name: Literal["causal_lm"] = Field("causal_lm", description="Next-token prediction over every target "
