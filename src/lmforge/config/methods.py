@@ -168,10 +168,20 @@ METHOD_CONFIGS: dict[str, type[_Method]] = {
 }
 
 
+DEFAULT_METHOD = CausalLMObjective.model_fields["name"].default  # pretraining: what a run does unless told
+
+
+def default_method(arch: str) -> str:
+    """The method a model of `arch` trains (and is evaluated) with when the config names none: an encoder's
+    is its masked LM, a decoder's next-token pretraining."""
+    return next((n for n, c in METHOD_CONFIGS.items() if c.encoder), DEFAULT_METHOD) if arch == "encoder" \
+        else DEFAULT_METHOD
+
+
 def _before(value: Any) -> Any:
-    """The default method (causal_lm) when the section names none, before the union picks a class."""
+    """The default method when the section names none, before the union picks a class."""
     if isinstance(value, dict) and "name" not in value:
-        value = {**value, "name": "causal_lm"}
+        value = {**value, "name": DEFAULT_METHOD}
     return value
 
 
@@ -186,7 +196,7 @@ ObjectiveConfig = Annotated[
 def check_arch(name: str, arch: str) -> None:
     """Refuse a method with a model it cannot train: encoder methods train encoders, and only they do."""
     if METHOD_CONFIGS[name].encoder != (arch == "encoder"):
-        enc = next(n for n, c in METHOD_CONFIGS.items() if c.encoder)
+        enc = default_method("encoder")
         raise ValueError(f"objective.name={name} does not fit model.arch={arch}: an encoder trains with "
                          f"objective {enc} and objective {enc} needs model.arch=encoder")
 

@@ -68,7 +68,7 @@ def kind_of(cfg: Config) -> str:
 def _sources(cfg: Config) -> tuple[list[str], list[str], float]:
     """(data, val_data, val_fraction) of the section the objective reads."""
     facts = method_facts(cfg)
-    s = getattr(cfg, facts.data_section if facts.chat else "sft")
+    s = getattr(cfg, facts.data_section) if facts.chat else cfg.sft
     return list(s.data), list(s.val_data), s.val_fraction
 SPLITS = ("train", "val")
 
