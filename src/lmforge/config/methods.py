@@ -17,12 +17,13 @@ engine/objectives and its setup in assembly/methods.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 
-from lmforge.config.section import Section
+from lmforge.config.section import SEED_MAX, Section
 
 if TYPE_CHECKING:
     from lmforge.config.schema import Config
@@ -213,3 +214,247 @@ def objective_config(**fields: Any) -> _Method:
     from pydantic import TypeAdapter
 
     return TypeAdapter(ObjectiveConfig).validate_python(fields)
+
+
+# -- the methods' own settings sections ----------------------------------------------------------------
+class MLMConfig(Section):
+    """Masked-LM corruption (objective mlm), BERT's recipe: of the positions picked, replace 80% by the
+    mask token, 10% by a random token, keep 10%; the loss is over the picked positions only."""
+
+    mask_prob: float = Field(0.15, gt=0.0, lt=1.0, description="Fraction of (non-special) positions picked.")
+    replace_prob: float = Field(0.8, ge=0.0, le=1.0, description="Of the picked: replaced by the mask token.")
+    random_prob: float = Field(0.1, ge=0.0, le=1.0, description="Of the picked: replaced by a random token "
+                               "(the rest are kept as they are).")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Seed of the masks (None: run.seed); each "
+                             "row's mask is a function of this seed and the row's tokens.")
+
+    @model_validator(mode="after")
+    def _check_split(self) -> MLMConfig:
+        if self.replace_prob + self.random_prob > 1.0:
+            raise ValueError(f"mlm.replace_prob + mlm.random_prob = {self.replace_prob + self.random_prob:g} "
+                             "exceeds 1 (the rest, kept unchanged, cannot be negative)")
+        return self
+
+
+class DistillConfig(Section):
+    """Knowledge distillation (objective distill): the teacher and how its distributions are matched."""
+
+    teacher: str | None = Field(
+        None, description="The teacher: a run dir, checkpoint dir or Hugging Face dir (a quantized run "
+        "too) whose vocabulary is the student's; required by objective distill."
+    )
+    teacher_weights: Literal["model", "ema", "swa"] = Field(
+        "model", description="The teacher run's trained weights or their EMA / SWA average."
+    )
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
+        "forward_kl", description="forward_kl: KL(teacher || student) (Hinton); reverse_kl: KL(student || "
+        "teacher) (MiniLLM); jsd: generalised Jensen-Shannon with distill.beta (GKD)."
+    )
+    temperature: float = Field(
+        1.0, gt=0.0, description="Both logits are divided by it; the divergence is scaled by its square."
+    )
+    beta: float = Field(
+        0.5, ge=0.0, le=1.0, description="jsd: the teacher's weight in the mixture (0: forward KL, 1: "
+        "reverse KL), TRL's convention."
+    )
+    kd_ratio: float = Field(
+        0.5, ge=0.0, le=1.0, description="loss = kd_ratio * divergence + (1 - kd_ratio) * cross-entropy "
+        "on the data's tokens."
+    )
+    topk_cache: str | None = Field(
+        None, description="A teacher top-k cache dir (lmforge distill --precompute-topk writes it): the "
+        "teacher's k largest logits of every row the run reads, instead of running the teacher each step "
+        "(forward_kl only)."
+    )
+    topk: int = Field(32, ge=1, description="Logits per position kept by --precompute-topk.")
+
+
+class SFTConfig(Section):
+    """Supervised fine-tuning data: conversations, their chat template, which tokens carry the loss."""
+
+    data: list[str] = Field(
+        default_factory=list, description="Chat data: .jsonl / .parquet files, folders of them, or a saved "
+        "`datasets` dir (messages, prompt/completion, Alpaca or ShareGPT records; messages records may use "
+        "tools: 'tools', assistant 'tool_calls', role 'tool')."
+    )
+    val_data: list[str] = Field(
+        default_factory=list, description="Held-out chat data (empty: sft.val_fraction of sft.data)."
+    )
+    val_fraction: float = Field(
+        0.05, ge=0.0, lt=1.0, description="Fraction of the conversations held out for validation."
+    )
+    format: Literal["auto", "messages", "prompt_completion", "alpaca", "sharegpt"] = Field(
+        "auto", description="Record shape (auto: told apart record by record)."
+    )
+    template: str = Field(
+        "auto", description="Chat template: auto (the tokenizer's own from tokenizer_config.json, else "
+        "chatml), chatml (lmforge's, adds <|im_start|>/<|im_end|> to the tokenizer), or a .jinja file."
+    )
+    loss_on: Literal["assistant", "last", "all"] = Field(
+        "assistant", description="Tokens that carry the loss: every assistant turn (for prompt/completion "
+        "records, the completion only), the last assistant turn, or every token."
+    )
+    packing: bool = Field(
+        True, description="Pack several conversations per sequence (best-fit decreasing; attention never "
+        "crosses a conversation, positions restart); false: one per sequence, padded."
+    )
+    overlong: Literal["truncate", "drop"] = Field(
+        "truncate", description="A conversation longer than train.seq_len: keep its start, or drop it."
+    )
+    on_bad_record: Literal["skip", "fail"] = Field(
+        "skip", description="A malformed record: skip and count it, or stop with its file and line."
+    )
+    template_kwargs: dict[str, str | bool | int | float | None] = Field(
+        default_factory=dict, description="Extra variables the chat template is rendered with, as "
+        "transformers' apply_chat_template(**kwargs) passes them (Qwen3: {enable_thinking: false}); "
+        "honoured by sft, generate --chat and serve."
+    )
+
+    @field_validator("template_kwargs", mode="before")
+    @classmethod
+    def _simple_template_kwargs(cls, v: Any) -> Any:
+        # One clear message rather than one per member of the value union.
+        if not isinstance(v, dict):
+            raise ValueError(f"must be a mapping of variable names to values, got {type(v).__name__}")
+        for name, value in v.items():
+            if value is not None and not isinstance(value, (str, bool, int, float)):
+                raise ValueError(f"{name!r} is {type(value).__name__}; a template variable here is a string, "
+                                 "number, boolean or null")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{name!r} is {value}; a number here must be a finite number")
+        return v
+
+    @field_validator("template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v: dict) -> dict:
+        reserved = {"messages", "add_generation_prompt", "range", "tools"}  # tools: each record's own
+        for name in v:
+            if not name.isidentifier() or name in reserved or name.startswith("_"):
+                raise ValueError(f"sft.template_kwargs has {name!r}, which cannot be a template variable: "
+                                 "give identifiers other than messages, add_generation_prompt, range, tools "
+                                 "(a record's own 'tools') and names starting with _")
+        return v
+
+
+class PreferenceConfig(Section):
+    """Preference optimisation (objective dpo): the pairs and the loss. The chat template, the record
+    checks and what happens to sequences longer than train.seq_len are the sft section's settings."""
+
+    data: list[str] = Field(
+        default_factory=list, description="Preference pairs: .jsonl / .parquet files, folders of them or a "
+        "saved `datasets` dir, in TRL's shapes: prompt/chosen/rejected as strings or message lists, or "
+        "chosen/rejected whole conversations sharing their prompt (`lmforge tasks --pairs` writes some)."
+    )
+    val_data: list[str] = Field(
+        default_factory=list, description="Held-out pairs (empty: preference.val_fraction of the data)."
+    )
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of the pairs held out.")
+    loss: Literal["sigmoid", "ipo", "hinge", "robust", "simpo", "orpo", "kto"] = Field(
+        "sigmoid", description="sigmoid: DPO (conservative DPO with label_smoothing > 0); ipo; hinge (SLiC); "
+        "robust: rDPO; simpo and orpo need no reference model; kto: KTO on unpaired records (prompt, "
+        "completion, label: `lmforge tasks --unpaired` writes some). The formulas are TRL's."
+    )
+    precompute_reference: bool = Field(
+        False, description="Compute the reference model's log-probs of every pair once before training (and "
+        "again on resume), then free the reference: full fine-tuning keeps no frozen copy in memory while it "
+        "trains, LoRA skips a forward per step. Not with loss kto (its reference point pairs examples of a "
+        "batch)."
+    )
+    desirable_weight: float = Field(1.0, gt=0.0, description="KTO: weight of the desirable examples' loss.")
+    undesirable_weight: float = Field(1.0, gt=0.0, description="KTO: weight of the undesirable examples' "
+                                      "loss (TRL: keep desirable_weight x #desirable / (undesirable_weight x "
+                                      "#undesirable) within [1, 4/3]).")
+    beta: float = Field(0.1, gt=0.0, description="Strength of the KL tie to the reference (DPO's beta; IPO's "
+                        "tau; SimPO's and ORPO's beta / lambda).")
+    label_smoothing: float = Field(0.0, ge=0.0, lt=0.5, description="Assumed fraction of flipped labels "
+                                   "(sigmoid: conservative DPO; robust; simpo).")
+    simpo_gamma: float = Field(0.5, ge=0.0, description="SimPO's target reward margin.")
+    sft_weight: float = Field(0.0, ge=0.0, description="Add this times the chosen completion's token-mean "
+                              "NLL to each pair's loss (RPO, Pang et al. 2024; TRL's loss_type [..., 'sft']: "
+                              "keeps DPO from lowering the chosen answers' likelihood with the rejected).")
+    center_rewards_coefficient: float = Field(
+        0.0, ge=0.0, description="Reward models: add this times (r_chosen + r_rejected)^2 to each pair's "
+        "loss, which keeps the scores centred on 0 (TRL's center_rewards_coefficient; 0: off)."
+    )
+
+
+class RLConfig(Section):
+    """Reinforcement learning (objective rl): prompts, how completions are sampled for them and scored,
+    and the policy-gradient loss. train.micro_batch_size counts prompts; each brings group_size
+    completions. The chat template and the record checks are the sft section's settings."""
+
+    data: list[str] = Field(
+        default_factory=list, description="Prompts: .jsonl / .parquet files, folders of them or a saved "
+        "`datasets` dir; each record a 'prompt' (string or messages) or chat 'messages', and the 'answer' "
+        "rewards check against (`lmforge tasks` writes such records)."
+    )
+    val_data: list[str] = Field(default_factory=list, description="Held-out prompts (empty: rl.val_fraction "
+                                "of the data). Validation scores the greedy reply to each.")
+    val_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of the prompts held out.")
+    algorithm: Literal["grpo", "rloo", "ppo"] = Field(
+        "grpo", description="grpo: group-normalised advantages and a clipped per-token loss (TRL's "
+        "GRPOTrainer); rloo: leave-one-out baselines and a clipped sequence-level loss, its KL penalty in "
+        "the reward (TRL's RLOOTrainer); ppo: a value head on the policy, per-token KL-penalty rewards, "
+        "GAE advantages, the clipped policy and value losses."
+    )
+    group_size: int = Field(8, ge=1, description="Completions sampled per prompt (TRL's num_generations; "
+                            "grpo and rloo need 2 or more, ppo takes 1).")
+    iterations: int = Field(1, ge=1, description="Optimizer steps on each sampled batch (TRL's "
+                            "num_iterations, the GRPO paper's mu, PPO epochs): a step's completions, "
+                            "rewards, advantages and reference log-probs train this many consecutive steps, "
+                            "clipped against the sampling policy's log-probs; its prompts count once.")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: discount of GAE.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE's lambda.")
+    vf_coef: float = Field(0.1, ge=0.0, description="PPO: weight of the value loss.")
+    cliprange_value: float | None = Field(0.2, gt=0.0, description="PPO: clip range of the value around the "
+                                          "sampling-time value (None: unclipped).")
+    max_new_tokens: int = Field(32, ge=1, description="Longest completion (TRL's max_completion_length).")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature of the completions.")
+    top_k: int | None = Field(None, ge=1, description="Sample from the k most likely tokens only.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    rewards: dict[Literal["exact_match", "format", "reward_model"], float] = Field(
+        default_factory=lambda: {"exact_match": 1.0}, description="Reward functions and their weights, "
+        "summed: exact_match (1 when the reply's answer equals the record's 'answer', by the shipped task's "
+        "checker when the record names one), format (1 when the reply is one line and ends its turn), "
+        "reward_model (the score of rl.reward_model for prompt + reply)."
+    )
+    reward_model: str | None = Field(None, description="A reward model (an `lmforge reward` run or "
+                                     "checkpoint dir) scoring each prompt + completion, for "
+                                     "rewards.reward_model; it must use the policy's tokenizer.")
+    scale_rewards: Literal["group", "batch", "none"] | None = Field(
+        None, description="Divide advantages by the std of the group (grpo's default), of the whole batch, "
+        "or not at all (Dr. GRPO; rloo's default). rloo takes none or batch (whitening)."
+    )
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                              "seq-mean-token-sum-norm"] = Field(
+        "token-mean", description="How grpo's per-token losses become one (verl's names): token-mean over "
+        "the step's completion tokens (TRL dapo, the default), seq-mean-token-mean (TRL grpo), "
+        "seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO: token sums / max_new_tokens)."
+    )
+    clip_eps: float = Field(0.2, gt=0.0, lt=1.0, description="PPO clip range of the probability ratio.")
+    clip_eps_high: float | None = Field(None, gt=0.0, description="Upper clip range (DAPO's clip-higher, "
+                                        "e.g. 0.28); unset: clip_eps.")
+    beta: float = Field(0.0, ge=0.0, description="KL penalty towards the reference model (the starting "
+                        "model; 0 needs none). grpo adds beta x KL per token; rloo subtracts beta x the "
+                        "sequence's summed log-ratio from its reward.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="grpo's per-token KL estimate "
+                                                    "(k3: Schulman's, unbiased and >= 0).")
+
+    @model_validator(mode="after")
+    def _check(self) -> RLConfig:
+        if self.algorithm != "ppo" and self.group_size < 2:
+            raise ValueError(f"rl.group_size={self.group_size}: {self.algorithm} compares completions of a "
+                             "prompt with each other and needs 2 or more")
+        if self.algorithm == "rloo" and self.scale_rewards == "group":
+            raise ValueError("rl.scale_rewards=group is for grpo; rloo's leave-one-out baseline takes none "
+                             "or batch")
+        if not self.rewards or any(w == 0 for w in self.rewards.values()):
+            raise ValueError("rl.rewards needs at least one reward function with a non-zero weight")
+        if ("reward_model" in self.rewards) != (self.reward_model is not None):
+            raise ValueError("rl.rewards.reward_model and rl.reward_model go together: the weight of the "
+                             "reward model's score, and the reward model (an `lmforge reward` run dir)")
+        return self
+
+    @property
+    def reward_scaling(self) -> str:
+        return self.scale_rewards or ("group" if self.algorithm == "grpo" else "none")
