@@ -74,3 +74,13 @@ def test_console_and_eval_agree_on_perplexity(name):
     cb.trackers = None
     cb.on_evaluate(trainer, {"step": 4, "val_loss": 1.0, "val_ppl": 2.72})
     assert ("val_ppl 2.72" in lines[0]) == EXPECTED[name][1]
+
+
+def test_each_fine_tuning_method_names_its_verb():
+    from lmforge.config.methods import method_verbs
+
+    verbs = method_verbs()
+    assert sorted(verbs) == ["distill", "dpo", "reward", "rl", "sft"]  # causal_lm, mlm: lmforge train
+    for verb, cls in verbs.items():
+        assert cls.model_fields["name"].default == verb and cls.verb_help.startswith(
+            ("fine-tune", "preference", "train a", "reinforcement", "knowledge"))
