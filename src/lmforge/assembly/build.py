@@ -312,25 +312,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     else:
         data, tokenizer, train_src, val_src = _training_data(cfg, train_data, eval_data, tokenizer, say)
     source_vocab = cfg.model.vocab_size
-    if not custom:
-        vocab = tokenizer.vocab_size if tokenizer is not None else int(max(s.max() for s in train_src)) + 1
-        if sft and cfg.model.init_from and source_vocab is not None and vocab > source_vocab:
-            vocab_size = 64 * math.ceil(vocab / 64)  # the template's tokens need rows: grown after loading
-            say(f"the chat template adds {vocab - data.meta['base_vocab']} tokens: vocabulary "
-                f"{source_vocab} -> {vocab_size}")
-        else:
-            vocab_size = resolve_vocab_size(cfg, vocab)
-        _check_stated_vocab(stated_vocab, vocab_size, source_vocab)
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
-    if sft and cfg.finetune.method != "full" and data.meta["added_tokens"]:
-        # The template's new tokens must learn (an adapter run freezes the table): their rows train.
-        tokens = sorted(set(cfg.finetune.train_tokens) | set(data.meta["added_tokens"]))
-        cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"train_tokens": tokens})})
-    if cfg.finetune.train_tokens and (dims.fsdp or dims.tp > 1 or dims.pp > 1):
-        raise ConfigError("finetune.train_tokens (under adapters, the rows of a chat template's new tokens "
-                          "train) needs the whole token table on each rank: one process or DDP, not FSDP, "
-                          "tensor or pipeline parallelism; use a template whose tokens the model has "
-                          "(sft.template) or finetune.method=full")
+    cfg = _fit_vocabulary(cfg, custom, sft, data, tokenizer, train_src, dims, stated_vocab, say)
 
     seed_everything(cfg.run.seed)  # the same seed on every rank: replicas start equal
     if custom:
@@ -407,6 +389,34 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         lock=lock,
         template=data.template if sft else None,
     )
+
+
+def _fit_vocabulary(cfg: Config, custom: bool, sft: bool, data, tokenizer, train_src, dims: ParallelDims,
+                    stated_vocab: int | None, say) -> Config:
+    """`cfg` with the model's vocabulary sized for the data (grown for a chat template's new tokens, whose
+    rows then train beside adapters); refuses a stated vocabulary that differs, and trained token rows in
+    a layout that splits the table."""
+    source_vocab = cfg.model.vocab_size
+    if not custom:
+        vocab = tokenizer.vocab_size if tokenizer is not None else int(max(s.max() for s in train_src)) + 1
+        if sft and cfg.model.init_from and source_vocab is not None and vocab > source_vocab:
+            vocab_size = 64 * math.ceil(vocab / 64)  # the template's tokens need rows: grown after loading
+            say(f"the chat template adds {vocab - data.meta['base_vocab']} tokens: vocabulary "
+                f"{source_vocab} -> {vocab_size}")
+        else:
+            vocab_size = resolve_vocab_size(cfg, vocab)
+        _check_stated_vocab(stated_vocab, vocab_size, source_vocab)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
+    if sft and cfg.finetune.method != "full" and data.meta["added_tokens"]:
+        # The template's new tokens must learn (an adapter run freezes the table): their rows train.
+        tokens = sorted(set(cfg.finetune.train_tokens) | set(data.meta["added_tokens"]))
+        cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"train_tokens": tokens})})
+    if cfg.finetune.train_tokens and (dims.fsdp or dims.tp > 1 or dims.pp > 1):
+        raise ConfigError("finetune.train_tokens (under adapters, the rows of a chat template's new tokens "
+                          "train) needs the whole token table on each rank: one process or DDP, not FSDP, "
+                          "tensor or pipeline parallelism; use a template whose tokens the model has "
+                          "(sft.template) or finetune.method=full")
+    return cfg
 
 
 def _chat_loaders(setup: MethodSetup, cfg: Config, data, dims: ParallelDims, world: World, val_rows: int,
