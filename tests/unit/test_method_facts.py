@@ -84,3 +84,10 @@ def test_each_fine_tuning_method_names_its_verb():
     for verb, cls in verbs.items():
         assert cls.model_fields["name"].default == verb and cls.verb_help.startswith(
             ("fine-tune", "preference", "train a", "reinforcement", "knowledge"))
+
+
+def test_a_section_that_names_no_method_leaves_the_name_unset():
+    # `lmforge sft -c run.yaml` refuses a config whose objective.name is set to another method; a config
+    # with an empty objective section set none
+    assert Config(objective={}).objective.model_fields_set == set()
+    assert Config(objective={"name": "causal_lm"}).objective.model_fields_set == {"name"}

@@ -78,6 +78,14 @@ class _Method(Section):
     verb: ClassVar[str | None] = None
     verb_help: ClassVar[str] = ""
 
+    @model_validator(mode="wrap")
+    @classmethod
+    def _name_left_unset(cls, data: Any, handler: Any) -> Any:
+        section = handler(data)
+        if isinstance(data, _Unnamed):
+            section.model_fields_set.discard("name")
+        return section
+
     @classmethod
     def facts(cls, cfg: Config) -> MethodFacts:
         return MethodFacts(cls.model_fields["name"].default, cls.data, cls.token_loss, cls.data_section,
@@ -199,10 +207,15 @@ def default_method(arch: str) -> str:
         else DEFAULT_METHOD
 
 
+class _Unnamed(dict):
+    """A section that named no method, given the default's name so that the union can pick its class;
+    the name stays unset in the section (`model_fields_set`), as the user left it."""
+
+
 def _before(value: Any) -> Any:
     """The default method when the section names none, before the union picks a class."""
     if isinstance(value, dict) and "name" not in value:
-        value = {**value, "name": DEFAULT_METHOD}
+        value = _Unnamed({**value, "name": DEFAULT_METHOD})
     return value
 
 
