@@ -23,30 +23,24 @@ import numpy as np
 import torch
 from torch import nn
 
+from lmforge.assembly.methods import MethodSetup, SetupContext, method_setup
+from lmforge.assembly.starting import starting_model
 from lmforge.checkpoint.manager import list_checkpoints
 from lmforge.checkpoint.run_dir import RunLock, mark_job, open_run_dir, restarted_job_owns
 from lmforge.checkpoint.runs import (
     DERIVED_KEYS,
     check_rebuildable,
-    load_weights,
     resolve_init_from,
     run_tokenizer_file,
 )
+from lmforge.config.methods import method_facts
 from lmforge.config.paths import input_paths
 from lmforge.config.schema import Config
 from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.data.memory import token_stream
 from lmforge.data.sft import prepare_sft
 from lmforge.engine.loss import logits_of
-from lmforge.engine.objectives import (
-    Distill,
-    MaskedLM,
-    Objective,
-    PolicyGradient,
-    Preference,
-    TokenObjective,
-    build_objective,
-)
+from lmforge.engine.objectives import Objective, TokenObjective, build_objective
 from lmforge.engine.precision import Precision, resolve_precision
 from lmforge.engine.step import StepHook
 from lmforge.errors import ConfigError, DataError, LmforgeError
@@ -193,10 +187,6 @@ def check_layout(cfg: Config, dims: ParallelDims, objective: Objective, custom_m
 
 
 # -- training and experiments -----------------------------------------------------------------------
-CHAT_OBJECTIVES = ("sft", "dpo", "reward", "rl")  # over chat data: a template, fine-tuning a given model
-SECTION_OF = {"sft": "sft", "dpo": "preference", "reward": "preference", "rl": "rl"}  # where the data is set
-
-
 def _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, resume,
                     say) -> Run:
     # A distributed job: join it (collective timeouts set); check the layout before any work.
@@ -207,7 +197,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
                           "your own, load its weights before handing it over and unset model.init_from")
     stated: dict = {}
     if not custom:
-        chat = cfg.objective.name in CHAT_OBJECTIVES  # these grow the vocabulary and add the scalar heads
+        chat = method_facts(cfg).chat  # these grow the vocabulary and add the scalar heads
         if chat and cfg.model.init_from:  # a run's own config.yaml states what it derived: checked below
             stated = {k: getattr(cfg.model, k) for k in DERIVED_KEYS & cfg.model.model_fields_set}
         cfg = resolve_init_from(cfg, say=say, derived=chat)
@@ -230,28 +220,26 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         # only a run this job started (a first attempt refused for a foreign run dir must stay refused).
         resume = resume or on_rank0(lambda: restarted_job_owns(run_dir))
         if train_data is None:  # the sources must exist before run.overwrite deletes the old run
-            sources = {"sft": [*cfg.sft.data, *cfg.sft.val_data],
-                       "dpo": [*cfg.preference.data, *cfg.preference.val_data],
-                       "reward": [*cfg.preference.data, *cfg.preference.val_data],
-                       "rl": [*cfg.rl.data, *cfg.rl.val_data]}.get(cfg.objective.name,
-                                                               [*cfg.data.sources, *cfg.data.val_sources])
+            facts = method_facts(cfg)
+            section = getattr(cfg, facts.data_section)
+            sources = ([*section.data, *section.val_data] if facts.chat
+                       else [*section.sources, *section.val_sources])
             missing = [src for src in sources if src != "builtin:python" and not Path(src).exists()]
             if missing:
                 where = Path(missing[0]).resolve()
-                if cfg.objective.name in CHAT_OBJECTIVES:
-                    section = SECTION_OF[cfg.objective.name]
-                    raise DataError(f"{section} data {missing[0]!r} does not exist (resolved: {where}); give "
-                                    ".jsonl or .parquet files, folders of them or a saved datasets dir")
+                if facts.chat:
+                    raise DataError(f"{facts.data_section} data {missing[0]!r} does not exist (resolved: "
+                                    f"{where}); give .jsonl or .parquet files, folders of them or a saved "
+                                    "datasets dir")
                 raise DataError(f"data source {missing[0]!r} does not exist (resolved: {where}); give a "
                                 "file, a folder or 'builtin:python'")
-            if cfg.objective.name not in CHAT_OBJECTIVES and not (
+            if not facts.chat and not (
                 cfg.run.overwrite and data_dir(cfg).resolve().is_relative_to(run_dir.resolve())
             ):  # (a data dir inside the run dir goes with the old run: nothing to check)
                 from lmforge.data.prepare import check_reusable
 
                 on_rank0(lambda: check_reusable(cfg))
-        if cfg.objective.name == "rl" and cfg.rl.reward_model:  # checked before run.overwrite acts too
-            _reward_model_config(cfg.rl.reward_model)
+        method_setup(cfg).check_inputs(cfg)  # checked before run.overwrite acts too
         locks: list[RunLock] = []  # rank 0's, kept here: the lock is a file descriptor, not broadcast
 
         def open_dir() -> bool:
@@ -290,7 +278,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
 def _check_stated_heads(cfg: Config, stated: dict) -> None:
     """model.score_head / value_head stated in a fine-tuning config (its own config.yaml, resumed) must be
     the head its objective adds: the objective decides them, the source's weights have none."""
-    head = _scalar_head(cfg)
+    head = method_facts(cfg).scalar_head
     for key in ("score_head", "value_head"):
         name = key.removesuffix("_head")
         if key in stated and stated[key] != (head == name):
@@ -311,7 +299,7 @@ def _check_stated_vocab(stated: int | None, derived: int, source: int | None) ->
 def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, dims,
                     resumed, lock, say, stated_vocab: int | None = None) -> Run:
     custom = model is not None
-    sft = cfg.objective.name in CHAT_OBJECTIVES  # chat data, a template, fine-tuning a given model
+    sft = method_facts(cfg).chat  # chat data, a template, fine-tuning a given model
     if sft:
         if train_data is not None:
             raise ConfigError(f"objective {cfg.objective.name} reads its chat data from the config "
@@ -324,25 +312,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     else:
         data, tokenizer, train_src, val_src = _training_data(cfg, train_data, eval_data, tokenizer, say)
     source_vocab = cfg.model.vocab_size
-    if not custom:
-        vocab = tokenizer.vocab_size if tokenizer is not None else int(max(s.max() for s in train_src)) + 1
-        if sft and cfg.model.init_from and source_vocab is not None and vocab > source_vocab:
-            vocab_size = 64 * math.ceil(vocab / 64)  # the template's tokens need rows: grown after loading
-            say(f"the chat template adds {vocab - data.meta['base_vocab']} tokens: vocabulary "
-                f"{source_vocab} -> {vocab_size}")
-        else:
-            vocab_size = resolve_vocab_size(cfg, vocab)
-        _check_stated_vocab(stated_vocab, vocab_size, source_vocab)
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
-    if sft and cfg.finetune.method != "full" and data.meta["added_tokens"]:
-        # The template's new tokens must learn (an adapter run freezes the table): their rows train.
-        tokens = sorted(set(cfg.finetune.train_tokens) | set(data.meta["added_tokens"]))
-        cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"train_tokens": tokens})})
-    if cfg.finetune.train_tokens and (dims.fsdp or dims.tp > 1 or dims.pp > 1):
-        raise ConfigError("finetune.train_tokens (under adapters, the rows of a chat template's new tokens "
-                          "train) needs the whole token table on each rank: one process or DDP, not FSDP, "
-                          "tensor or pipeline parallelism; use a template whose tokens the model has "
-                          "(sft.template) or finetune.method=full")
+    cfg = _fit_vocabulary(cfg, custom, sft, data, tokenizer, train_src, dims, stated_vocab, say)
 
     seed_everything(cfg.run.seed)  # the same seed on every rank: replicas start equal
     if custom:
@@ -351,11 +321,11 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     else:
         # A resumed run without a checkpoint yet (it died before its first) starts like a new one.
         fresh = not resumed or not on_rank0(lambda: bool(list_checkpoints(Path(cfg.run.dir) / "checkpoints")))
-        model = _starting_model(cfg, device, data if sft else None, source_vocab, load=fresh)
+        model = starting_model(cfg, device, data if sft else None, source_vocab, load=fresh)
         if fresh and cfg.model.init_from:
             say(f"initialised the weights from {cfg.model.init_from}")
         vocab = cfg.model.vocab_size
-    head = _scalar_head(cfg)  # a reward model's score or PPO's value head: added, always trained
+    head = method_facts(cfg).scalar_head  # a reward model's score or PPO's value head: added, always trained
     if head and not custom:
         from lmforge.models.transformer import add_head
 
@@ -367,27 +337,8 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         say(apply_finetune(model, cfg.finetune, seed=cfg.run.seed).line())
         if head and not custom:
             getattr(model, head).requires_grad_(True)  # PEFT's modules_to_save
-    refs = None
-    if isinstance(objective, Preference) and objective.needs_reference and objective.reference is None:
-        objective.reference = _summed(_reference(model, cfg, dims, device, data, source_vocab, say))
-        if cfg.preference.precompute_reference:
-            refs = _precompute_reference(objective, cfg, data, say)
-    if isinstance(objective, Distill) and objective.teacher is None:
-        if dims.tp > 1:
-            raise ConfigError("objective distill keeps the whole teacher on each rank and compares whole "
-                              "vocabulary rows: one process, DDP or FSDP, not tensor parallelism")
-        objective.teacher = _teacher(cfg, tokenizer, device, say)
-    if isinstance(objective, PolicyGradient) and objective.rollout is None:
-        if dims.fsdp or dims.tp > 1 or dims.pp > 1:
-            raise ConfigError("objective rl samples completions with the whole model on each rank: one "
-                              "process or DDP (parallel.dp_replicate), not FSDP, tensor or pipeline "
-                              "parallelism")
-        reference = _reference(model, cfg, dims, device, data, source_vocab, say) if cfg.rl.beta > 0 else None
-        objective.rollout = _rollout(model, cfg, data, reference)
-    if isinstance(objective, PolicyGradient) and objective.replay is not None:
-        objective.replay.place(dims.dp_rank, dims.dp_size)  # a resume mid-batch must find this layout
-    if isinstance(objective, MaskedLM) and objective.ids is None:
-        objective.bind(tokenizer)  # its [CLS] / [SEP] / [MASK] ids
+    setup = method_setup(cfg)  # the method's own parts: a reference, a teacher, a rollout, ...
+    refs = setup.attach(objective, SetupContext(cfg, model, dims, device, data, tokenizer, source_vocab, say))
     objective.check_model(model)
     precision = Precision(on_rank0(lambda: resolve_precision(cfg.train.precision, device, model,
                                                              cfg.train.micro_batch_size, cfg.seq_len, vocab)),
@@ -405,7 +356,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     val_rows = tc.micro_batch_size * (dims.microbatches(tc.grad_accum_steps) if dims.pp > 1 else 1)
     val_loader = None
     if sft:
-        train_loader, val_loader = _chat_loaders(cfg, data, dims, world, val_rows, refs)
+        train_loader, val_loader = _chat_loaders(setup, cfg, data, dims, world, val_rows, refs)
     else:
         train_loader = TokenLoader(train_src, cfg.seq_len, tc.micro_batch_size, seed=cfg.run.seed,
                                    rank=dims.dp_rank, world_size=dims.dp_size)
@@ -440,243 +391,49 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     )
 
 
-def _scalar_head(cfg: Config) -> str | None:
-    """The scalar head the objective trains beside the model: score (reward), value (PPO) or None."""
-    if cfg.objective.name == "reward":
-        return "score"
-    if cfg.objective.name == "rl" and cfg.rl.algorithm == "ppo":
-        return "value"
-    return None
+def _fit_vocabulary(cfg: Config, custom: bool, sft: bool, data, tokenizer, train_src, dims: ParallelDims,
+                    stated_vocab: int | None, say) -> Config:
+    """`cfg` with the model's vocabulary sized for the data (grown for a chat template's new tokens, whose
+    rows then train beside adapters); refuses a stated vocabulary that differs, and trained token rows in
+    a layout that splits the table."""
+    source_vocab = cfg.model.vocab_size
+    if not custom:
+        vocab = tokenizer.vocab_size if tokenizer is not None else int(max(s.max() for s in train_src)) + 1
+        if sft and cfg.model.init_from and source_vocab is not None and vocab > source_vocab:
+            vocab_size = 64 * math.ceil(vocab / 64)  # the template's tokens need rows: grown after loading
+            say(f"the chat template adds {vocab - data.meta['base_vocab']} tokens: vocabulary "
+                f"{source_vocab} -> {vocab_size}")
+        else:
+            vocab_size = resolve_vocab_size(cfg, vocab)
+        _check_stated_vocab(stated_vocab, vocab_size, source_vocab)
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
+    if sft and cfg.finetune.method != "full" and data.meta["added_tokens"]:
+        # The template's new tokens must learn (an adapter run freezes the table): their rows train.
+        tokens = sorted(set(cfg.finetune.train_tokens) | set(data.meta["added_tokens"]))
+        cfg = cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"train_tokens": tokens})})
+    if cfg.finetune.train_tokens and (dims.fsdp or dims.tp > 1 or dims.pp > 1):
+        raise ConfigError("finetune.train_tokens (under adapters, the rows of a chat template's new tokens "
+                          "train) needs the whole token table on each rank: one process or DDP, not FSDP, "
+                          "tensor or pipeline parallelism; use a template whose tokens the model has "
+                          "(sft.template) or finetune.method=full")
+    return cfg
 
 
-def _chat_loader(cfg: Config, data, name: str, batch_size: int, **kw):
-    """ChatLoader for conversations; PreferenceLoader (batch_size pairs) for objective dpo;
-    PromptLoader (batch_size prompts) for rl. `name`: the split of the prepared `data`."""
-    from lmforge.data.chat_loader import ChatLoader, PreferenceLoader, PromptLoader
-
-    split = data.split(name)
-    if cfg.objective.name == "dpo" and cfg.preference.loss == "kto":
-        from lmforge.data.chat_loader import UnpairedLoader
-
-        labels = [bool(i.get("label")) for i in data.info(name) or []]
-        return UnpairedLoader(split, labels, cfg.seq_len, batch_size, **kw)
-    if cfg.objective.name in ("dpo", "reward"):
-        margins = [i.get("margin") for i in data.info(name) or []] or None
-        return PreferenceLoader(split, cfg.seq_len, batch_size, margins=margins, **kw)
-    if cfg.objective.name == "rl":
-        info = data.info(name)
-        if info is None:
-            raise DataError(f"{data.dir} holds RL prompts without their answers; prepare the data again "
-                            "(delete the dir)")
-        return PromptLoader(split, info, cfg.seq_len, batch_size, **kw)
-    return ChatLoader(split, cfg.seq_len, batch_size, packing=cfg.sft.packing, **kw)
-
-
-def _chat_loaders(cfg: Config, data, dims: ParallelDims, world: World, val_rows: int, refs=None):
+def _chat_loaders(setup: MethodSetup, cfg: Config, data, dims: ParallelDims, world: World, val_rows: int,
+                  refs=None):
     tc = cfg.train
     pad = data.tokenizer.eos_id
     ref = (lambda name: {"ref_logps": refs[name]}) if refs else (lambda name: {})  # noqa: E731
-    train = _chat_loader(cfg, data, "train", tc.micro_batch_size, seed=cfg.run.seed, rank=dims.dp_rank,
+    train = setup.loader(cfg, data, "train", tc.micro_batch_size, seed=cfg.run.seed, rank=dims.dp_rank,
                          world_size=dims.dp_size, pad_id=pad, **ref("train"))
     val = None
     if len(data.split("val")):
-        val = _chat_loader(cfg, data, "val", val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
+        val = setup.loader(cfg, data, "val", val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
                            world_size=dims.dp_size, shuffle=False, drop_last=world.world_size > 1, pad_id=pad,
                            **ref("val"))
     return train, val
 
 
-@torch.no_grad()
-def _precompute_reference(objective: Preference, cfg: Config, data, say) -> dict[str, np.ndarray]:
-    """The reference model's summed completion log-probs of every pair of each split, (pairs, 2) as
-    (chosen, rejected), computed once in batches of train.micro_batch_size pairs; the objective then
-    lets the reference go (a frozen copy is freed)."""
-    from lmforge.data.chat_loader import PreferenceLoader
-
-    if cfg.preference.loss == "kto":
-        raise ConfigError("preference.precompute_reference does not apply to loss kto: its reference point "
-                          "comes from pairs of examples within each batch; set it to false")
-    out = {}
-    for name in ("train", "val"):
-        split = data.split(name)
-        if not len(split):
-            continue
-        loader = PreferenceLoader(split, cfg.seq_len, cfg.train.micro_batch_size, shuffle=False,
-                                  drop_last=False, pad_id=data.tokenizer.eos_id)
-        parts = []
-        for batch in loader.iter_eval_batches():
-            ref = objective.reference(batch).float().cpu()
-            parts.append(torch.stack([ref[: batch.pairs], ref[batch.pairs :]], 1))
-        out[name] = torch.cat(parts).numpy()
-    objective.reference = None
-    say(f"reference log-probs computed ahead for {sum(len(v) for v in out.values()):,} pairs; the reference "
-        "model is freed")
-    return out
-
-
-def _rollout(model: nn.Module, cfg: Config, data, reference):
-    """The rl objective's rollout: completions sampled from `model` itself (the trained weights), ended
-    at the template's end-of-turn token or EOS, scored by cfg.rl.rewards."""
-    from lmforge.data.chat_template import stop_ids
-    from lmforge.finetune.rollout import Rollout
-
-    stops = stop_ids(data.template, data.tokenizer)
-    scorer = _reward_model(cfg, data, _device_of(model)) if cfg.rl.reward_model else None
-    return Rollout(model, data.tokenizer, stops, cfg.rl, cfg.seq_len, reference=reference,
-                   pad_id=data.tokenizer.eos_id, reward_model=scorer)
-
-
-def _reward_model_config(path: str) -> tuple[Config, Path]:
-    """(config, weights dir) of rl.reward_model, refused unless it is an `lmforge reward` run."""
-    from lmforge.checkpoint.runs import run_config
-
-    rm_cfg, source = run_config(path)
-    if rm_cfg.objective.name != "reward" or not rm_cfg.model.score_head:
-        raise ConfigError(f"rl.reward_model={path!r} is not a reward model (objective "
-                          f"{rm_cfg.objective.name}); train one with `lmforge reward`")
-    return rm_cfg, source
-
-
-def _reward_model(cfg: Config, data, device: torch.device):
-    """rl.reward_model as (ids, targets) -> score at each row's last token: an `lmforge reward` run,
-    loaded frozen, which must share the policy's tokenizer (it scores the same token ids)."""
-    import hashlib
-
-    from lmforge.data.sft import TOKENIZER_FILE, load_prepared_sft
-    from lmforge.engine.objectives.reward import sequence_scores
-
-    rm_cfg, source = _reward_model_config(cfg.rl.reward_model)
-    rm_data = load_prepared_sft(data_dir(rm_cfg))
-    digest = lambda d: hashlib.sha256((d.dir / TOKENIZER_FILE).read_bytes()).hexdigest()  # noqa: E731
-    if digest(rm_data) != digest(data):
-        raise ConfigError(f"rl.reward_model={cfg.rl.reward_model!r} uses another tokenizer than the policy "
-                          "(its scores are of token ids): train the reward model from the same base model "
-                          "and chat template")
-    rm, _ = load_finetuned(rm_cfg, source, "model", device)
-    rm.requires_grad_(False).eval()
-    return lambda ids, targets: sequence_scores(rm, ids, targets)
-
-
-def _teacher(cfg: Config, tokenizer, device: torch.device, say):
-    """Objective distill's teacher as batch -> logits, or a reader of its precomputed top-k cache."""
-    from lmforge.finetune.teacher import load_teacher, teacher_logits
-
-    if not cfg.distill.teacher and not cfg.distill.topk_cache:
-        raise ConfigError("objective distill needs a teacher: set distill.teacher to a run dir, checkpoint "
-                          "dir or Hugging Face dir that shares the student's tokenizer")
-    if cfg.distill.topk_cache:
-        from lmforge.finetune.topk_cache import TopKCache
-
-        if cfg.distill.loss != "forward_kl":
-            raise ConfigError(f"distill.topk_cache keeps only the teacher's top-k logits, which determine "
-                              f"the forward KL only; distill.loss={cfg.distill.loss} needs the teacher: "
-                              "unset distill.topk_cache")
-        cache = TopKCache(cfg.distill.topk_cache, cfg.seq_len, cfg.distill.temperature, tokenizer, device)
-        say(f"teacher: top-{cache.k} logits of {len(cache):,} windows from {cfg.distill.topk_cache}")
-        return cache
-    teacher = load_teacher(cfg.distill.teacher, cfg.distill.teacher_weights, cfg.model.vocab_size, tokenizer,
-                           device, say)
-    return teacher_logits(teacher)
-
-
-def _starting_model(cfg: Config, device: torch.device, chat_data, source_vocab: int | None,
-                    load: bool = True) -> nn.Module:
-    """lmforge's Transformer as fine-tuning starts it: model.init_from's weights (when `load`), the
-    vocabulary grown for a chat template's new tokens and their rows initialised (`chat_data`: the
-    prepared chat data, None for pretraining)."""
-    from lmforge.models import build_model
-    from lmforge.models.resize import init_token_rows, resize_vocab
-
-    grow = chat_data is not None and source_vocab is not None and cfg.model.vocab_size > source_vocab
-    # a reward model's or PPO's scalar head is added afterwards: the weights it starts from have none
-    arch = cfg.model.model_copy(update={"score_head": False, "value_head": False})
-    model = build_model(arch.model_copy(update={"vocab_size": source_vocab}) if grow else arch, device=device)
-    if load and cfg.model.init_from:
-        load_weights(cfg.model.init_from, model)
-    if grow:
-        resize_vocab(model, cfg.model.vocab_size)
-    if chat_data is not None and load and cfg.model.init_from:
-        init_token_rows(model, chat_data.meta["added_tokens"], chat_data.meta["base_vocab"])
-    return model
-
-
-def _reference(model: nn.Module, cfg: Config, dims: ParallelDims, device: torch.device, data,
-               source_vocab: int | None, say):
-    """The reference model of preference training and RL, as a function (ids, targets) -> per-token
-    log-probs of the targets (0 where ignored): with adapters, the model itself with its adapters
-    disabled (no extra memory: the frozen base is the model the adapters started from); with full
-    fine-tuning, a frozen model with the starting weights (model.init_from, loaded again: a resumed
-    run's model already moved on; one more model in memory, so one process or DDP)."""
-    from lmforge.finetune.lora import lora_layers
-
-    if lora_layers(model):
-        say("reference model: the base, adapters disabled")
-        return _adapters_off(model)
-    name = cfg.objective.name
-    if dims.fsdp or dims.tp > 1 or dims.pp > 1:
-        raise ConfigError(f"objective {name} with finetune.method=full keeps a frozen copy of the model as "
-                          "its reference, which needs the whole model on each rank (one process or DDP); use "
-                          "LoRA (the reference is the base with adapters off)"
-                          + (" or a reference-free loss (preference.loss=simpo or orpo)" if name == "dpo"
-                             else " or rl.beta=0"))
-    if not cfg.model.init_from:
-        raise ConfigError(f"objective {name} with finetune.method=full compares with the starting model: set "
-                          "model.init_from (the SFT run or HF dir the training starts from)")
-    with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the run's RNG
-        frozen = _starting_model(cfg, device, data, source_vocab).requires_grad_(False)
-    say(f"reference model: a frozen copy of {cfg.model.init_from}")
-    return _logps_of(frozen)
-
-
-def _logps_of(model: nn.Module):
-    """(ids, targets) -> `model`'s per-token log-probs of the targets."""
-    from lmforge.engine.preference_loss import token_logps
-
-    def logps(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        dev = _device_of(model)
-        return token_logps(logits_of(model(ids.to(dev))), targets.to(dev))
-
-    return logps
-
-
-def _summed(reference):
-    """A per-token reference as preference training takes it: batch -> summed completion log-probs."""
-    return lambda batch: reference(batch.input_ids, batch.targets).sum(-1)
-
-
-def _adapters_off(model: nn.Module):
-    from lmforge.finetune.lora import adapters_disabled
-
-    logps = _logps_of(model)
-
-    def reference(ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        with adapters_disabled(model):
-            return logps(ids, targets)
-
-    return reference
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    """Where the model computes (a batch handed to the reference may still be on the host)."""
-    return next(model.parameters()).device
-
-
-def _eval_reference(model: nn.Module, cfg: Config, device: torch.device, data):
-    """The reference model a preference run trained against, to evaluate it: the base with the
-    adapters disabled, or (full fine-tuning) the model.init_from weights loaded afresh, as training
-    started them (`data`: the run's prepared pairs, for a chat template's new token rows)."""
-    from lmforge.checkpoint.runs import source_model_config
-    from lmforge.finetune.lora import lora_layers
-
-    if lora_layers(model):
-        return _adapters_off(model)
-    if not cfg.model.init_from:
-        raise ConfigError("evaluating a preference run needs its reference model: the run has no "
-                          "model.init_from to load it from")
-    source_vocab = source_model_config(cfg.model.init_from).vocab_size
-    with torch.random.fork_rng(devices=[]):
-        reference = _starting_model(cfg, device, data, source_vocab).requires_grad_(False).eval()
-    return _logps_of(reference)
 
 
 def _training_data(cfg, train_data, eval_data, tokenizer, say):
@@ -752,16 +509,14 @@ def _build_inference(cfg, purpose, world, device, weights_from: Path, weights: s
                           "accuracy")
     model, step = load_finetuned(cfg, weights_from, weights, device)
     objective = objective or build_objective(cfg)
-    if isinstance(objective, MaskedLM) and objective.ids is None:
-        objective.bind(tokenizer)
-    if isinstance(objective, Distill) and objective.teacher is None and purpose == "eval":
-        objective.teacher = _teacher(cfg, tokenizer, device, lambda *_: None)
     run = Run(cfg=cfg, purpose=purpose, world=world, device=device, model=model, objective=objective,
               precision=Precision("fp32", device), tokenizer=tokenizer, step=step, weights_from=weights_from)
-    if cfg.objective.name in CHAT_OBJECTIVES:
-        return _sft_inference(run, cfg, purpose)
+    setup = method_setup(cfg)
+    if method_facts(cfg).chat:
+        return _sft_inference(run, cfg, purpose, setup)
     if purpose == "generate":
         return run
+    setup.attach_eval(run, None)  # (a teacher, the mask token ids) before the data, as training does
     data = prepare(cfg, console=lambda *_: None)
     try:
         shards = data.shards(cfg.eval.split)
@@ -776,7 +531,7 @@ def _build_inference(cfg, purpose, world, device, weights_from: Path, weights: s
     return run
 
 
-def _sft_inference(run: Run, cfg: Config, purpose: Purpose) -> Run:
+def _sft_inference(run: Run, cfg: Config, purpose: Purpose, setup: MethodSetup) -> Run:
     """A fine-tuned run: its chat template (and, to evaluate, its prepared conversations or pairs)."""
     from lmforge.data.sft import load_prepared_sft
 
@@ -785,17 +540,13 @@ def _sft_inference(run: Run, cfg: Config, purpose: Purpose) -> Run:
     if purpose == "generate":
         return run
     if not len(data.split(cfg.eval.split)):
-        section = SECTION_OF[cfg.objective.name]
+        section = method_facts(cfg).data_section
         raise DataError(f"eval.split={cfg.eval.split}: the run holds no {cfg.eval.split} examples (set "
                         f"{section}.val_fraction or {section}.val_data when fine-tuning, or "
                         "eval.split=train)")
-    run.val_loader = _chat_loader(cfg, data, cfg.eval.split, cfg.eval.batch_size, shuffle=False,
+    run.val_loader = setup.loader(cfg, data, cfg.eval.split, cfg.eval.batch_size, shuffle=False,
                                   drop_last=False, pad_id=data.tokenizer.eos_id)
-    if isinstance(run.objective, Preference) and run.objective.needs_reference:
-        run.objective.reference = _summed(_eval_reference(run.model, cfg, run.device, data))
-    if isinstance(run.objective, PolicyGradient):  # the reference gives the KL the validation logged
-        reference = _eval_reference(run.model, cfg, run.device, data) if cfg.rl.beta > 0 else None
-        run.objective.rollout = _rollout(run.model, cfg, data, reference)
+    setup.attach_eval(run, data)  # a reference, a rollout
     run.eval_batches = cfg.eval.max_batches
     precision = resolve_precision(cfg.train.precision, run.device, run.model, cfg.eval.batch_size,
                                   cfg.seq_len, cfg.model.vocab_size, backward=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 from lmforge.checkpoint.manager import CheckpointManager
 from lmforge.checkpoint.runs import check_rebuildable, is_hf_dir, load_model, run_config, run_tokenizer_file
 from lmforge.config.load import save_config
+from lmforge.config.methods import default_method
 from lmforge.config.schema import Config
 from lmforge.data import Tokenizer
 from lmforge.errors import LmforgeError
@@ -89,7 +90,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False, 
             "run": {"name": hf_dir.name, "dir": str(out)},
             "model": model_cfg.model_dump(),
             # an encoder (BERT / RoBERTa) is evaluated as what it was trained for: masked LM
-            **({"objective": {"name": "mlm"}} if model_cfg.arch == "encoder" else {}),
+            **({"objective": {"name": default_method("encoder")}} if model_cfg.arch == "encoder" else {}),
             "data": {"tokenizer": {"path": str(out / "tokenizer.json")}} if has_tokenizer else {},
         })
         CheckpointManager(tmp, keep_last=1).save(0, model, None, {})

@@ -45,6 +45,7 @@ from lmforge.compress.sparsity import (
 )
 from lmforge.compress.structured import channel_scores, group_size, head_scores, keep_highest, shrink
 from lmforge.config.load import config_from_dict, config_to_dict, save_config
+from lmforge.config.methods import DEFAULT_METHOD
 from lmforge.config.schema import Config, ModelConfig
 from lmforge.data import TokenLoader, data_dir
 from lmforge.engine.evaluate import evaluate_loss
@@ -308,10 +309,10 @@ def prune_run(
                            "for it first; pruning measures and recovers on a run's prepared data")
     cfg, ckpt = run_config(src)
     check_rebuildable(cfg, ckpt)
-    if cfg.objective.name != "causal_lm" or cfg.finetune.method != "full":
+    if cfg.objective.name != DEFAULT_METHOD or cfg.finetune.method != "full":
         raise LmforgeError(f"{src} was trained with objective {cfg.objective.name} and finetune.method "
-                           f"{cfg.finetune.method}; lmforge prune takes a pretrained (causal_lm) run with "
-                           "its weights whole (fold adapters in first: lmforge merge)")
+                           f"{cfg.finetune.method}; lmforge prune takes a pretrained ({DEFAULT_METHOD}) run "
+                           "with its weights whole (fold adapters in first: lmforge merge)")
     removed = units_to_remove(spec, cfg.model)
     if recover_steps < 0:
         raise LmforgeError(f"--recover-steps must be 0 or more, got {recover_steps}")

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from lmforge._version import __version__
+from lmforge.config.methods import method_facts
 from lmforge.config.schema import Config
 from lmforge.data.chat import ChatStats, Conversation, read_conversations
 from lmforge.data.chat_template import (
@@ -60,16 +61,14 @@ INFO_FILE = "{split}_info.json"
 def kind_of(cfg: Config) -> str:
     """What the run's chat data dir holds: conversations (objective sft), preference pairs (dpo) or
     prompts (rl)."""
-    if cfg.objective.name == "dpo" and cfg.preference.loss == "kto":
-        return UNPAIRED_KIND
-    kinds = {"dpo": PREFERENCE_KIND, "reward": PREFERENCE_KIND, "rl": PROMPT_KIND}
-    return kinds.get(cfg.objective.name, KIND)
+    kinds = {"pairs": PREFERENCE_KIND, "unpaired": UNPAIRED_KIND, "prompts": PROMPT_KIND}
+    return kinds.get(method_facts(cfg).data, KIND)
 
 
 def _sources(cfg: Config) -> tuple[list[str], list[str], float]:
     """(data, val_data, val_fraction) of the section the objective reads."""
-    sections = {PREFERENCE_KIND: cfg.preference, UNPAIRED_KIND: cfg.preference, PROMPT_KIND: cfg.rl}
-    s = sections.get(kind_of(cfg), cfg.sft)
+    facts = method_facts(cfg)
+    s = getattr(cfg, facts.data_section) if facts.chat else cfg.sft
     return list(s.data), list(s.val_data), s.val_fraction
 SPLITS = ("train", "val")
 
@@ -224,8 +223,8 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
     again; otherwise that is an error."""
     kind = kind_of(cfg)
     if not _sources(cfg)[0]:
-        key, what = {KIND: ("sft.data", "chat data"), PROMPT_KIND: ("rl.data", "prompts")}.get(
-            kind, ("preference.data", "preference pairs"))
+        what = {PROMPT_KIND: "prompts", KIND: "chat data"}.get(kind, "preference pairs")
+        key = method_facts(cfg).data_keys[0] if method_facts(cfg).chat else "sft.data"
         raise DataError(
             f"objective {cfg.objective.name} needs {what}: set {key} to .jsonl / .parquet files or a saved "
             "datasets dir"

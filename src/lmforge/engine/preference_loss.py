@@ -29,10 +29,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from lmforge.config.methods import REFERENCE_FREE  # the config's facts say which losses need no reference
 from lmforge.data.batch import IGNORE_INDEX
 
 PAIR_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "simpo", "orpo")
-REFERENCE_FREE = frozenset({"simpo", "orpo"})
 
 __all__ = [
     "PAIR_LOSSES",

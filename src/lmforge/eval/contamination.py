@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from lmforge.config.methods import method_facts
 from lmforge.config.schema import Config
 from lmforge.data.chat import ChatStats, parse_sources, to_conversation
 from lmforge.data.curate.dedup import ShingleHasher, words
@@ -81,7 +82,7 @@ def training_texts(
     stats = stats if stats is not None else TrainingStats()
     if max_chars is not None and max_chars < 1:
         raise ValueError(f"max_chars must be >= 1 or None, got {max_chars}")
-    texts = _pretraining(cfg, stats) if cfg.objective.name == "causal_lm" else _finetuning(cfg, stats)
+    texts = _finetuning(cfg, stats) if method_facts(cfg).chat else _pretraining(cfg, stats)
     for text in texts:
         if max_chars is not None and len(text) >= max_chars - stats.chars:
             text = text[: max_chars - stats.chars]
@@ -110,12 +111,10 @@ def _pretraining(cfg: Config, stats: TrainingStats) -> Iterator[str]:
 
 
 def _finetuning(cfg: Config, stats: TrainingStats) -> Iterator[str]:
-    kind = kind_of(cfg)
-    name, section, parse = {
-        PREFERENCE_KIND: ("preference", cfg.preference, to_pair),
-        UNPAIRED_KIND: ("preference", cfg.preference, to_unpaired),
-        PROMPT_KIND: ("rl", cfg.rl, to_prompt),
-    }.get(kind, ("sft", cfg.sft, lambda record, where: to_conversation(record, where, cfg.sft.format)))
+    name = method_facts(cfg).data_section
+    section = getattr(cfg, name)
+    parse = {PREFERENCE_KIND: to_pair, UNPAIRED_KIND: to_unpaired, PROMPT_KIND: to_prompt}.get(
+        kind_of(cfg), lambda record, where: to_conversation(record, where, cfg.sft.format))
     stats.section, stats.sources = f"{name}.data", list(section.data)
     if not section.data:
         raise DataError(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from lmforge.assembly import Run, build_run
 from lmforge.checkpoint.runs import run_config, run_tokenizer_file
+from lmforge.config.methods import method_facts
 from lmforge.data.chat import ChatStats
 from lmforge.data.chat_template import ChatTemplate, stop_ids, tokenizer_template
 from lmforge.engine.evaluate import evaluate_loss
@@ -34,11 +35,11 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
     result = {"step": run.step, "split": cfg.eval.split, "weights": weights, **out}
     suffix = "" if weights == "model" else f"_{weights}"
     atomic_write_json(run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}{suffix}.json", result)
-    unit = {"dpo": "pairs", "reward": "pairs", "rl": "loss targets"}.get(cfg.objective.name, "tokens")
+    facts = method_facts(cfg)
     extra = "".join(f"  {k} {v:.4f}" for k, v in out.items() if k not in ("loss", "ppl", "tokens", "bpb"))
-    token_loss = cfg.objective.name in ("causal_lm", "sft", "distill")  # perplexity: of token losses only
-    ppl = f"  ppl {out['ppl']:.2f}" if token_loss else ""
-    say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} {unit}): loss {out['loss']:.4f}"
+    ppl = f"  ppl {out['ppl']:.2f}" if facts.token_loss else ""  # perplexity: of token losses only
+    say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} {facts.unit}): "
+        f"loss {out['loss']:.4f}"
         + ppl + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else "") + extra)
     return result
 

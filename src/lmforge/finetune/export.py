@@ -17,6 +17,7 @@ from lmforge.checkpoint.hf_io import export_hf, write_output_dir
 from lmforge.checkpoint.manager import CheckpointManager
 from lmforge.checkpoint.runs import check_rebuildable, is_hf_dir, run_config, run_tokenizer_file
 from lmforge.config.load import save_config
+from lmforge.config.methods import method_facts
 from lmforge.data import Tokenizer, data_dir
 from lmforge.data.chat_template import ChatTemplate
 from lmforge.errors import LmforgeError
@@ -27,7 +28,7 @@ from lmforge.finetune.setup import check_adapter_run, load_finetuned, load_merge
 
 def run_template(cfg) -> ChatTemplate | None:
     """The chat template a fine-tuned run was trained with (None for a pretraining run)."""
-    if cfg.objective.name not in ("sft", "dpo", "reward", "rl"):
+    if not method_facts(cfg).chat:
         return None
     from lmforge.data.sft import load_prepared_sft
 

@@ -33,6 +33,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
+from lmforge.config.methods import DEFAULT_METHOD
 from lmforge.config.schema import Config
 from lmforge.errors import ConfigError
 from lmforge.tools.estimate_methods import (
@@ -137,7 +138,7 @@ class Estimate:
     params: int  # parameter elements of the whole model
     rank: str = "rank 0"
     notes: list[str] = field(default_factory=list)
-    method: str = "causal_lm"  # the training method estimated (estimate_methods.Method.label)
+    method: str = DEFAULT_METHOD  # the training method estimated (estimate_methods.Method.label)
 
     @property
     def peak(self) -> int:

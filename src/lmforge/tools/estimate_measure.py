@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lmforge.config.methods import method_facts
 from lmforge.parallel.local_ranks import run_ranks
 
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "2", "OMP_NUM_THREADS": "1"}
@@ -230,15 +231,15 @@ def _batch(cfg, g):
 
     from lmforge.data.batch import IGNORE_INDEX, ChatBatch, PreferenceBatch, TokenBatch
 
-    name, B, T, V = cfg.objective.name, cfg.train.micro_batch_size, cfg.seq_len, cfg.model.vocab_size
-    rows = 2 * B if name in ("dpo", "reward") else B
+    facts, B, T, V = method_facts(cfg), cfg.train.micro_batch_size, cfg.seq_len, cfg.model.vocab_size
+    rows = facts.batch_rows * B
     ids, targets = (torch.randint(0, V, (rows, T), generator=g) for _ in range(2))
-    if name == "sft":
+    if facts.data == "chat":
         seg = torch.zeros(rows, T, dtype=torch.long)
         seg[:, T // 2:] = 1
         pos = torch.cat([torch.arange(T // 2), torch.arange(T - T // 2)]).expand(rows, T).contiguous()
         return ChatBatch(ids, targets, pos, seg, real_tokens=rows * T)
-    if name in ("dpo", "reward"):
+    if facts.batch_rows == 2:  # pairs
         targets[:, -1] = IGNORE_INDEX
         return PreferenceBatch(ids, targets, real_tokens=rows * T)
     return TokenBatch(ids, targets)
@@ -247,27 +248,27 @@ def _batch(cfg, g):
 def _method_model(cfg, objective):
     """The model as the assembly sets it up for the method (assembly/build.py): a reward model's score
     head, the finetune section (adapters, NF4 base), the reference model of a preference loss."""
-    from lmforge.assembly.build import _adapters_off, _logps_of, _summed
-    from lmforge.engine.objectives import Preference
+    from lmforge.assembly.methods.reference import adapters_off, logps_of, summed
     from lmforge.finetune.lora import lora_layers
     from lmforge.finetune.setup import apply_finetune
     from lmforge.models.transformer import add_head, build_model
 
     model = build_model(cfg.model)
-    score = cfg.objective.name == "reward"
+    facts = method_facts(cfg)
+    score = facts.scalar_head == "score"
     if score:
         add_head(model, "score")
-    if cfg.finetune.method != "full" or cfg.objective.name in ("sft", "dpo", "reward"):
+    if cfg.finetune.method != "full" or facts.chat:
         apply_finetune(model, cfg.finetune, seed=cfg.run.seed)
         if score:
             model.score.requires_grad_(True)
-    if isinstance(objective, Preference) and objective.needs_reference:
+    if "reference" in facts.extra_models:  # (the estimate models no rl: a preference loss's reference)
         if lora_layers(model):
-            objective.reference = _summed(_adapters_off(model))
+            objective.reference = summed(adapters_off(model))
         else:  # a frozen copy of the starting weights
             frozen = build_model(cfg.model)
             frozen.load_state_dict(model.state_dict())
-            objective.reference = _summed(_logps_of(frozen.requires_grad_(False)))
+            objective.reference = summed(logps_of(frozen.requires_grad_(False)))
     return model
 
 

@@ -28,18 +28,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from lmforge.config.methods import method_facts
 from lmforge.config.schema import Config
 from lmforge.errors import ConfigError
 from lmforge.tools.estimate_adapters import BLOCK_LINEARS, Adapters, adapter_elements
 from lmforge.tools.estimate_parts import ModelTensors, TensorInfo
 
 _MEASURE = "measure a short run instead (the same config with train.max_steps=3)"
-_REFUSED = {
-    "rl": "objective rl (completions sampled through a KV cache, a reference model and a reward model "
-          "per step) is not modelled by lmforge estimate",
-    "distill": "objective distill (a teacher model's forward and its vocabulary-wide divergence terms) is "
-               "not modelled by lmforge estimate",
-}
+# what the estimate does not model, by the method's facts (config/methods.py)
+_SAMPLING = "completions sampled through a KV cache, a reference model and a reward model per step"
+_TEACHER = "a teacher model's forward and its vocabulary-wide divergence terms"
 # bytes of the two code tables every NF4 layer keeps beside its weight (byte_table 256 x 2 fp32,
 # absmax_code 256 fp32)
 NF4_TABLES = 256 * 2 * 4 + 256 * 4
@@ -51,12 +49,18 @@ class Method:
 
     objective: str
     finetune: str  # full, lora or qlora
+    data: str  # what it reads: tokens, chat, pairs, unpaired (config/methods.py's facts)
     rows: int  # rows per micro-batch item: 2 for a pair (or a KTO example and its twin)
     head: str  # logits, logps or score (estimate_parts._head_saved)
     packed: bool  # sft.packing: several conversations per row
     reference: str  # "" (none), "copy" (a frozen copy of the starting model) or "adapters off"
     precompute: bool  # the reference's log-probs computed once before training, then the reference freed
     adapters: Adapters | None
+
+    @property
+    def chat(self) -> bool:
+        """A fine-tuning method over chat data (a template, maybe added tokens)."""
+        return self.data != "tokens"
 
     @property
     def label(self) -> str:
@@ -66,7 +70,7 @@ class Method:
             text += ", computed ahead)" if self.precompute else ")"
         if self.adapters is not None:
             text += f", {self.finetune} r={self.adapters.r}"
-        elif self.objective != "causal_lm":
+        elif self.chat:
             text += ", full fine-tuning"
         return text
 
@@ -74,34 +78,36 @@ class Method:
 def method_of(cfg: Config, layout) -> Method:
     """The method `cfg` trains with on `layout` (estimate.Layout); ConfigError for what the estimate
     does not model, naming it, and for what a run would refuse."""
-    name, ft = cfg.objective.name, cfg.finetune.method
-    if name in _REFUSED:
-        raise ConfigError(f"{_REFUSED[name]}: {_MEASURE}")
+    name, ft, facts = cfg.objective.name, cfg.finetune.method, method_facts(cfg)
+    if facts.data == "prompts" or "teacher" in facts.extra_models:
+        what = _SAMPLING if facts.data == "prompts" else _TEACHER
+        raise ConfigError(f"objective {name} ({what}) is not modelled by lmforge estimate: {_MEASURE}")
     if ft == "dora":
         raise ConfigError("finetune.method=dora (the weight-decomposed adapters' norms and scaled base "
                           f"outputs) is not modelled by lmforge estimate: {_MEASURE}, or estimate "
                           "finetune.method=lora (DoRA takes more)")
     from lmforge.engine.objectives import build_objective
-    from lmforge.engine.preference_loss import REFERENCE_FREE
 
-    build_objective(cfg)  # the objective's own refusals (e.g. a chunked loss for pairs), as a run makes them
-    if name != "causal_lm" and layout.pp > 1:
+    # the objective's own refusals (e.g. a chunked loss for pairs), as a run makes them
+    objective = build_objective(cfg)
+    if not objective.supports_pipeline and layout.pp > 1:
         raise ConfigError(f"objective {name} has no per-stage loss, so it cannot run in a pipeline "
                           "(parallel.pp > 1)")
     reference = ""
-    if name == "dpo" and cfg.preference.loss not in REFERENCE_FREE:
+    if "reference" in facts.extra_models:
         reference = "copy" if ft == "full" else "adapters off"
     precompute = bool(reference) and cfg.preference.precompute_reference
     if precompute and cfg.preference.loss == "kto":
         raise ConfigError("preference.precompute_reference does not apply to loss kto: its reference point "
                           "comes from pairs of examples within each batch; set it to false")
     if reference == "copy" and (layout.fsdp or layout.tp > 1 or layout.pp > 1):
-        raise ConfigError("objective dpo with finetune.method=full keeps a frozen copy of the model as its "
-                          "reference, which needs the whole model on each rank (one process or DDP); use "
+        raise ConfigError(f"objective {name} with finetune.method=full keeps a frozen copy of the model as "
+                          "its reference, which needs the whole model on each rank (one process or DDP); use "
                           "LoRA or a reference-free loss (preference.loss=simpo or orpo)")
-    head = {"dpo": "logps", "reward": "score"}.get(name, "logits")
+    pairs = facts.batch_rows == 2  # a pair's two rows (or a KTO example and its twin)
+    head = "score" if facts.scalar_head == "score" else "logps" if pairs else "logits"
     adapters = _adapters(cfg, layout, head) if ft != "full" else None
-    return Method(name, ft, 2 if name in ("dpo", "reward") else 1, head, name == "sft" and cfg.sft.packing,
+    return Method(name, ft, facts.data, facts.batch_rows, head, facts.data == "chat" and cfg.sft.packing,
                   reference, precompute, adapters)
 
 
@@ -247,10 +253,9 @@ def method_moments(cfg: Config, method: Method, held, B: int, base: int, rows: d
             moments["reference forward (no gradients)"] = base + transient
     if method.adapters is not None and method.adapters.nf4:
         moments["model load (fp32 weights before NF4)"] = load_peak(held)
-    if method.objective == "sft":
+    if method.data == "chat":
         notes.append("every position is counted as a target (prompt tokens without loss only lower the peak)")
-    chat = method.objective in ("sft", "dpo", "reward")
-    if method.adapters is not None and not method.adapters.token_rows and chat:
+    if method.adapters is not None and not method.adapters.token_rows and method.chat:
         notes.append("a chat template that adds tokens makes their rows train beside the adapters, which "
                      "takes a vocabulary x d_model table more; set finetune.train_tokens to count it")
 

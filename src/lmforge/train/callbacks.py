@@ -21,6 +21,7 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lmforge.config.methods import method_facts
 from lmforge.engine.step import StepResult
 from lmforge.metrics.loggers import MetricsLogger, truncate_metrics
 from lmforge.metrics.throughput import Throughput, peak_memory_mib
@@ -52,7 +53,6 @@ class Callback:
         """When the loop ends: `metrics` are fit()'s final metrics, None when it ended with an error."""
 
 
-TOKEN_LOSSES = ("causal_lm", "sft")  # objectives whose loss is per token, so exp(loss) is a perplexity
 
 
 class MetricsLogging(Callback):
@@ -131,7 +131,7 @@ class MetricsLogging(Callback):
         trainer.console(
             f"step {metrics['step']}: val_loss {metrics['val_loss']:.4f}"
             # perplexity means something for token losses only (not pairs, scores or policy gradients)
-            + (f"  val_ppl {metrics['val_ppl']:.2f}" if trainer.cfg.objective.name in TOKEN_LOSSES else "")
+            + (f"  val_ppl {metrics['val_ppl']:.2f}" if method_facts(trainer.cfg).token_loss else "")
             + (f"  val_bpb {metrics['val_bpb']:.4f}" if "val_bpb" in metrics else "")
             + "".join(f"  {k} {v:.4f}" for k, v in metrics.items()
                       if k.startswith(("val_loss_", "val_reward", "val_accuracy")))

@@ -7,7 +7,9 @@ free; metrics are sums too and are reported as means per target the same way. An
 inside the compiled region with the model (`ObjectiveModule`), so its loss is part of the graph.
 
 A new training method (masked SFT, pairwise preference, per-token weighted RL, teacher/student,
-masked LM) is one new file here plus a config choice; the step, the Trainer and `parallel/` stay.
+masked LM) is its objective here (one file, listed in OBJECTIVES), its section and facts in
+config/methods.py and its setup in assembly/methods/ (extra models, loaders); the step, the Trainer,
+`parallel/` and `build_run` stay. A variant of an existing method (a preference loss) stays inside it.
 """
 
 from __future__ import annotations
