@@ -77,12 +77,12 @@ def test_console_and_eval_agree_on_perplexity(name):
 
 
 def test_each_fine_tuning_method_names_its_verb():
-    from lmforge.config.methods import method_verbs
+    from lmforge.cli.verbs.method_verbs import METHOD_VERBS
+    from lmforge.config.methods import METHOD_CONFIGS
 
-    verbs = method_verbs()
-    assert sorted(verbs) == ["distill", "dpo", "reward", "rl", "sft"]  # causal_lm, mlm: lmforge train
-    for verb, cls in verbs.items():
-        assert cls.model_fields["name"].default == verb and cls.verb_help.startswith(
+    assert sorted(METHOD_VERBS) == ["distill", "dpo", "reward", "rl", "sft"]  # causal_lm, mlm: lmforge train
+    for verb, spec in METHOD_VERBS.items():
+        assert METHOD_CONFIGS[verb].model_fields["name"].default == verb and spec.help.startswith(
             ("fine-tune", "preference", "train a", "reinforcement", "knowledge"))
 
 

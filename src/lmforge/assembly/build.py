@@ -51,7 +51,7 @@ from lmforge.optim.schedule import LRSchedule
 from lmforge.parallel.api import ParallelModel, parallelize
 from lmforge.parallel.coord import on_rank0, rank0_first
 from lmforge.parallel.dims import ParallelDims
-from lmforge.parallel.init import init_distributed
+from lmforge.parallel.process_group import init_distributed
 from lmforge.parallel.world import World, resolve_device
 from lmforge.utils.rng import seed_everything
 

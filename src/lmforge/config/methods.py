@@ -73,10 +73,6 @@ class _Method(Section):
     data_section: ClassVar[str] = "data"
     settings_section: ClassVar[str | None] = None
     encoder: ClassVar[bool] = False  # it trains an encoder (model.arch=encoder); only such methods do
-    # The CLI verb that trains it with objective.name set (None: `lmforge train` with objective.name), and
-    # that verb's one-line help.
-    verb: ClassVar[str | None] = None
-    verb_help: ClassVar[str] = ""
 
     @model_validator(mode="wrap")
     @classmethod
@@ -112,9 +108,6 @@ class SFTObjective(_Method):
     token_loss: ClassVar[bool] = True
     data_section: ClassVar[str] = "sft"
     settings_section: ClassVar[str | None] = "sft"
-    verb: ClassVar[str | None] = "sft"
-    verb_help: ClassVar[str] = ("fine-tune on chat data (objective sft): full, LoRA, DoRA or QLoRA (the "
-                                "finetune section)")
 
 
 class DPOObjective(_Method):
@@ -123,9 +116,6 @@ class DPOObjective(_Method):
     data: ClassVar[DataKind] = "pairs"
     data_section: ClassVar[str] = "preference"
     settings_section: ClassVar[str | None] = "preference"
-    verb: ClassVar[str | None] = "dpo"
-    verb_help: ClassVar[str] = ("preference optimisation on chosen/rejected pairs (objective dpo: DPO, IPO, "
-                                "SimPO, ORPO, ... by preference.loss), full or with adapters")
 
     @classmethod
     def facts(cls, cfg: Config) -> MethodFacts:
@@ -140,9 +130,6 @@ class RewardObjective(_Method):
     data: ClassVar[DataKind] = "pairs"
     data_section: ClassVar[str] = "preference"
     settings_section: ClassVar[str | None] = "preference"
-    verb: ClassVar[str | None] = "reward"
-    verb_help: ClassVar[str] = ("train a reward model on chosen/rejected pairs (objective reward: a scalar "
-                                "score head, Bradley-Terry loss), full or with adapters")
 
     @classmethod
     def facts(cls, cfg: Config) -> MethodFacts:
@@ -156,9 +143,6 @@ class RLObjective(_Method):
     data: ClassVar[DataKind] = "prompts"
     data_section: ClassVar[str] = "rl"
     settings_section: ClassVar[str | None] = "rl"
-    verb: ClassVar[str | None] = "rl"
-    verb_help: ClassVar[str] = ("reinforcement learning on sampled completions scored by rewards (objective "
-                                "rl: GRPO or RLOO by rl.algorithm), full or with adapters")
 
     @classmethod
     def facts(cls, cfg: Config) -> MethodFacts:
@@ -174,10 +158,6 @@ class DistillObjective(_Method):
     # its validation loss reports the data's cross-entropy (the objective's `ce` metric): a perplexity
     token_loss: ClassVar[bool] = True
     settings_section: ClassVar[str | None] = "distill"
-    verb: ClassVar[str | None] = "distill"
-    verb_help: ClassVar[str] = ("knowledge distillation (objective distill): a student learns a teacher's "
-                                "next-token distributions (forward / reverse KL, generalised JSD) mixed with "
-                                "the data loss")
 
     @classmethod
     def facts(cls, cfg: Config) -> MethodFacts:
@@ -232,11 +212,6 @@ def check_arch(name: str, arch: str) -> None:
         enc = default_method("encoder")
         raise ValueError(f"objective.name={name} does not fit model.arch={arch}: an encoder trains with "
                          f"objective {enc} and objective {enc} needs model.arch=encoder")
-
-
-def method_verbs() -> dict[str, type[_Method]]:
-    """The CLI verbs that train a method (lmforge sft, dpo, ...): verb -> its method's section class."""
-    return {cls.verb: cls for cls in METHOD_CONFIGS.values() if cls.verb}
 
 
 def method_facts(cfg: Config) -> MethodFacts:

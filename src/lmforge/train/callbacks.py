@@ -118,12 +118,11 @@ class MetricsLogging(Callback):
         record.update({f"grad_norm/{k}": v for k, v in result.group_grad_norms.items()})
         record.update({f"update_ratio/{k}": v for k, v in result.update_ratios.items()})
         self.logger.log(record)
-        budget = trainer.cfg.train.max_time
-        if budget is None:  # a console of the user's own (lmforge.Trainer(console=...)) may take no more
+        left = trainer.clock.remaining  # the one clock owns train.max_time
+        if left is None:  # a console of the user's own (lmforge.Trainer(console=...)) may take no more
             trainer.console.log(record, trainer.cfg.train.max_steps)
         else:
-            trainer.console.log(record, trainer.cfg.train.max_steps,
-                                budget_left=max(0.0, budget - trainer.clock.seconds))
+            trainer.console.log(record, trainer.cfg.train.max_steps, budget_left=left)
         self._reset()
 
     def on_evaluate(self, trainer: Trainer, metrics: dict[str, float]) -> None:

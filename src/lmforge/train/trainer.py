@@ -39,7 +39,7 @@ from lmforge.metrics.throughput import peak_flops
 from lmforge.metrics.trackers import check_trackers
 from lmforge.models.flops import adapter_flops_per_token, flops_per_token
 from lmforge.parallel.coord import any_rank, max_over_ranks, on_rank0
-from lmforge.parallel.init import abandon, shutdown
+from lmforge.parallel.process_group import abandon, shutdown
 from lmforge.parallel.world import World
 from lmforge.train.averaging import build_averages
 from lmforge.train.callbacks import Callback, EarlyStopping, MetricsLogging, state_key

@@ -22,8 +22,8 @@ from lmforge.cli.verbs import compress, constitution, convert, data, evaluate, g
 from lmforge.cli.verbs.base import Verb
 
 VERBS: tuple[Verb, ...] = (
-    data.PREPARE, data.DATA, training.TRAIN, training.DPO, training.REWARD, training.RL, training.SFT,
-    training.DISTILL, constitution.CONSTITUTION, data.TASKS, evaluate.EVAL, generate.GENERATE, serve.SERVE,
+    data.PREPARE, data.DATA, training.TRAIN, *training.METHODS, constitution.CONSTITUTION, data.TASKS,
+    evaluate.EVAL, generate.GENERATE, serve.SERVE,
     serve.SERVER, convert.IMPORT, convert.EXPORT, convert.MERGE, compress.PRUNE, compress.QUANTIZE,
     plan.CONFIG, plan.PLOT_SCHEDULE, plan.ESTIMATE, plan.LR_FIND, plan.SCALING, plan.SWEEP,
 )

@@ -12,10 +12,11 @@ from lmforge.utils.io import check_new_file
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from lmforge.config.methods import method_facts
     from lmforge.data import prepare
 
     cfg = load_config(args)
-    if cfg.objective.name in ("sft", "dpo", "reward", "rl"):  # chat data, the fine-tuned model's tokenizer
+    if method_facts(cfg).chat:  # chat data, the fine-tuned model's tokenizer
         from lmforge.checkpoint.runs import resolve_init_from
         from lmforge.data.sft import prepare_sft
 

@@ -1,11 +1,13 @@
-"""Verbs that train: `train` (the config's objective) and one verb per chat method, which is `train` with
-objective.name fixed (sft, dpo, reward, rl, distill)."""
+"""Verbs that train: `train` (the config's objective) and one verb per method that has one
+(cli/verbs/method_verbs.py), which is `train` with objective.name fixed."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 
 from lmforge.cli.verbs.base import Verb, config_args, load_config
+from lmforge.cli.verbs.method_verbs import METHOD_VERBS, MethodVerb
 from lmforge.errors import ConfigError
 
 
@@ -39,36 +41,25 @@ def _train_objective(args: argparse.Namespace, name: str) -> int:
     return 0
 
 
-def _method(name: str, help_text: str) -> Verb:
-    """The verb that trains objective `name`."""
-    return Verb(name, help_text, _train_args, lambda args: _train_objective(args, name))
+def _method(name: str, spec: MethodVerb) -> Verb:
+    """The verb that trains objective `name`, with the flags its method declares (method_verbs.py)."""
 
+    def arguments(p: argparse.ArgumentParser) -> None:
+        config_args(p)
+        for flag, help_text, _ in spec.actions:
+            p.add_argument(flag, action="store_true", help=help_text)
+        _resume_arg(p)
 
-def _distill_args(p: argparse.ArgumentParser) -> None:
-    config_args(p)
-    p.add_argument("--precompute-topk", action="store_true", help="write distill.teacher's top-k "
-                   "logits of every training and validation window to distill.topk_cache, and exit")
-    _resume_arg(p)
+    def run(args: argparse.Namespace) -> int:
+        for flag, _, target in spec.actions:
+            if getattr(args, flag.lstrip("-").replace("-", "_")):
+                module, function = target.split(":")
+                getattr(importlib.import_module(module), function)(load_config(args))
+                return 0
+        return _train_objective(args, name)
 
-
-def _distill(args: argparse.Namespace) -> int:
-    if args.precompute_topk:
-        from lmforge.finetune.topk_cache import precompute_topk
-
-        precompute_topk(load_config(args))
-        return 0
-    return _train_objective(args, "distill")
+    return Verb(name, spec.help, arguments, run)
 
 
 TRAIN = Verb("train", "pretrain a model (prepares data on first use)", _train_args, _train)
-DPO = _method("dpo", "preference optimisation on chosen/rejected pairs (objective dpo: DPO, IPO, SimPO, "
-              "ORPO, ... by preference.loss), full or with adapters")
-REWARD = _method("reward", "train a reward model on chosen/rejected pairs (objective reward: a scalar score "
-                 "head, Bradley-Terry loss), full or with adapters")
-RL = _method("rl", "reinforcement learning on sampled completions scored by rewards (objective rl: GRPO "
-             "or RLOO by rl.algorithm), full or with adapters")
-SFT = _method("sft", "fine-tune on chat data (objective sft): full, LoRA, DoRA or QLoRA (the finetune "
-              "section)")
-DISTILL = Verb("distill", "knowledge distillation (objective distill): a student learns a teacher's "
-               "next-token distributions (forward / reverse KL, generalised JSD) mixed with the data loss",
-               _distill_args, _distill)
+METHODS = [_method(name, spec) for name, spec in METHOD_VERBS.items()]  # lmforge dpo, reward, rl, sft, ...
