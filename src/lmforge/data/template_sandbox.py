@@ -173,13 +173,57 @@ def compile_template(source: str, kind: str = "chat"):
         raise CompileFailure("it is nested too deeply") from None
 
 
+def _budgeted_filters() -> dict:
+    """Jinja's `format`, `center`, `indent` and `replace` filters, each refusing (BudgetExceeded) a width
+    or a replacement that would build more than MAX_BUILT characters before Jinja's own filter runs."""
+    from jinja2.filters import do_center, do_format, do_indent, do_replace
+
+    def format_filter(value, *args, **kwargs):
+        _check_percent(value, args or tuple(kwargs.values()))
+        return do_format(value, *args, **kwargs)
+
+    def center(value, width=80):
+        if isinstance(width, int):
+            _refuse("'center'", width)
+        return do_center(value, width)
+
+    def indent(s, width=4, first=False, blank=False):
+        if isinstance(width, int):
+            _refuse("'indent'", width)
+        elif isinstance(width, str):
+            _check_replace(str(s), "\n", "\n" + width)
+        return do_indent(s, width, first, blank)
+
+    def replace(eval_ctx, s, old, new, count=None):
+        _check_replace(str(s), old, new, -1 if count is None else count)
+        return do_replace(eval_ctx, s, old, new, count)
+
+    replace.jinja_pass_arg = do_replace.jinja_pass_arg  # it takes the eval context, as Jinja's does
+    return dict(format=format_filter, center=center, indent=indent, replace=replace)
+
+
+def _regex_replace(s, pattern, repl, count=0):
+    """The harness's filter, under REGEX_SECONDS a call where the `regex` package is installed (it
+    reads Python's patterns and can stop a match); the worker's deadline bounds it anyway."""
+    if not (isinstance(s, str) and isinstance(pattern, str) and isinstance(repl, str)):
+        raise BudgetExceeded("regex_replace takes a text, a pattern and a replacement, all strings")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise BudgetExceeded(f"regex_replace's count must be a whole number >= 0, got {count!r}")
+    try:
+        import regex
+    except ImportError:
+        return re.sub(pattern, repl, s, count=count)
+    try:
+        return regex.sub(pattern, repl, s, count=count, timeout=REGEX_SECONDS)
+    except TimeoutError:
+        raise BudgetExceeded(f"regex_replace: the regex {pattern[:100]!r} ran past its "
+                             f"{REGEX_SECONDS:g} s budget on a {len(s):,}-character text") from None
+
+
 @lru_cache(maxsize=2)
 def _environment(kind: str = "chat"):
-    import re
-
     import jinja2
     from jinja2.ext import Extension, loopcontrols
-    from jinja2.filters import do_center, do_format, do_indent, do_replace
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     class Generation(Extension):
@@ -231,48 +275,10 @@ def _environment(kind: str = "chat"):
             _refuse("a strftime_now format", len(fmt), MAX_DATE_FORMAT)
         return datetime.now().strftime(fmt)
 
-    def format_filter(value, *args, **kwargs):
-        _check_percent(value, args or tuple(kwargs.values()))
-        return do_format(value, *args, **kwargs)
-
-    def center(value, width=80):
-        if isinstance(width, int):
-            _refuse("'center'", width)
-        return do_center(value, width)
-
-    def indent(s, width=4, first=False, blank=False):
-        if isinstance(width, int):
-            _refuse("'indent'", width)
-        elif isinstance(width, str):
-            _check_replace(str(s), "\n", "\n" + width)
-        return do_indent(s, width, first, blank)
-
-    def replace(eval_ctx, s, old, new, count=None):
-        _check_replace(str(s), old, new, -1 if count is None else count)
-        return do_replace(eval_ctx, s, old, new, count)
-
-    def regex_replace(s, pattern, repl, count=0):
-        """The harness's filter, under REGEX_SECONDS a call where the `regex` package is installed (it
-        reads Python's patterns and can stop a match); the worker's deadline bounds it anyway."""
-        if not (isinstance(s, str) and isinstance(pattern, str) and isinstance(repl, str)):
-            raise BudgetExceeded("regex_replace takes a text, a pattern and a replacement, all strings")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise BudgetExceeded(f"regex_replace's count must be a whole number >= 0, got {count!r}")
-        try:
-            import regex
-        except ImportError:
-            return re.sub(pattern, repl, s, count=count)
-        try:
-            return regex.sub(pattern, repl, s, count=count, timeout=REGEX_SECONDS)
-        except TimeoutError:
-            raise BudgetExceeded(f"regex_replace: the regex {pattern[:100]!r} ran past its "
-                                 f"{REGEX_SECONDS:g} s budget on a {len(s):,}-character text") from None
-
-    replace.jinja_pass_arg = do_replace.jinja_pass_arg  # it takes the eval context, as Jinja's does
-    budgeted = dict(format=format_filter, center=center, indent=indent, replace=replace)
+    budgeted = _budgeted_filters()
     if kind == "task":
         env = Budgeted(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
-        env.filters.update(regex_replace=regex_replace, **budgeted)
+        env.filters.update(regex_replace=_regex_replace, **budgeted)
         env.globals["range"] = _range(RANGE_FLOOR)
         return env
     env = Budgeted(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])

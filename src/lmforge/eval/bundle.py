@@ -154,21 +154,94 @@ def _reorderings(line: str, rng: random.Random, k: int) -> list[str]:
     return []
 
 
-def build_bundle(out_dir: str | Path, n: int = 200, seed: int = 0) -> list[Path]:
-    """Write the task files and their documents to `out_dir`; returns the task files."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    files, versions = _package_files()
-    rng = random.Random(seed)
-    all_lines = {f: _lines(f) for f in files}
-    pool = [(f, i) for f in files for i in _candidates(all_lines[f])]
-    if len(pool) < n:
-        raise LmforgeError(f"the installed packages offer only {len(pool)} code lines for {n} documents")
-    by_indent: dict[int, list[str]] = {}
-    for f, i in pool:
-        by_indent.setdefault(_indent(all_lines[f][i]), []).append(all_lines[f][i])
-    picks = rng.sample(pool, min(len(pool), 4 * n))  # more than n: not every line suits every task
+# The task files' text (lm-evaluation-harness's YAML), after a header naming the package versions.
+_COMMON = "dataset_path: json\ntest_split: test\n"
+_SPECS = {
+    "code_next_line": (
+        "task: code_next_line\n"
+        + _COMMON
+        + "dataset_kwargs:\n  data_files:\n    test: code_next_line.jsonl\n"
+        + "output_type: multiple_choice\ndoc_to_text: context\ndoc_to_target: label\n"
+        + 'doc_to_choice: choices\ntarget_delimiter: "\\n"\n'
+        + "metric_list:\n  - metric: acc\n  - metric: acc_norm\n  - metric: brier_score\n"
+    ),
+    "code_word_order": (
+        "task: code_word_order\n"
+        + _COMMON
+        + "dataset_kwargs:\n  data_files:\n    test: code_word_order.jsonl\n"
+        + "output_type: multiple_choice\ndoc_to_text: context\ndoc_to_target: label\n"
+        + 'doc_to_choice: choices\ntarget_delimiter: "\\n"\n'
+        + "metric_list:\n  - metric: acc\n  - metric: acc_norm\n  - metric: brier_score\n"
+    ),
+    "code_line_completion": (
+        "task: code_line_completion\n"
+        + _COMMON
+        + "dataset_kwargs:\n  data_files:\n    test: code_line_completion.jsonl\n"
+        + "output_type: generate_until\ndoc_to_text: context\ndoc_to_target: answer\n"
+        + 'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 32\n  do_sample: false\n'
+        + "metric_list:\n  - metric: exact_match\n  - metric: chrf\nchance: 0.0\n"
+    ),
+    "code_functions": (
+        "task: code_functions\n"
+        + _COMMON
+        + "dataset_kwargs:\n  data_files:\n    test: code_functions.jsonl\n"
+        + "output_type: generate_until\ndoc_to_text: prompt\ndoc_to_target: canonical_solution\n"
+        + 'generation_kwargs:\n  until: ["\\ndef ", "\\nclass ", "\\nif __name__", "\\nprint("]\n'
+        + "  max_gen_toks: 48\n  do_sample: true\n  temperature: 0.8\n  top_p: 0.95\n"
+        + "repeats: 5\n"
+        + "metric_list:\n  - metric: pass_at_k\n    k: [1, 5]\n    test: test\n    timeout_s: 5\n"
+        + "chance: 0.0\n"
+    ),
+    "code_bpb": (
+        "task: code_bpb\n"
+        + _COMMON
+        + "dataset_kwargs:\n  data_files:\n    test: code_bpb.jsonl\n"
+        + 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: text\n'
+        + "metric_list:\n  - metric: bits_per_byte\n  - metric: byte_perplexity\n"
+        + "  - metric: word_perplexity\n"
+    ),
+}
 
+
+def _distractors(line: str, by_indent: dict[int, list[str]], rng: random.Random) -> list[str]:
+    """Up to three distinct lines of other places with `line`'s indentation and a length within half of
+    its own: the wrong choices of a next-line question."""
+    length = len(line.strip())
+    same = [
+        x
+        for x in by_indent[_indent(line)]
+        if x != line and 0.5 * length <= len(x.strip()) <= 1.5 * length
+    ]
+    distractors = []
+    for cand in rng.sample(same, min(len(same), 40)):
+        if cand not in distractors and cand != line:
+            distractors.append(cand)
+        if len(distractors) == 3:
+            break
+    return distractors
+
+
+def _completion_doc(context: str, line: str, where: str) -> dict | None:
+    """A line-completion document: the context plus `line` up to a cut, the rest its answer; None for
+    a line with no place to cut."""
+    # Split the line after an opening bracket, a dot or a space near its middle: the model
+    # writes the rest.
+    body_start = _indent(line)
+    cuts = [
+        k + 1 for k, ch in enumerate(line) if ch in " (.=[" and body_start + 4 <= k + 1 <= len(line) - 3
+    ]
+    if not cuts:
+        return None
+    cut = min(cuts, key=lambda k: abs(k - (body_start + len(line)) / 2))
+    return {"context": context + "\n" + line[:cut], "answer": line[cut:], "source": where}
+
+
+def _line_docs(
+    picks: list[tuple[Path, int]], all_lines: dict[Path, list[str]], by_indent: dict[int, list[str]],
+    rng: random.Random, n: int,
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """(next-line, word-order, line-completion) documents from the picked lines, in pick order, until
+    each task has `n` (a line that lacks distractors gives none)."""
     next_line, order_docs, completion = [], [], []
     for f, i in picks:
         if min(len(next_line), len(order_docs), len(completion)) >= n:
@@ -176,18 +249,7 @@ def build_bundle(out_dir: str | Path, n: int = 200, seed: int = 0) -> list[Path]
         lines = all_lines[f]
         context = "\n".join(lines[i - CONTEXT_LINES : i])
         line = lines[i]
-        length = len(line.strip())
-        same = [
-            x
-            for x in by_indent[_indent(line)]
-            if x != line and 0.5 * length <= len(x.strip()) <= 1.5 * length
-        ]
-        distractors = []
-        for cand in rng.sample(same, min(len(same), 40)):
-            if cand not in distractors and cand != line:
-                distractors.append(cand)
-            if len(distractors) == 3:
-                break
+        distractors = _distractors(line, by_indent, rng)
         if len(distractors) < 3:
             continue
         choices = [line, *distractors]
@@ -203,16 +265,15 @@ def build_bundle(out_dir: str | Path, n: int = 200, seed: int = 0) -> list[Path]
             order_docs.append(
                 {"context": context, "choices": choices, "label": choices.index(line), "source": where}
             )
-        # Split the line after an opening bracket, a dot or a space near its middle: the model
-        # writes the rest.
-        body_start = _indent(line)
-        cuts = [
-            k + 1 for k, ch in enumerate(line) if ch in " (.=[" and body_start + 4 <= k + 1 <= len(line) - 3
-        ]
-        if cuts:
-            cut = min(cuts, key=lambda k: abs(k - (body_start + len(line)) / 2))
-            completion.append({"context": context + "\n" + line[:cut], "answer": line[cut:], "source": where})
+        doc = _completion_doc(context, line, where)
+        if doc is not None:
+            completion.append(doc)
+    return next_line, order_docs, completion
 
+
+def _chunks(files: list[Path], all_lines: dict[Path, list[str]], rng: random.Random, n: int) -> list[dict]:
+    """code_bpb's documents: one 1,500-character chunk (from a line start) of each file of 3,000
+    characters or more, files in a shuffled order, max(20, n // 5) of them."""
     chunks = []
     order = list(files)
     rng.shuffle(order)
@@ -224,7 +285,12 @@ def build_bundle(out_dir: str | Path, n: int = 200, seed: int = 0) -> list[Path]
             chunks.append({"text": text[start : start + 1500], "source": f"{f.parent.name}/{f.name}"})
         if len(chunks) == max(20, n // 5):
             break
+    return chunks
 
+
+def _function_docs(rng: random.Random, n: int) -> list[dict]:
+    """code_functions' problems: FUNCTIONS in turn with their constant drawn, max(20, n // 4) of them,
+    each with its canonical solution and a test asserting it on the inputs."""
     functions = []
     for k in range(max(20, n // 4)):
         name, arg, doc, body, inputs = FUNCTIONS[k % len(FUNCTIONS)]
@@ -237,7 +303,28 @@ def build_bundle(out_dir: str | Path, n: int = 200, seed: int = 0) -> list[Path]
             f"({name}.__name__, _x)\n"
         )
         functions.append({"prompt": prompt, "canonical_solution": f"    {body}\n", "test": test})
+    return functions
 
+
+def build_bundle(out_dir: str | Path, n: int = 200, seed: int = 0) -> list[Path]:
+    """Write the task files and their documents to `out_dir`; returns the task files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files, versions = _package_files()
+    rng = random.Random(seed)
+    all_lines = {f: _lines(f) for f in files}
+    pool = [(f, i) for f in files for i in _candidates(all_lines[f])]
+    if len(pool) < n:
+        raise LmforgeError(f"the installed packages offer only {len(pool)} code lines for {n} documents")
+    by_indent: dict[int, list[str]] = {}
+    for f, i in pool:
+        by_indent.setdefault(_indent(all_lines[f][i]), []).append(all_lines[f][i])
+    picks = rng.sample(pool, min(len(pool), 4 * n))  # more than n: not every line suits every task
+
+    # One rng, drawn in this order (line tasks, chunks, functions): the documents of a seed stay put.
+    next_line, order_docs, completion = _line_docs(picks, all_lines, by_indent, rng, n)
+    chunks = _chunks(files, all_lines, rng, n)
+    functions = _function_docs(rng, n)
     docs = (
         ("code_functions", functions),
         ("code_next_line", next_line[:n]),
@@ -247,54 +334,8 @@ def build_bundle(out_dir: str | Path, n: int = 200, seed: int = 0) -> list[Path]
     )
     for name, rows in docs:
         atomic_write_text(out / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    common = "dataset_path: json\ntest_split: test\n"
-    specs = {
-        "code_next_line": (
-            "task: code_next_line\n"
-            + common
-            + "dataset_kwargs:\n  data_files:\n    test: code_next_line.jsonl\n"
-            + "output_type: multiple_choice\ndoc_to_text: context\ndoc_to_target: label\n"
-            + 'doc_to_choice: choices\ntarget_delimiter: "\\n"\n'
-            + "metric_list:\n  - metric: acc\n  - metric: acc_norm\n  - metric: brier_score\n"
-        ),
-        "code_word_order": (
-            "task: code_word_order\n"
-            + common
-            + "dataset_kwargs:\n  data_files:\n    test: code_word_order.jsonl\n"
-            + "output_type: multiple_choice\ndoc_to_text: context\ndoc_to_target: label\n"
-            + 'doc_to_choice: choices\ntarget_delimiter: "\\n"\n'
-            + "metric_list:\n  - metric: acc\n  - metric: acc_norm\n  - metric: brier_score\n"
-        ),
-        "code_line_completion": (
-            "task: code_line_completion\n"
-            + common
-            + "dataset_kwargs:\n  data_files:\n    test: code_line_completion.jsonl\n"
-            + "output_type: generate_until\ndoc_to_text: context\ndoc_to_target: answer\n"
-            + 'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 32\n  do_sample: false\n'
-            + "metric_list:\n  - metric: exact_match\n  - metric: chrf\nchance: 0.0\n"
-        ),
-        "code_functions": (
-            "task: code_functions\n"
-            + common
-            + "dataset_kwargs:\n  data_files:\n    test: code_functions.jsonl\n"
-            + "output_type: generate_until\ndoc_to_text: prompt\ndoc_to_target: canonical_solution\n"
-            + 'generation_kwargs:\n  until: ["\\ndef ", "\\nclass ", "\\nif __name__", "\\nprint("]\n'
-            + "  max_gen_toks: 48\n  do_sample: true\n  temperature: 0.8\n  top_p: 0.95\n"
-            + "repeats: 5\n"
-            + "metric_list:\n  - metric: pass_at_k\n    k: [1, 5]\n    test: test\n    timeout_s: 5\n"
-            + "chance: 0.0\n"
-        ),
-        "code_bpb": (
-            "task: code_bpb\n"
-            + common
-            + "dataset_kwargs:\n  data_files:\n    test: code_bpb.jsonl\n"
-            + 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: text\n'
-            + "metric_list:\n  - metric: bits_per_byte\n  - metric: byte_perplexity\n"
-            + "  - metric: word_perplexity\n"
-        ),
-    }
     paths = []
-    for name, spec in specs.items():
+    for name, spec in _SPECS.items():
         path = out / f"{name}.yaml"
         atomic_write_text(
             path, f"# lmforge's built-in task (lmforge.eval.bundle), from {json.dumps(versions)}\n" + spec

@@ -361,6 +361,40 @@ class Transformer(nn.Module):
         B, T = input_ids.shape[:2]
         start = 0 if cache is None else cache.pos
         end = start + T
+        seq_len = self._check_inputs(B, T, start, end, cache, attention_mask, position_ids, head)
+        if input_ids.is_floating_point():
+            x = input_ids  # (B, T, d_model): the previous pipeline stage's output
+        else:
+            x = self._embed(input_ids, start, end, position_ids)  # (B, T, d_model)
+        rope = None
+        if self.cfg.pos_embedding == "rope":
+            rope = self._rope(start, end, position_ids, seq_len)
+        if segment_ids is not None and (cache is not None or attention_mask is not None
+                                        or tuple(segment_ids.shape) != (B, T)):
+            raise ValueError(f"segment_ids must be (batch, positions) = {(B, T)}, without a cache or an "
+                             "attention_mask")
+        kinds = self.cfg.layer_types
+        if kinds is None:
+            window = self.cfg.sliding_window
+            mask = self._mask(start, T, input_ids.device, attention_mask, segment_ids, window)
+        else:
+            per_kind = self._layer_inputs(start, T, input_ids.device, attention_mask, segment_ids, rope, end,
+                                          position_ids)
+        # named_children: a pipeline stage holds its blocks in a ModuleDict keyed by layer index.
+        for name, layer in self.layers.named_children():
+            if kinds is not None:
+                rope, mask = per_kind[kinds[int(name)]]
+            x = layer(x, rope, mask, None if cache is None else cache.layer(int(name)))
+        if self.norm is None:
+            return x  # (B, T, d_model): a pipeline stage before the last
+        return self._logits(self.norm(x), head, cache, end)
+
+    def _check_inputs(
+        self, B: int, T: int, start: int, end: int, cache: KVCache | None,
+        attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, head: Callable | None,
+    ) -> int:
+        """Refuse inputs the forward cannot honour (naming the limit and the fix); return seq_len, the
+        longest position + 1 that RoPE scaling sees (`end` unless position_ids says otherwise)."""
         if end > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence of {end} positions exceeds model.max_seq_len={self.cfg.max_seq_len}; "
@@ -395,42 +429,30 @@ class Transformer(nn.Module):
                     f"position_ids must lie in [0, model.max_seq_len={self.cfg.max_seq_len}), "
                     f"got up to {seq_len - 1}"
                 )
-        if input_ids.is_floating_point():
-            x = input_ids  # (B, T, d_model): the previous pipeline stage's output
-        else:
-            x = self.tok_embeddings(input_ids)  # (B, T, d_model)
-            if self._embed_scales is not None:
-                x = x * self._embed_scales[x.dtype]
-            if self.cfg.embedding_multiplier != 1.0:
-                x = x * self.cfg.embedding_multiplier
-            if self.cfg.pos_embedding == "learned":
-                if position_ids is None:
-                    x = x + self.pos_embeddings.weight[start:end]  # (T, d_model) broadcast over B
-                else:
-                    x = x + self.pos_embeddings(position_ids)  # (B, T, d_model)
-            x = self.drop(x)
-        rope = None
-        if self.cfg.pos_embedding == "rope":
-            rope = self._rope(start, end, position_ids, seq_len)
-        if segment_ids is not None and (cache is not None or attention_mask is not None
-                                        or tuple(segment_ids.shape) != (B, T)):
-            raise ValueError(f"segment_ids must be (batch, positions) = {(B, T)}, without a cache or an "
-                             "attention_mask")
-        kinds = self.cfg.layer_types
-        if kinds is None:
-            window = self.cfg.sliding_window
-            mask = self._mask(start, T, input_ids.device, attention_mask, segment_ids, window)
-        else:
-            per_kind = self._layer_inputs(start, T, input_ids.device, attention_mask, segment_ids, rope, end,
-                                          position_ids)
-        # named_children: a pipeline stage holds its blocks in a ModuleDict keyed by layer index.
-        for name, layer in self.layers.named_children():
-            if kinds is not None:
-                rope, mask = per_kind[kinds[int(name)]]
-            x = layer(x, rope, mask, None if cache is None else cache.layer(int(name)))
-        if self.norm is None:
-            return x  # (B, T, d_model): a pipeline stage before the last
-        x = self.norm(x)
+        return seq_len
+
+    def _embed(
+        self, input_ids: torch.Tensor, start: int, end: int, position_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Token ids (B, T) -> the first block's input (B, T, d_model): embeddings, their scales, learned
+        positions, dropout."""
+        x = self.tok_embeddings(input_ids)  # (B, T, d_model)
+        if self._embed_scales is not None:
+            x = x * self._embed_scales[x.dtype]
+        if self.cfg.embedding_multiplier != 1.0:
+            x = x * self.cfg.embedding_multiplier
+        if self.cfg.pos_embedding == "learned":
+            if position_ids is None:
+                x = x + self.pos_embeddings.weight[start:end]  # (T, d_model) broadcast over B
+            else:
+                x = x + self.pos_embeddings(position_ids)  # (B, T, d_model)
+        return self.drop(x)
+
+    def _logits(
+        self, x: torch.Tensor, head: Callable | None, cache: KVCache | None, end: int
+    ) -> torch.Tensor:
+        """Final-normed hidden states (B, T, d_model) -> logits (B, T, vocab_size), scaled and soft-capped
+        (or `head`'s result); a cache's pos advances to `end` only once the logits exist."""
         scaling = self.cfg.logits_scaling
         if head is not None:
             weight = self.tok_embeddings.weight if self.cfg.tie_embeddings else self.output.weight
@@ -447,7 +469,6 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.pos = end
         return logits
-
 
 def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> Transformer:
     """Build on the meta device, then materialise on `device` (default CPU) and init_weights().

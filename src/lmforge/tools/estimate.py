@@ -279,39 +279,34 @@ def _candidate_ranks(layout: Layout, mt: ModelTensors) -> list[int]:
     return [0]
 
 
-def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTensors, rank: int,
-                   method: Method) -> Estimate:
-    tc, pc = cfg.train, cfg.parallel
-    precision = tc.precision if tc.precision != "auto" else ("bf16" if device_type == "cuda" else "fp32")
-    low = precision in ("bf16", "fp16")
-    # -- which tensors this rank holds (pipeline stage, tensor-parallel split) -------------------
+def _stage(cfg: Config, layout: Layout, rank: int) -> tuple[int, list[int], bool, bool]:
+    """(pipeline rank, the layers of its stages, whether it holds the first stage (embeddings), whether it
+    holds the last (norm and head)) of `rank`: every layer, first and last without pipeline parallelism."""
     pp_rank = 0
     stage_layers = list(range(cfg.model.n_layers))
     first = last = True
     if layout.pp > 1:
         per_stage = layout.world_size // layout.pp
         pp_rank = rank // per_stage
-        v = pc.pp_stages_per_rank
+        v = cfg.parallel.pp_stages_per_rank
         n_stages = layout.pp * v
         per = cfg.model.n_layers // n_stages
         stages = [pp_rank + k * layout.pp for k in range(v)]
         stage_layers = [i for s in stages for i in range(s * per, (s + 1) * per)]
         first, last = 0 in stages, n_stages - 1 in stages
-    held = mt.held(stage_layers, first, last, layout.tp, layout.ep)
-    trainable = [t for t in held if t.trainable]
+    return pp_rank, stage_layers, first, last
 
-    rows: dict[str, int] = {}
-    host: dict[str, int] = {}
-    notes: list[str] = []
-    dp = layout.dp
+
+def _weight_rows(layout: Layout, held, trainable, rows: dict[str, int], host: dict[str, int]) -> int:
+    """The parameters, gradients and DDP buckets rows of a rank holding `held` (host: what FSDP's CPU
+    offload keeps off the device); returns the gradient bytes on the device."""
     fsdp_n = layout.dp_shard if layout.fsdp else 1
-    # -- parameters -------------------------------------------------------------------------------
+
     def shard_of(t) -> int:  # FSDP leaves expert-parallel experts whole on their rank
         n = 1 if (t.expert and layout.ep > 1) else fsdp_n
         return _shard(t.local_dim0, t.local // max(t.local_dim0, 1), n)
 
     sharded_params = sum(shard_of(t) * 4 if t.stored is None else t.stored for t in held)
-    unit_bytes = _fsdp_unit_bytes(cfg, layout, held, precision)
     if layout.fsdp and layout.cpu_offload:
         host["parameters (sharded, fp32)"] = sharded_params
         rows["parameters (sharded, fp32)"] = 0
@@ -332,7 +327,15 @@ def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTenso
         # DDP keeps a flat bucket copy of every gradient (gradient_as_bucket_view=False).
         # (expert-parallel experts are ignored modules: no bucket)
         rows["DDP gradient buckets"] = sum(t.local for t in trainable if not (t.expert and layout.ep > 1)) * 4
-    # -- optimizer state --------------------------------------------------------------------------
+    return grad_dev
+
+
+def _optimizer_rows(cfg: Config, layout: Layout, device_type: str, trainable, rank: int,
+                    rows: dict[str, int], host: dict[str, int], notes: list[str]) -> list:
+    """The optimizer state row (this rank's ZeRO-1 share, or its FSDP shards); returns the tensors the
+    optimizer steps (FSDP: the shards)."""
+    fsdp_n = layout.dp_shard if layout.fsdp else 1
+    dp = layout.dp
     opt_tensors = trainable
     if layout.fsdp:
         opt_tensors = [t if (t.expert and layout.ep > 1) else t.sharded(fsdp_n) for t in trainable]
@@ -349,6 +352,26 @@ def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTenso
         rows["optimizer state"] = 0
     else:
         rows["optimizer state"] = opt_bytes
+    return opt_tensors
+
+
+def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTensors, rank: int,
+                   method: Method) -> Estimate:
+    tc, pc = cfg.train, cfg.parallel
+    precision = tc.precision if tc.precision != "auto" else ("bf16" if device_type == "cuda" else "fp32")
+    low = precision in ("bf16", "fp16")
+    # -- which tensors this rank holds (pipeline stage, tensor-parallel split) -------------------
+    pp_rank, stage_layers, first, last = _stage(cfg, layout, rank)
+    held = mt.held(stage_layers, first, last, layout.tp, layout.ep)
+    trainable = [t for t in held if t.trainable]
+
+    rows: dict[str, int] = {}
+    host: dict[str, int] = {}
+    notes: list[str] = []
+    # -- parameters, gradients, optimizer state (rows in that order) ------------------------------
+    unit_bytes = _fsdp_unit_bytes(cfg, layout, held, precision)
+    grad_dev = _weight_rows(layout, held, trainable, rows, host)
+    opt_tensors = _optimizer_rows(cfg, layout, device_type, trainable, rank, rows, host, notes)
     # -- low-precision copies / FSDP unsharded parameters ------------------------------------------
     copies = 0
     if low and not (layout.fsdp and _fsdp_param_dtype(cfg, precision) != "fp32"):

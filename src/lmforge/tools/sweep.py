@@ -174,24 +174,13 @@ def sweep(config: str | None, overrides: Sequence[str], grid: Sequence[str], out
           random_k: int | None = None, seed: int = 0, parallel: int = 1, backend: str = "local",
           say: Callable[[str], object] = print) -> dict[str, Any]:
     """Run (or resume) the sweep; returns the summary written to <out>/sweep.json."""
-    from lmforge.checkpoint.run_dir import holds_run
     from lmforge.config.load import config_to_dict, load_config
     from lmforge.utils.io import atomic_write_json, read_json_object
 
     if backend not in ("local", "ray"):
         raise LmforgeError(f"--backend {backend!r}: valid backends: local, ray")
     PARALLEL.check(parallel, "--parallel")
-    if not grid:
-        raise LmforgeError("give at least one --grid KEY=V1,V2,...")
-    axes = [parse_axis(g) for g in grid]
-    keys = [a.key for a in axes]
-    if len(set(keys)) != len(keys):
-        raise LmforgeError(f"--grid: a key is given twice ({', '.join(keys)}); give each key once")
-    clash = [k for k in keys if k.split(".")[0] == "run"]
-    if clash:
-        raise LmforgeError(f"--grid {clash[0]}: the sweep sets run.* itself (each point's run dir is under "
-                           "--out); sweep other keys")
-    points = grid_points(axes, random_k, seed)
+    points = grid_points(_axes(grid), random_k, seed)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise LmforgeError(f"--out {out}: exists and is not a directory")
@@ -214,40 +203,9 @@ def sweep(config: str | None, overrides: Sequence[str], grid: Sequence[str], out
             raise LmforgeError(f"--out {out}: holds a sweep of another base config or --set overrides "
                                f"({previous.get('identity')}); give a new dir to sweep this one")
     root = out.resolve()
-    jobs, names = [], set()
-    for i, point in enumerate(points):
-        name = point_name(point)
-        if name in names:
-            name = f"{name}-{i}"
-        names.add(name)
-        run_dir = (root / name).resolve()
-        assert run_dir.parent == root, name  # point_name keeps every name a plain child of the sweep dir
-        extra = [f"run.dir={json.dumps(str(run_dir))}", f"run.name={json.dumps(name)}"]
-        if shared_data:
-            extra.append(f"data.dir={json.dumps(str(root / 'data'))}")
-        ovr = [*overrides, *_overrides(point), *extra]
-        load_config(config, ovr)  # names a bad key or value before any run starts
-        jobs.append(Job(name, point, run_dir, ovr))
+    jobs = _jobs(config, overrides, points, root, shared_data)
     out.mkdir(parents=True, exist_ok=True)  # every point is valid: only now is anything written
-    old_runs = previous.get("runs")
-    # only the names and statuses of a previous summary are read; run dirs are always derived again
-    entries = {e["name"]: e for e in (old_runs if isinstance(old_runs, list) else [])
-               if isinstance(e, dict) and isinstance(e.get("name"), str)}
-    todo = []
-    for job in jobs:
-        old = entries.get(job.name)
-        if old and old.get("status") == "done" and _final_loss(job.run_dir) is not None:
-            say(f"skip {job.name}: finished (final loss {old.get('final_loss')})")
-            continue
-        # an interrupted point continues from its checkpoint; one with none (or a failed one) starts over
-        # in its own dir, which only this sweep writes (its name comes from the point)
-        ckpts = job.run_dir / "checkpoints"
-        job.resume = ckpts.is_dir() and any(ckpts.iterdir())
-        if not job.resume and holds_run(job.run_dir):
-            job.overrides.append("run.overwrite=true")
-        todo.append(job)
-        entries[job.name] = {"name": job.name, "point": job.point, "run_dir": str(job.run_dir),
-                             "status": "pending", "final_loss": None}
+    entries, todo = _pending(jobs, previous, say)
 
     def save() -> dict[str, Any]:
         summary = {"identity": identity, "grid": list(grid), "random": random_k, "seed": seed,
@@ -273,6 +231,72 @@ def sweep(config: str | None, overrides: Sequence[str], grid: Sequence[str], out
     runner([(job, _command(config, job), str(out / f"{job.name}.log")) for job in todo], parallel, threads,
            finished)
     return save()
+
+
+def _axes(grid: Sequence[str]) -> list[Axis]:
+    """The --grid axes, each key once and none of run.* (the sweep sets those per point)."""
+    if not grid:
+        raise LmforgeError("give at least one --grid KEY=V1,V2,...")
+    axes = [parse_axis(g) for g in grid]
+    keys = [a.key for a in axes]
+    if len(set(keys)) != len(keys):
+        raise LmforgeError(f"--grid: a key is given twice ({', '.join(keys)}); give each key once")
+    clash = [k for k in keys if k.split(".")[0] == "run"]
+    if clash:
+        raise LmforgeError(f"--grid {clash[0]}: the sweep sets run.* itself (each point's run dir is under "
+                           "--out); sweep other keys")
+    return axes
+
+
+def _jobs(config: str | None, overrides: Sequence[str], points: list[dict[str, Any]], root: Path,
+          shared_data: bool) -> list[Job]:
+    """One job per point, named after it, its run dir a child of `root`; each point's config is loaded
+    here, so a bad key or value is named before any run starts."""
+    from lmforge.config.load import load_config
+
+    jobs, names = [], set()
+    for i, point in enumerate(points):
+        name = point_name(point)
+        if name in names:
+            name = f"{name}-{i}"
+        names.add(name)
+        run_dir = (root / name).resolve()
+        assert run_dir.parent == root, name  # point_name keeps every name a plain child of the sweep dir
+        extra = [f"run.dir={json.dumps(str(run_dir))}", f"run.name={json.dumps(name)}"]
+        if shared_data:
+            extra.append(f"data.dir={json.dumps(str(root / 'data'))}")
+        ovr = [*overrides, *_overrides(point), *extra]
+        load_config(config, ovr)  # names a bad key or value before any run starts
+        jobs.append(Job(name, point, run_dir, ovr))
+    return jobs
+
+
+def _pending(jobs: list[Job], previous: dict[str, Any], say: Callable[[str], object]
+             ) -> tuple[dict[str, dict], list[Job]]:
+    """(the summary's entries by name, the jobs still to run): a point a previous summary marks done
+    and whose run finished is skipped; an interrupted one resumes from its checkpoint."""
+    from lmforge.checkpoint.run_dir import holds_run
+
+    old_runs = previous.get("runs")
+    # only the names and statuses of a previous summary are read; run dirs are always derived again
+    entries = {e["name"]: e for e in (old_runs if isinstance(old_runs, list) else [])
+               if isinstance(e, dict) and isinstance(e.get("name"), str)}
+    todo = []
+    for job in jobs:
+        old = entries.get(job.name)
+        if old and old.get("status") == "done" and _final_loss(job.run_dir) is not None:
+            say(f"skip {job.name}: finished (final loss {old.get('final_loss')})")
+            continue
+        # an interrupted point continues from its checkpoint; one with none (or a failed one) starts over
+        # in its own dir, which only this sweep writes (its name comes from the point)
+        ckpts = job.run_dir / "checkpoints"
+        job.resume = ckpts.is_dir() and any(ckpts.iterdir())
+        if not job.resume and holds_run(job.run_dir):
+            job.overrides.append("run.overwrite=true")
+        todo.append(job)
+        entries[job.name] = {"name": job.name, "point": job.point, "run_dir": str(job.run_dir),
+                             "status": "pending", "final_loss": None}
+    return entries, todo
 
 
 def _prepare_data(config: str | None, overrides: list[list[str]], say: Callable[[str], object]) -> None:
