@@ -283,6 +283,93 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
     return load_prepared_sft(out)
 
 
+def _reader(kind: str, s, stats: ChatStats) -> Callable:
+    """sources -> the records of this kind of data (conversations, pairs, unpaired examples, prompts)."""
+    if kind == PREFERENCE_KIND:
+        from lmforge.data.preference import read_pairs
+
+        return lambda sources: read_pairs(sources, s.on_bad_record, stats)
+    if kind == UNPAIRED_KIND:
+        from lmforge.data.preference import read_unpaired
+
+        return lambda sources: read_unpaired(sources, s.on_bad_record, stats)
+    if kind == PROMPT_KIND:
+        from lmforge.data.prompts import read_prompts
+
+        return lambda sources: read_prompts(sources, s.on_bad_record, stats)
+    return lambda sources: read_conversations(sources, s.format, s.on_bad_record, stats)
+
+
+def _report(cfg: Config, kind: str, stats: ChatStats, counts: dict[str, int], bad_examples: list[str],
+            any_train: bool, console: Callable[[str], object]) -> None:
+    """What was read and skipped, on the console; DataError when no training example is left."""
+    s = cfg.sft
+    console(stats.summary())
+    if any(counts.values()):
+        console(
+            "sft examples: "
+            + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in counts.items() if v)
+            + (f" (e.g. {bad_examples[0]})" if bad_examples else "")
+            + f"; conversations longer than train.seq_len={cfg.seq_len} are "
+            + ("cut to it" if s.overlong == "truncate" else "dropped")
+        )
+    if not any_train:
+        what = {PREFERENCE_KIND: "pair in preference.data", PROMPT_KIND: "prompt in rl.data",
+                UNPAIRED_KIND: "unpaired example in preference.data"}.get(
+            kind, "conversation in sft.data")
+        raise DataError(f"no usable training {what} ({stats.summary()}); check the records and sft.format")
+
+
+def _write(dir: Path, tok: Tokenizer, template, kind: str, examples: dict[str, list[Example]],
+           infos: dict[str, list[dict]]) -> dict:
+    """The tokenizer, the template and each split's arrays (and per-example infos) into `dir`; returns
+    each split's counts for the meta file."""
+    tok.save(dir / TOKENIZER_FILE)
+    (dir / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
+    splits = {}
+    for name, exs in examples.items():
+        split = SFTSplit.of(exs)
+        for part, arr in (("ids", split.ids), ("mask", split.mask), ("offsets", split.offsets)):
+            np.save(dir / f"{name}_{part}.npy", arr, allow_pickle=False)
+        if kind in (PROMPT_KIND, PREFERENCE_KIND, UNPAIRED_KIND):
+            (dir / INFO_FILE.format(split=name)).write_text(json.dumps(infos[name]), encoding="utf-8")
+        splits[name] = {
+            "examples": len(split),
+            "tokens": int(split.offsets[-1]),
+            "loss_tokens": int(sum(e.mask[1:].sum() for e in exs)),
+        }
+    return splits
+
+
+def _meta(kind: str, tok: Tokenizer, base_vocab: int, template, splits: dict, stats: ChatStats,
+          counts: dict[str, int]) -> dict:
+    """The prepared dir's meta: what it holds and how it was made."""
+    return {
+        "kind": kind,
+        "format": FORMAT,
+        "lmforge_version": __version__,
+        "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id,
+        # The template's control tokens the tokenizer did not have: the model needs rows for them.
+        "base_vocab": base_vocab,
+        "added_tokens": list(range(base_vocab, tok.vocab_size)),
+        "template": {
+            "name": template.name,
+            "special_tokens": template.special_tokens,
+            "end_of_turn": template.end_of_turn,
+            "variables": template.variables,
+        },
+        "splits": splits,
+        "stats": {
+            "files": stats.files,
+            "records": stats.records,
+            "skipped_records": stats.skipped,
+            "skipped_examples": stats.examples,
+            **counts,
+        },
+    }
+
+
 def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], object]) -> dict:
     s = cfg.sft
     kind = kind_of(cfg)
@@ -368,20 +455,8 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
             elif kind == PREFERENCE_KIND:
                 infos[split].append({"margin": item.margin})
 
-    if kind == PREFERENCE_KIND:
-        from lmforge.data.preference import read_pairs
+    read = _reader(kind, s, stats)
 
-        read = lambda sources: read_pairs(sources, s.on_bad_record, stats)  # noqa: E731
-    elif kind == UNPAIRED_KIND:
-        from lmforge.data.preference import read_unpaired
-
-        read = lambda sources: read_unpaired(sources, s.on_bad_record, stats)  # noqa: E731
-    elif kind == PROMPT_KIND:
-        from lmforge.data.prompts import read_prompts
-
-        read = lambda sources: read_prompts(sources, s.on_bad_record, stats)  # noqa: E731
-    else:
-        read = lambda sources: read_conversations(sources, s.format, s.on_bad_record, stats)  # noqa: E731
     def split_items():
         if val_data:
             yield from ((item, "train") for item in read(data))
@@ -392,55 +467,6 @@ def _build(cfg: Config, tok_path: Path, dir: Path, console: Callable[[str], obje
 
     for batch in batches(split_items(), lambda pair: message_chars(conversations(pair[0]))):
         add(batch)
-    console(stats.summary())
-    if any(counts.values()):
-        console(
-            "sft examples: "
-            + ", ".join(f"{k.replace('_', ' ')} {v:,}" for k, v in counts.items() if v)
-            + (f" (e.g. {bad_examples[0]})" if bad_examples else "")
-            + f"; conversations longer than train.seq_len={cfg.seq_len} are "
-            + ("cut to it" if s.overlong == "truncate" else "dropped")
-        )
-    if not examples["train"]:
-        what = {PREFERENCE_KIND: "pair in preference.data", PROMPT_KIND: "prompt in rl.data",
-                UNPAIRED_KIND: "unpaired example in preference.data"}.get(
-            kind, "conversation in sft.data")
-        raise DataError(f"no usable training {what} ({stats.summary()}); check the records and sft.format")
-    tok.save(dir / TOKENIZER_FILE)
-    (dir / TEMPLATE_FILE).write_text(template.source, encoding="utf-8")
-    splits = {}
-    for name, exs in examples.items():
-        split = SFTSplit.of(exs)
-        for part, arr in (("ids", split.ids), ("mask", split.mask), ("offsets", split.offsets)):
-            np.save(dir / f"{name}_{part}.npy", arr, allow_pickle=False)
-        if kind in (PROMPT_KIND, PREFERENCE_KIND, UNPAIRED_KIND):
-            (dir / INFO_FILE.format(split=name)).write_text(json.dumps(infos[name]), encoding="utf-8")
-        splits[name] = {
-            "examples": len(split),
-            "tokens": int(split.offsets[-1]),
-            "loss_tokens": int(sum(e.mask[1:].sum() for e in exs)),
-        }
-    return {
-        "kind": kind,
-        "format": FORMAT,
-        "lmforge_version": __version__,
-        "vocab_size": tok.vocab_size,
-        "eos_id": tok.eos_id,
-        # The template's control tokens the tokenizer did not have: the model needs rows for them.
-        "base_vocab": base_vocab,
-        "added_tokens": list(range(base_vocab, tok.vocab_size)),
-        "template": {
-            "name": template.name,
-            "special_tokens": template.special_tokens,
-            "end_of_turn": template.end_of_turn,
-            "variables": template.variables,
-        },
-        "splits": splits,
-        "stats": {
-            "files": stats.files,
-            "records": stats.records,
-            "skipped_records": stats.skipped,
-            "skipped_examples": stats.examples,
-            **counts,
-        },
-    }
+    _report(cfg, kind, stats, counts, bad_examples, bool(examples["train"]), console)
+    splits = _write(dir, tok, template, kind, examples, infos)
+    return _meta(kind, tok, base_vocab, template, splits, stats, counts)
