@@ -8,7 +8,18 @@ shift || true
 RUN_DIR="$(lmforge config -c "$CONFIG" "$@" | python -c 'import sys, yaml; print(yaml.safe_load(sys.stdin)["run"]["dir"])')"
 lmforge train -c "$CONFIG" --set run.overwrite=true "$@"
 lmforge eval "$RUN_DIR"
+shopt -s nullglob
+for report in "$RUN_DIR"/eval_*_step_*.json; do  # the loss evaluation's file, the run's only one so far
+  echo "[lmforge] results: $report"
+done
 lmforge eval "$RUN_DIR" --tasks builtin:code --limit 100
 lmforge generate "$RUN_DIR" --prompt "def " --set generate.max_new_tokens=120 --set generate.num_samples=2
 echo
 echo "[lmforge] run dir: $RUN_DIR (config.yaml, metrics.jsonl, curves.png, checkpoints/)"
+# The evaluations' files (each was printed when written): the run dir was started afresh above, so
+# every eval_* file in it is this demo's.
+reports=("$RUN_DIR"/eval_*.json "$RUN_DIR"/eval_*.md)
+echo "[lmforge] eval reports (${#reports[@]}):"
+for report in "${reports[@]}"; do
+  echo "  $report"
+done
