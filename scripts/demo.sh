@@ -12,3 +12,10 @@ lmforge eval tasks "$RUN_DIR" --tasks builtin:code --limit 100
 lmforge generate "$RUN_DIR" --prompt "def " --set generate.max_new_tokens=120 --set generate.num_samples=2
 echo
 echo "[lmforge] run dir: $RUN_DIR (config.yaml, metrics.jsonl, curves.png, checkpoints/)"
+# The evaluations' files (each was printed when written): the run dir was started afresh above, so
+# every eval_* file in it is this demo's.
+reports=("$RUN_DIR"/eval_*.json "$RUN_DIR"/eval_*.md)
+echo "[lmforge] eval reports (${#reports[@]}):"
+for report in "${reports[@]}"; do
+  echo "  $report"
+done

@@ -166,6 +166,23 @@ def test_a_generation_that_never_stops_is_bounded(trained, tmp_path):
     assert res.metrics["exact_match"] in (0.0, 1 / 3, 2 / 3, 1.0)
 
 
+def test_cli_prints_the_path_of_every_file_it_writes(trained, tmp_path, capsys):
+    task = write_task(
+        tmp_path,
+        "output_type: multiple_choice\ndoc_to_text: q\ndoc_to_target: label\ndoc_to_choice: choices\n",
+        [{"q": "x = 1", "choices": ["y = 2", "z = 3"], "label": 0}] * 6,
+    )
+    assert main(["eval", str(trained), "--tasks", str(task), "--limit", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    stem = trained / "eval_harness_step_00000200"
+    report = trained / "eval_report_step_00000200.md"
+    assert f"results: {stem}.json" in lines
+    assert f"samples: {stem}.samples.jsonl" in lines
+    assert f"report:  {report} (reliability diagrams in {trained / 'eval_report_step_00000200'}/)" in lines
+    assert (trained / "eval_report_step_00000200" / "task_reliability.png").is_file()
+    assert "Few-shot seed 1234, first 3 documents per task." in report.read_text()  # not "3.0"
+
+
 def test_all_checkpoints_give_curves_and_two_runs_a_comparison(trained, tmp_path, capsys):
     task = write_task(
         tmp_path,

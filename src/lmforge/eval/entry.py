@@ -34,13 +34,15 @@ def evaluate(path: str | Path, overrides: list[str] | tuple[str, ...] = (), say=
                         precision=run.precision, token_bytes=run.token_bytes, device=run.device)
     result = {"step": run.step, "split": cfg.eval.split, "weights": weights, **out}
     suffix = "" if weights == "model" else f"_{weights}"
-    atomic_write_json(run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}{suffix}.json", result)
+    written = run.run_dir / f"eval_{cfg.eval.split}_step_{run.step:08d}{suffix}.json"
+    atomic_write_json(written, result)
     facts = method_facts(cfg)
     extra = "".join(f"  {k} {v:.4f}" for k, v in out.items() if k not in ("loss", "ppl", "tokens", "bpb"))
     ppl = f"  ppl {out['ppl']:.2f}" if facts.token_loss else ""  # perplexity: of token losses only
     say(f"{run.weights_from}{suffix} ({cfg.eval.split}, {out['tokens']:,} {facts.unit}): "
         f"loss {out['loss']:.4f}"
         + ppl + (f"  bpb {out['bpb']:.4f}" if "bpb" in out else "") + extra)
+    say(f"results: {written}")
     return result
 
 
@@ -76,6 +78,7 @@ def eval_data(path: str | Path, data: str | Path, overrides: list[str] | tuple[s
     say(f"{run.weights_from}{suffix} on {data} ({out['documents']:,} documents, {out['tokens']:,} tokens, "
         f"windows of {out['max_length']} by {out['stride']}): loss {out['loss']:.4f}  ppl {out['ppl']:.2f}  "
         f"bpb {out['bpb']:.4f}  top-1 {out['top1']:.2%}  top-5 {out['top5']:.2%}  ECE {out['ece']:.4f}")
+    say(f"results: {run.run_dir / f'{stem}.json'} (reliability diagram {stem}_reliability.png)")
     return result
 
 

@@ -96,10 +96,12 @@ def eval_harness(
                 )
             )
         if all_checkpoints:
-            write_curves(Path(run_outs[-1]["run_dir"]), run_outs)
+            curves = write_curves(Path(run_outs[-1]["run_dir"]), run_outs)
+            say(f"curves:  {curves} (and {curves.with_suffix('.png').name})")
         outs.append(run_outs[-1])
     if len(paths) > 1:
-        write_comparison(Path(compare_out or "eval_compare.md"), [str(p) for p in paths], outs)
+        compared = write_comparison(Path(compare_out or "eval_compare.md"), [str(p) for p in paths], outs)
+        say(f"comparison: {compared}")
     return outs
 
 
@@ -216,12 +218,18 @@ def evaluate_run(
     }
     run_dir = run.run_dir
     del run, scorer  # the next checkpoint's model is loaded next
-    atomic_write_json(run_dir / f"eval_harness_{stem}.json", out)
+    results_json = run_dir / f"eval_harness_{stem}.json"
+    atomic_write_json(results_json, out)
+    say(f"results: {results_json}")
     lines = []
     for r in results:
         lines.extend(json.dumps({"task": r.name, **s}, default=float) for s in r.samples)
-    atomic_write_text(run_dir / f"eval_harness_{stem}.samples.jsonl", "\n".join(lines) + "\n")
-    write_report(run_dir, stem, out, results)
+    samples_jsonl = run_dir / f"eval_harness_{stem}.samples.jsonl"
+    atomic_write_text(samples_jsonl, "\n".join(lines) + "\n")
+    say(f"samples: {samples_jsonl}")
+    report = write_report(run_dir, stem, out, results)
+    diagrams = sum(1 for r in results if r.calibration)
+    say(f"report:  {report}" + (f" (reliability diagrams in {report.with_suffix('')}/)" if diagrams else ""))
     return out
 
 
@@ -321,7 +329,7 @@ def write_report(run_dir: Path, stem: str, out: dict, results: list[TaskResult])
         f"# lmforge eval: {run_dir.name}, step {out['step']} ({out['weights']} weights)",
         "",
         f"Weights: `{out['weights_from']}`. Few-shot seed {out['seed']}"
-        + (f", first {out['limit']} documents per task" if out["limit"] else "")
+        + _limit_words(out["limit"])
         + ".",
         "",
         "| task | type | shots | docs | metric | value | ± stderr | chance |",
@@ -360,6 +368,15 @@ def write_report(run_dir: Path, stem: str, out: dict, results: list[TaskResult])
     path = run_dir / f"eval_report_{stem}.md"
     atomic_write_text(path, "\n".join(md) + "\n")
     return path
+
+
+def _limit_words(limit: float | None) -> str:
+    """--limit as the user gave it: a count (which arrives as a float: 100.0 reads "100") or a fraction."""
+    if not limit:
+        return ""
+    if limit < 1:
+        return f", the first {100 * limit:g}% of each task's documents"
+    return f", first {int(limit):,} documents per task"
 
 
 def _contamination_md(c: dict | None) -> list[str]:

@@ -222,7 +222,9 @@ def reliability_diagram(
     n_bins: int = 10,
     adaptive: bool = False,
 ) -> Path:
-    """A PNG of accuracy against confidence per bin (bars), the diagonal, and the ECE in the title."""
+    """A PNG (640 x 800) of calibration: above, each bin's accuracy (bars) and the same accuracy placed at
+    the bin's mean confidence (dots: on the diagonal when calibrated), with the ECE in the title; below,
+    how many predictions each bin holds (a bin of 3 predictions says little), the count on each bar."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -232,7 +234,9 @@ def reliability_diagram(
 
     bins = calibration_bins(confidence, correct, n_bins, adaptive)
     ece = expected_calibration_error(confidence, correct, n_bins, adaptive)
-    fig, ax = plt.subplots(figsize=(4.5, 4.5), dpi=100)
+    fig, (ax, counts) = plt.subplots(
+        2, 1, figsize=(6.4, 8.0), dpi=100, sharex=True, gridspec_kw={"height_ratios": [3, 1]}
+    )
     keep = bins.count > 0
     left, right = bins.edges[:-1][keep], bins.edges[1:][keep]
     ax.bar(
@@ -242,20 +246,32 @@ def reliability_diagram(
         align="edge",
         alpha=0.7,
         edgecolor="black",
-        label="accuracy",
+        label="accuracy of the bin",
     )
     ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
-    ax.plot(bins.confidence[keep], bins.accuracy[keep], "o", color="tab:red", label="bin mean confidence")
+    ax.plot(
+        bins.confidence[keep],
+        bins.accuracy[keep],
+        "o",
+        color="tab:red",
+        label="bin accuracy at the bin's mean confidence",
+    )
     ax.set_xlim(0, 1)
     ax.set_ylim(0, 1)
-    ax.set_xlabel("confidence")
     ax.set_ylabel("accuracy")
     kind = "adaptive" if adaptive else "equal-width"
     ax.set_title(
         f"{title}\nECE {ece:.3f} ({n_bins} {kind} bins, n={len(bins.count) and int(bins.count.sum())})",
-        fontsize=9,
+        fontsize=10,
     )
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="upper left", fontsize=9)
+    counts.bar(left, bins.count[keep], width=right - left, align="edge", color="tab:gray", edgecolor="black")
+    for x0, x1, n in zip(left, right, bins.count[keep]):
+        counts.annotate(f"{int(n):,}", ((x0 + x1) / 2, n), ha="center", va="bottom", fontsize=8,
+                        xytext=(0, 1), textcoords="offset points")
+    counts.set_ylim(0, 1.25 * max(int(bins.count.max()), 1))  # room for the counts above the bars
+    counts.set_ylabel("predictions")
+    counts.set_xlabel("confidence")
     fig.tight_layout()
     import io
 
