@@ -6,6 +6,7 @@ from lmforge.config.schema import Config
 from lmforge.engine.objectives.base import Objective, ObjectiveModule, ObjectiveOutput, TokenObjective
 from lmforge.engine.objectives.causal_lm import CausalLM
 from lmforge.engine.objectives.distill import Distill, TopK
+from lmforge.engine.objectives.gkd import GKD
 from lmforge.engine.objectives.mlm import MaskedLM
 from lmforge.engine.objectives.policy_gradient import PolicyGradient
 from lmforge.engine.objectives.preference import Preference
@@ -14,7 +15,8 @@ from lmforge.engine.objectives.sft import SFT
 
 OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT, Preference.name: Preference,
                                           PolicyGradient.name: PolicyGradient, RewardModel.name: RewardModel,
-                                          Distill.name: Distill, MaskedLM.name: MaskedLM}
+                                          Distill.name: Distill, MaskedLM.name: MaskedLM,
+                                          GKD.name: GKD}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -22,6 +24,6 @@ def build_objective(cfg: Config) -> Objective:
     return OBJECTIVES[cfg.objective.name].from_config(cfg)
 
 
-__all__ = ["OBJECTIVES", "SFT", "CausalLM", "Distill", "MaskedLM", "TopK", "PolicyGradient", "Preference",
-           "RewardModel", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
+__all__ = ["OBJECTIVES", "SFT", "CausalLM", "Distill", "GKD", "MaskedLM", "TopK", "PolicyGradient",
+           "Preference", "RewardModel", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
            "build_objective"]
