@@ -171,9 +171,25 @@ class MLMObjective(_Method):
     encoder: ClassVar[bool] = True
 
 
+class GKDObjective(_Method):
+    name: Literal["gkd"] = Field("gkd", description="Generalized knowledge distillation on the chat data of "
+                                 "the sft section: the student learns the gkd section's teacher on the "
+                                 "completions, partly on its own samples (gkd.lmbda).")
+    data: ClassVar[DataKind] = "chat"
+    # The loss is a divergence, not a cross-entropy; the objective also reports the student's
+    # cross-entropy of the completions (its `ce` metric), which validation prints as val_ppl.
+    token_loss: ClassVar[bool] = True
+    data_section: ClassVar[str] = "sft"
+    settings_section: ClassVar[str | None] = "gkd"
+
+    @classmethod
+    def facts(cls, cfg: Config) -> MethodFacts:
+        return MethodFacts("gkd", "chat", True, "sft", "gkd", ("teacher",))
+
+
 METHOD_CONFIGS: dict[str, type[_Method]] = {
     "causal_lm": CausalLMObjective, "sft": SFTObjective, "dpo": DPOObjective, "reward": RewardObjective,
-    "rl": RLObjective, "distill": DistillObjective, "mlm": MLMObjective,
+    "rl": RLObjective, "distill": DistillObjective, "mlm": MLMObjective, "gkd": GKDObjective,
 }
 
 
@@ -279,6 +295,35 @@ class DistillConfig(Section):
         "(forward_kl only)."
     )
     topk: int = Field(32, ge=1, description="Logits per position kept by --precompute-topk.")
+
+
+class GKDConfig(Section):
+    """Generalized knowledge distillation (objective gkd; Agarwal et al. 2024, TRL's GKDTrainer) on the
+    chat data of the sft section: the teacher, the divergence and how often the student's own samples
+    replace the data's completions."""
+
+    teacher: str | None = Field(
+        None, description="The teacher: a run dir, checkpoint dir or Hugging Face dir whose tokenizer is the "
+        "student's (the chat template's tokens included); required by objective gkd."
+    )
+    teacher_weights: Literal["model", "ema", "swa"] = Field(
+        "model", description="The teacher run's trained weights or their EMA / SWA average."
+    )
+    beta: float = Field(
+        0.5, ge=0.0, le=1.0, description="Interpolation of the generalised Jensen-Shannon divergence: 0 is "
+        "the forward KL(teacher || student), 1 the reverse KL(student || teacher) (TRL's convention)."
+    )
+    temperature: float = Field(
+        0.9, gt=0.0, le=100.0, description="Both distributions of the divergence are of logits / "
+        "temperature, and the student samples its on-policy completions at it."
+    )
+    lmbda: float = Field(
+        0.5, ge=0.0, le=1.0, description="Probability that a training micro-batch's completions are sampled "
+        "from the student itself (on-policy) instead of taken from the data (0: never, 1: always)."
+    )
+    max_new_tokens: int = Field(
+        128, ge=1, le=4096, description="Longest on-policy completion (also bounded by train.seq_len)."
+    )
 
 
 class SFTConfig(Section):

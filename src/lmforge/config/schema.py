@@ -15,6 +15,7 @@ from lmforge.config.data import DataConfig, RunConfig, TokenizerConfig
 from lmforge.config.methods import (
     CausalLMObjective,
     DistillConfig,
+    GKDConfig,
     MLMConfig,
     ObjectiveConfig,
     PreferenceConfig,
@@ -46,8 +47,8 @@ from lmforge.config.train import (
 
 __all__ = [
     "UNIT_SUFFIX", "AveragingConfig", "CheckpointConfig", "Config", "CurateConfig", "DataConfig",
-    "DistillConfig", "EvalConfig", "FinetuneConfig", "GenerateConfig", "LoggingConfig", "MLAConfig",
-    "MLMConfig", "MlflowConfig", "ModelConfig", "MoEConfig", "ObjectiveConfig", "OptimConfig",
+    "DistillConfig", "EvalConfig", "FinetuneConfig", "GKDConfig", "GenerateConfig", "LoggingConfig",
+    "MLAConfig", "MLMConfig", "MlflowConfig", "ModelConfig", "MoEConfig", "ObjectiveConfig", "OptimConfig",
     "ParallelConfig", "PreferenceConfig", "QuantConfig", "RLConfig", "RopeScalingConfig", "RunConfig",
     "SFTConfig", "ScheduleConfig", "StabilityConfig", "TokenizerConfig", "TrainConfig", "WandbConfig",
     "parse_duration",
@@ -66,7 +67,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
     objective: ObjectiveConfig = Field(default_factory=CausalLMObjective, description="Training method: "
                                      "objective.name picks one (causal_lm, sft, dpo, reward, rl, distill, "
-                                     "mlm); its settings sit in its own section.")
+                                     "mlm, gkd); its settings sit in its own section.")
     sft: SFTConfig = Field(default_factory=SFTConfig,
                            description="Supervised fine-tuning data (objective sft).")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
@@ -77,6 +78,8 @@ class Config(Section):
                                    description="Teacher and losses of knowledge distillation (objective "
                                    "distill).")
     mlm: MLMConfig = Field(default_factory=MLMConfig, description="Masking of objective mlm.")
+    gkd: GKDConfig = Field(default_factory=GKDConfig, description="Teacher, divergence and on-policy "
+                           "sampling of generalized knowledge distillation (objective gkd).")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
                                      description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")

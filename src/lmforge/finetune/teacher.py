@@ -17,20 +17,21 @@ from lmforge.errors import ConfigError
 
 
 def load_teacher(path: str | Path, weights: str, student_vocab: int, student_tokenizer: Any,
-                 device: torch.device, say=print) -> nn.Module:
+                 device: torch.device, say=print, key: str = "distill.teacher") -> nn.Module:
     """The teacher model at `path`, frozen and in eval mode on `device`. Refused (ConfigError) unless
     its tokenizer maps every token to the same id as the student's and its vocabulary size (rows of
-    the output layer) equals the student's: the divergence compares distributions id by id."""
+    the output layer) equals the student's: the divergence compares distributions id by id. `key`: the
+    config key that names the teacher, for messages."""
     from lmforge.data.tokenizer import Tokenizer
     from lmforge.finetune.setup import load_finetuned
 
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"distill.teacher={path}: no such run, checkpoint or Hugging Face dir")
+        raise ConfigError(f"{key}={path}: no such run, checkpoint or Hugging Face dir")
     cfg, source = run_config(path)
     tok_file = source_tokenizer(path)
     if tok_file is None:
-        raise ConfigError(f"distill.teacher={path} has no tokenizer.json next to its weights, so its "
+        raise ConfigError(f"{key}={path} has no tokenizer.json next to its weights, so its "
                           "vocabulary cannot be checked against the student's")
     if student_tokenizer is not None:
         theirs = Tokenizer.load(tok_file).hf.get_vocab()
@@ -38,14 +39,14 @@ def load_teacher(path: str | Path, weights: str, student_vocab: int, student_tok
         if theirs != ours:
             differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
             raise ConfigError(
-                f"distill.teacher={path}: its tokenizer ({tok_file}, {len(theirs)} tokens) is not the "
+                f"{key}={path}: its tokenizer ({tok_file}, {len(theirs)} tokens) is not the "
                 f"student's ({len(ours)} tokens; e.g. {differ}); distillation compares distributions token "
                 "id by token id: prepare the student's data with the teacher's tokenizer "
                 f"(data.tokenizer.path={tok_file})"
             )
     if cfg.model.vocab_size != student_vocab:
         raise ConfigError(
-            f"distill.teacher={path} has model.vocab_size={cfg.model.vocab_size}, the student "
+            f"{key}={path} has model.vocab_size={cfg.model.vocab_size}, the student "
             f"{student_vocab}; set the student's model.vocab_size={cfg.model.vocab_size}"
         )
     with torch.random.fork_rng(devices=[]):  # its random init (overwritten) must not move the run's RNG

@@ -33,4 +33,7 @@ METHOD_VERBS: dict[str, MethodVerb] = {
         actions=(("--precompute-topk", "write distill.teacher's top-k logits of every training and "
                   "validation window to distill.topk_cache, and exit",
                   "lmforge.finetune.topk_cache:precompute_topk"),)),
+    "gkd": MethodVerb("knowledge distillation on chat data (objective gkd, generalized KD): a student "
+                      "learns gkd.teacher's distributions on the completions (generalised JSD, gkd.beta), "
+                      "partly on its own samples (gkd.lmbda)"),
 }
