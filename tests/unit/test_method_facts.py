@@ -81,7 +81,8 @@ def test_each_fine_tuning_method_names_its_verb():
     from lmforge.cli.verbs.method_verbs import METHOD_VERBS
     from lmforge.config.methods import METHOD_CONFIGS
 
-    assert sorted(METHOD_VERBS) == ["distill", "dpo", "gkd", "reward", "rl", "sft"]  # causal_lm, mlm: lmforge train
+    # causal_lm, mlm: lmforge train
+    assert sorted(METHOD_VERBS) == ["distill", "dpo", "gkd", "reward", "rl", "sft"]
     for verb, spec in METHOD_VERBS.items():
         assert METHOD_CONFIGS[verb].model_fields["name"].default == verb and spec.help.startswith(
             ("fine-tune", "preference", "train a", "reinforcement", "knowledge"))
