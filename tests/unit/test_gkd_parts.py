@@ -60,3 +60,12 @@ def test_the_section_refuses_what_it_cannot_honour(key, value):
     with pytest.raises(ConfigError, match=f"gkd.{key}"):
         validate_config({"objective": {"name": "gkd"}, "gkd": {key: value}})
     assert Config(objective={"name": "gkd"}).gkd.lmbda == 0.5
+
+
+def test_the_shipped_config_loads():
+    from pathlib import Path
+
+    from lmforge.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "gkd" / "lora.yaml")
+    assert cfg.objective.name == "gkd" and cfg.gkd.teacher == "runs/sft-full" and cfg.gkd.lmbda == 0.5
