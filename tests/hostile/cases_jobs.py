@@ -49,6 +49,14 @@ CASES: list[Case] = [
         match="an input of this run, is run.dir",
     ),
     Case(
+        "gkd whose teacher is its own run dir, overwritten",
+        lambda ws: ["gkd", *common(ws), *S(f"model.init_from={ws / 'imported'}", _chat(ws),
+                                          f"gkd.teacher={ws / 'run'}", "run.overwrite=true", "data.dir=null",
+                                          "train.max_steps=1")],
+        write("chat.jsonl", CHAT),
+        match="an input of this run, is run.dir",
+    ),
+    Case(
         "sft whose starting adapters are its own run dir, overwritten",
         lambda ws: ["sft", *common(ws), *S(f"model.init_from={ws / 'imported'}",
                                           _chat(ws), "finetune.method=lora",

@@ -75,6 +75,7 @@ PATH_KEYS: dict[str, PathKey] = {
     "rl.reward_model": _FILES,
     "distill.teacher": _FILES,
     "distill.topk_cache": _FILES,
+    "gkd.teacher": _FILES,
     "finetune.init_adapter": _FILES,
     "curate.inputs": PathKey(INPUT, names=("builtin:python",), path_prefixes=("hf:",)),
     "curate.steps.blocklist_files": _FILES,
