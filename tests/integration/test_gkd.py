@@ -1,7 +1,7 @@
 """`lmforge gkd` end to end: a tiny pretrained base fine-tuned briefly by `lmforge sft` is the teacher;
-students start from the base and learn it on chat data, off-policy (gkd.lmbda=0: the data's
-completions; the validation loss falls) and on-policy (gkd.lmbda=1: every step on the student's own
-samples), write checkpoints, evaluate with `lmforge eval loss`, export as any fine-tuned run, and a
+students start from the base and learn it on chat data, off-policy (gkd.lmbda=0, full fine-tuning: the
+data's completions; the validation loss falls) and on-policy (gkd.lmbda=1, LoRA: every step on the
+student's own samples), write checkpoints, evaluate with `lmforge eval loss`, export as any fine-tuned run, and a
 crashed run with lmbda=0.5 resumes to the uninterrupted run bit for bit (the same steps drawn on-policy,
 the same samples). A teacher with another tokenizer, or none, is refused with exit status 2."""
 
@@ -57,10 +57,15 @@ def cli(w: SimpleNamespace, run_dir: Path, *extra: str) -> list[str]:
     return [a for o in overrides(w, run_dir, *extra) for a in ("--set", o)]
 
 
-@pytest.mark.parametrize("lmbda", [0.0, 1.0])
-def test_gkd_trains_evaluates_and_exports(world, tmp_path, capsys, lmbda):
+# full fine-tuning off-policy; LoRA on-policy (sampling folds the adapters in and restores them exactly)
+CASES = {"full-0": (0.0, ()), "lora-1": (1.0, ("finetune.method=lora", "finetune.r=4", "finetune.alpha=8"))}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gkd_trains_evaluates_and_exports(world, tmp_path, capsys, case):
+    lmbda, extra = CASES[case]
     run = tmp_path / "run"
-    assert main(["gkd", *cli(world, run, f"gkd.lmbda={lmbda}")]) == 0
+    assert main(["gkd", *cli(world, run, f"gkd.lmbda={lmbda}", *extra)]) == 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == [
         "step_00000003", "step_00000006"]
     rows = read_metrics(run / "metrics.jsonl")
