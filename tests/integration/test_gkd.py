@@ -1,9 +1,9 @@
 """`lmforge gkd` end to end: a tiny pretrained base fine-tuned briefly by `lmforge sft` is the teacher;
 students start from the base and learn it on chat data, off-policy (gkd.lmbda=0, full fine-tuning: the
 data's completions; the validation loss falls) and on-policy (gkd.lmbda=1, LoRA: every step on the
-student's own samples), write checkpoints, evaluate with `lmforge eval loss`, export as any fine-tuned run, and a
-crashed run with lmbda=0.5 resumes to the uninterrupted run bit for bit (the same steps drawn on-policy,
-the same samples). A teacher with another tokenizer, or none, is refused with exit status 2."""
+student's own samples), write checkpoints, evaluate with `lmforge eval loss`, export as any fine-tuned
+run, and a crashed run with lmbda=0.5 resumes to the uninterrupted run bit for bit (the same steps drawn
+on-policy, the same samples). A teacher with another tokenizer, or none, is refused with exit status 2."""
 
 from __future__ import annotations
 

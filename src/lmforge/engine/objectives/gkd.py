@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -73,9 +74,10 @@ Sampler = Callable[[ChatBatch, int], "ChatBatch | None"]  # (batch, seed) -> its
 
 def on_policy_draw(seed: int, lmbda: float) -> bool:
     """Whether the batch of `seed` trains on the student's own samples: a uniform draw below lmbda
-    (lmbda 0: never, 1: always)."""
-    u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    return bool(u < lmbda)
+    (lmbda 0: never, 1: always). Drawn from a stream of its own (numpy's SeedSequence of (seed, 1)), not
+    the first number of the sampler's torch generator, which `seed` also seeds: the draw and the samples
+    stay independent."""
+    return bool(np.random.default_rng([seed, 1]).random() < lmbda)
 
 
 def gkd_loss_sum(student_logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor,
