@@ -69,3 +69,27 @@ def test_the_shipped_config_loads():
 
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "gkd" / "lora.yaml")
     assert cfg.objective.name == "gkd" and cfg.gkd.teacher == "runs/sft-full" and cfg.gkd.lmbda == 0.5
+
+
+def test_the_setup_refuses_layouts_and_settings_it_cannot_run(tmp_path):
+    from types import SimpleNamespace
+
+    from lmforge.assembly.methods.gkd import GKDSetup
+    from lmforge.engine.objectives.gkd import GKD
+
+    setup, teacher = GKDSetup(), str(tmp_path)
+    for dims, lmbda, match in [((2, 1, False), 0.0, "not tensor or pipeline"),
+                               ((1, 2, False), 0.0, "not tensor or pipeline"),
+                               ((1, 1, True), 0.5, "not FSDP")]:
+        objective = GKD(lmbda=lmbda)
+        objective.teacher = lambda b: None  # handed over: only the layout is checked
+        ctx = SimpleNamespace(dims=SimpleNamespace(tp=dims[0], pp=dims[1], fsdp=dims[2]))
+        with pytest.raises(ConfigError, match=match):
+            setup.attach(objective, ctx)
+    with pytest.raises(ConfigError, match="sft.loss_on=all"):
+        setup.check_inputs(Config(objective={"name": "gkd"}, gkd={"teacher": teacher},
+                                  sft={"loss_on": "all"}))
+    with pytest.raises(ConfigError, match="needs a teacher"):
+        setup.check_inputs(Config(objective={"name": "gkd"}))
+    setup.check_inputs(Config(objective={"name": "gkd"}, gkd={"teacher": teacher, "lmbda": 0.0},
+                              sft={"loss_on": "all"}))  # off-policy: every token may be a target

@@ -30,6 +30,11 @@ class GKDSetup(MethodSetup):
                               "or Hugging Face dir that shares the student's tokenizer")
         if not Path(cfg.gkd.teacher).exists():
             raise ConfigError(f"gkd.teacher={cfg.gkd.teacher}: no such run, checkpoint or Hugging Face dir")
+        if cfg.gkd.lmbda > 0 and cfg.sft.loss_on == "all":
+            raise ConfigError(f"gkd.lmbda={cfg.gkd.lmbda} samples a completion for each conversation's "
+                              "prompt (its tokens before its last assistant turn), and sft.loss_on=all marks "
+                              "every token as completion, leaving no prompt: set sft.loss_on=assistant or "
+                              "last, or gkd.lmbda=0")
 
     def attach(self, objective, ctx: SetupContext):
         if not isinstance(objective, GKD):
