@@ -8,6 +8,8 @@ where `_T` is the next-token distribution of logits / temperature and JSD_beta t
 Jensen-Shannon divergence of engine/kd_loss.py (beta 0: forward KL(teacher || student), beta 1: reverse
 KL(student || teacher), TRL's convention). There is no temperature**2 factor: each position's value is
 TRL's `GKDTrainer.generalized_jsd_loss` at the same beta and temperature (tests/parity/test_gkd_trl.py).
+TRL's trainer samples at its `temperature` but calls that loss at temperature 1; here gkd.temperature is
+both (at 1 the two agree).
 
 Reduction: TRL's `reduction="batchmean"` divides the summed divergence by the number of label tokens
 (labels != -100) of the batch; with gradient accumulation it divides by the step's count
