@@ -132,7 +132,7 @@ ROWS: list[Row] = [
     Row("planner", "`lmforge train --budget 5m` on builtin:python: final val bpb, the planned shape, whole "
         "wall time vs the budget", 330,
         ["gpu_suite.py", "--planner-row", "{json}", "--planner-budget", "5m"],
-        ["gpu_suite.py", "--planner-row", "{json}", "--planner-budget", "20s"],
+        ["gpu_suite.py", "--planner-row", "{json}", "--planner-budget", "90s"],
         check=_train_has_budget),
 ]
 
@@ -240,15 +240,20 @@ def planner_row(path: Path, budget: str) -> int:
                "--set", 'data.sources=["builtin:python"]', "--set", f"run.dir={run}",
                "--set", f"data.dir={tmp}/data"]
         t0 = time.monotonic()
-        rc = subprocess.run(cmd, cwd=REPO).returncode
+        proc = subprocess.run(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
         wall = time.monotonic() - t0
+        sys.stderr.write(proc.stderr)
+        rc = proc.returncode
         plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").is_file() else None
         metrics = run / "metrics.jsonl"
         lines = metrics.read_text().splitlines() if metrics.is_file() else []
         rows = [json.loads(ln) for ln in lines if ln.strip()]
     evals = [r for r in rows if "val_bpb" in r]
     chosen = {c["key"]: c["value"] for c in plan["choices"]} if plan else {}
-    out = dict(command=" ".join(["lmforge", *cmd[3:]]), rc=rc, budget_s=budget_s, wall_s=round(wall, 1),
+    # A refusal (exit 2) is one line `lmforge train: error: ...`, e.g. a budget too small for this machine.
+    error = next((ln for ln in reversed(proc.stderr.splitlines()) if ": error: " in ln), None) if rc else None
+    out = dict(command=" ".join(["lmforge", *cmd[3:]]), rc=rc, error=error, budget_s=budget_s,
+               wall_s=round(wall, 1),
                wall_over_budget=round(wall / budget_s, 3), within_budget=wall <= 1.05 * budget_s,
                val_bpb=evals[-1]["val_bpb"] if evals else None, step=evals[-1].get("step") if evals else None,
                chosen=chosen, plan=plan)
