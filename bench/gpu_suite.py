@@ -74,8 +74,8 @@ def _throughput(row: str, est: float, what: str) -> Row:
 # come first. The estimates are one H100's, from the H200 run of 2026-11-27 (bench/results/gpu_suite/:
 # each row's seconds) plus ~25% for the H100's slower memory and a margin; rows not yet measured are
 # sized from their work. They add up to ~1,300 s, more than one 540 s call: the headline throughput rows
-# (the regression check), then the rows never measured, then the rest; at 540 s the cut falls after
-# `serve` (see bench/README.md for the second call that measures the rest).
+# (the regression check), then the rows never measured, then the rest; at 540 s (estimates as times) the
+# first six and moe run, the rest are cut (bench/README.md: the calls that measure them).
 ROWS: list[Row] = [
     _throughput("gpt2", 80, "train step, GPT-2 124M layout vs nanoGPT (bf16, compiled)"),
     _throughput("llama1b", 110, "train step, Llama 1.1B vs transformers (bf16, compiled)"),
