@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,22 @@ class Row:
     tiny: list[str] | None  # the same on CPU at tiny shapes; None: the row needs CUDA
     needs: list[str] = field(default_factory=list)  # importable modules, else the row is skipped
     needs_nanogpt: bool = False
+    check: Callable[[], str | None] | None = None  # a reason to skip the row, or None to run it
+
+
+# What `python -m lmforge serve` imports beyond torch (the bare GPU image lacks some: see gpu_suite.sh).
+SERVE_MODULES = ["fastapi", "starlette", "uvicorn", "anyio", "idna", "h11", "click", "pydantic",
+                 "pydantic_core", "annotated_types", "typing_inspection", "annotated_doc", "opentelemetry"]
+
+
+def _train_has_budget() -> str | None:
+    """The planner row's check: `lmforge train --budget` is another piece of work; until it lands the
+    row says so instead of failing."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get(
+        "PYTHONPATH")) if p))
+    out = subprocess.run([sys.executable, "-m", "lmforge", "train", "--help"], capture_output=True, text=True,
+                         cwd=REPO, env=env, timeout=120)
+    return None if "--budget" in out.stdout else "lmforge train has no --budget"
 
 
 def _throughput(row: str, est: float, what: str) -> Row:
@@ -53,12 +70,33 @@ def _throughput(row: str, est: float, what: str) -> Row:
                needs=["transformers"], needs_nanogpt=row == "gpt2")
 
 
-# Priority order: the first rows are the ones an issue waits on.
+# Priority order: a row starts only when its estimate fits in what is left, so the rows that matter most
+# come first. The estimates are one H100's, from the H200 run of 2026-11-27 (bench/results/gpu_suite/:
+# each row's seconds) plus ~25% for the H100's slower memory and a margin; rows not yet measured are
+# sized from their work. They add up to ~1,300 s, more than one 540 s call: the headline throughput rows
+# (the regression check), then the rows never measured, then the rest; at 540 s (estimates as times) the
+# first six and moe run, the rest are cut (bench/README.md: the calls that measure them).
 ROWS: list[Row] = [
-    _throughput("gpt2", 150, "train step, GPT-2 124M layout vs nanoGPT (bf16, compiled)"),
-    _throughput("llama", 120, "train step, Llama 12L d768 vs transformers (bf16, compiled)"),
-    _throughput("llama1b", 130, "train step, Llama 1.1B vs transformers (bf16, compiled)"),
-    Row("e2e", "`lmforge train` loop vs its bare step, 124M Llama shape, bf16, compiled", 90,
+    _throughput("gpt2", 80, "train step, GPT-2 124M layout vs nanoGPT (bf16, compiled)"),
+    _throughput("llama1b", 110, "train step, Llama 1.1B vs transformers (bf16, compiled)"),
+    Row("resume", "bitwise resume: 40 steps straight vs 20 + --resume (loss curves must be identical)", 30,
+        ["gpu_suite.py", "--resume-row", "{json}", "--device", "cuda"],
+        ["gpu_suite.py", "--resume-row", "{json}", "--device", "cpu"]),
+    Row("quant", "greedy decode tok/s, Llama 1.1B bf16 vs int8 vs int4 weight-only (lmforge QuantLinear), "
+        "batch 1/8, vs transformers generate (bf16)", 75,
+        ["gpu_quant_decode.py", "--preset", "gpu", "--device", "cuda", "--rounds", "2", "--json", "{json}"],
+        ["gpu_quant_decode.py", "--preset", "tiny", "--device", "cpu", "--rounds", "1", "--json", "{json}"],
+        needs=["transformers"]),
+    Row("serve_load", "`lmforge serve` over HTTP at 1/8/32 concurrent requests, Llama 1.1B: output tok/s, "
+        "p50/p95 latency vs transformers generate batched", 90,
+        ["gpu_serve.py", "--preset", "gpu", "--device", "cuda", "--json", "{json}"],
+        ["gpu_serve.py", "--preset", "tiny", "--device", "cpu", "--json", "{json}"],
+        needs=["transformers", *SERVE_MODULES]),
+    Row("serve", "serving engine decode tok/s, batch 1/16/64, Llama 1.1B bf16 vs transformers generate", 120,
+        ["engine_decode.py", "--preset", "gpu", "--device", "cuda", "--rounds", "3", "--json", "{json}"],
+        ["engine_decode.py", "--preset", "tiny", "--device", "cpu", "--rounds", "1", "--json", "{json}"],
+        needs=["transformers"]),
+    Row("e2e", "`lmforge train` loop vs its bare step, 124M Llama shape, bf16, compiled", 50,
         ["train_e2e.py", "-c", "configs/debug/tiny.yaml", "--blocks", "4", "--steps", "20",
          "--json", "{json}", "--set", "model.d_model=768", "--set", "model.n_layers=12",
          "--set", "model.n_heads=12", "--set", "model.n_kv_heads=12", "--set", "model.max_seq_len=1024",
@@ -67,35 +105,35 @@ ROWS: list[Row] = [
          "--set", "train.precision=bf16", "--set", "train.compile=true", "--set", "train.threads=null"],
         ["train_e2e.py", "-c", "configs/debug/tiny.yaml", "--blocks", "2", "--steps", "3", "--warmup", "1",
          "--json", "{json}", "--set", "train.device=cpu"]),
-    Row("memory", "peak memory, GPT-2 124M at batch 32x1024, loss chunks 0/4096/8192 (eager)", 60,
+    _throughput("llama", 85, "train step, Llama 12L d768 vs transformers (bf16, compiled)"),
+    Row("memory", "peak memory, GPT-2 124M at batch 32x1024, loss chunks 0/4096/8192 (eager)", 50,
         ["gpu_throughput.py", "--memory", "--no-compile", "--chunks", "0,4096,8192", "--out", "{json}"],
         ["gpu_throughput.py", "--memory", "--tiny", "--device", "cpu", "--no-compile", "--chunks", "0,64",
          "--memory-steps", "1", "--out", "{json}"]),
-    Row("resume", "bitwise resume: 40 steps straight vs 20 + --resume (loss curves must be identical)", 45,
-        ["gpu_suite.py", "--resume-row", "{json}", "--device", "cuda"],
-        ["gpu_suite.py", "--resume-row", "{json}", "--device", "cpu"]),
-    Row("ac", "activation checkpointing none/full/selective: step time and peak memory", 100,
+    Row("ac", "activation checkpointing none/full/selective: step time and peak memory", 50,
         ["activation_checkpointing.py", "--device", "cuda", "--rounds", "1",
          "--variants", "none,full,selective", "--out", "{json}"],
         ["activation_checkpointing.py", "--device", "cpu", "--rounds", "1", "--variants", "none,selective",
          "--d-model", "64", "--layers", "2", "--heads", "4", "--vocab", "256", "--seq", "64", "--batch", "2",
          "--steps", "1", "--out", "{json}"]),
-    Row("moe", "MoE layer (8 experts, top-2, d4096) grouped vs transformers Mixtral block", 40,
+    Row("moe", "MoE layer (8 experts, top-2, d4096) grouped vs transformers Mixtral block", 25,
         ["moe_layer.py", "--preset", "gpu", "--json", "{json}"],
         ["moe_layer.py", "--preset", "small", "--repeats", "2", "--warmup", "1", "--json", "{json}"],
         needs=["transformers"]),
-    Row("packed", "packed-sequence attention: SDPA+mask vs flex vs varlen", 40,
+    Row("packed", "packed-sequence attention: SDPA+mask vs flex vs varlen", 55,
         ["packed_attention.py", "--rounds", "20", "--json", "{json}"], None),
-    Row("lora", "LoRA step, Llama 1.1B r16 all linears vs transformers + PEFT (bf16, compiled)", 110,
+    Row("lora", "LoRA step, Llama 1.1B r16 all linears vs transformers + PEFT (bf16, compiled)", 140,
         ["lora_step.py", "--preset", "gpu", "--compile", "--repeats", "10", "--json", "{json}"],
         ["lora_step.py", "--preset", "demo", "--repeats", "2", "--warmup", "1", "--device", "cpu",
          "--json", "{json}"], needs=["transformers", "peft"]),
-    Row("qlora", "QLoRA step, Llama 1.1B NF4 vs bitsandbytes + PEFT", 60,
+    Row("qlora", "QLoRA step, Llama 1.1B NF4 vs bitsandbytes + PEFT", 45,
         ["qlora_step.py", "--json", "{json}"], None, needs=["bitsandbytes", "peft"]),
-    Row("serve", "serving engine decode tok/s, batch 1/16/64, Llama 1.1B bf16 vs transformers generate", 120,
-        ["engine_decode.py", "--preset", "gpu", "--device", "cuda", "--rounds", "3", "--json", "{json}"],
-        ["engine_decode.py", "--preset", "tiny", "--device", "cpu", "--rounds", "1", "--json", "{json}"],
-        needs=["transformers"]),
+    # Last: five minutes by definition, more than half of one call. It needs a call of its own (--only).
+    Row("planner", "`lmforge train --budget 5m` on builtin:python: final val bpb, the planned shape, whole "
+        "wall time vs the budget", 330,
+        ["gpu_suite.py", "--planner-row", "{json}", "--planner-budget", "5m"],
+        ["gpu_suite.py", "--planner-row", "{json}", "--planner-budget", "90s"],
+        check=_train_has_budget),
 ]
 
 
@@ -118,6 +156,9 @@ def run_row(row: Row, *, tiny: bool, out: Path, nanogpt: str | None, deadline_s:
         return dict(status="skipped", why=f"{', '.join(missing)} not installed")
     if row.needs_nanogpt and not nanogpt:
         return dict(status="skipped", why="no nanoGPT checkout (--nanogpt PATH or $LMFORGE_NANOGPT)")
+    why = row.check() if row.check else None
+    if why:
+        return dict(status="skipped", why=why)
     jpath = out / f"{row.name}.json"
     jpath.unlink(missing_ok=True)
     argv = []
@@ -186,6 +227,45 @@ def resume_row(path: Path, device: str) -> int:
     return 0 if same else 1
 
 
+def planner_row(path: Path, budget: str) -> int:
+    """`lmforge train --budget BUDGET` on builtin:python, as a user runs it (the planner picks the device),
+    its data prepared from nothing in a fresh dir: the final validation bits per byte, what the plan
+    chose, and the whole process's wall time against the budget (the issue's bound: budget + 5%)."""
+    from lmforge.config.train import parse_duration
+
+    budget_s = parse_duration(budget)
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp, "run")
+        cmd = [sys.executable, "-m", "lmforge", "train", "--budget", budget,
+               "--set", 'data.sources=["builtin:python"]', "--set", f"run.dir={run}",
+               "--set", f"data.dir={tmp}/data"]
+        t0 = time.monotonic()
+        proc = subprocess.run(cmd, cwd=REPO, stderr=subprocess.PIPE, text=True)
+        wall = time.monotonic() - t0
+        sys.stderr.write(proc.stderr)
+        rc = proc.returncode
+        plan = json.loads((run / "plan.json").read_text()) if (run / "plan.json").is_file() else None
+        metrics = run / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        rows = [json.loads(ln) for ln in lines if ln.strip()]
+    evals = [r for r in rows if "val_bpb" in r]
+    chosen = {c["key"]: c["value"] for c in plan["choices"]} if plan else {}
+    # A refusal (exit 2) is one line `lmforge train: error: ...`, e.g. a budget too small for this machine.
+    error = next((ln for ln in reversed(proc.stderr.splitlines()) if ": error: " in ln), None) if rc else None
+    out = dict(command=" ".join(["lmforge", *cmd[3:]]), rc=rc, error=error, budget_s=budget_s,
+               wall_s=round(wall, 1),
+               wall_over_budget=round(wall / budget_s, 3), within_budget=wall <= 1.05 * budget_s,
+               val_bpb=evals[-1]["val_bpb"] if evals else None, step=evals[-1].get("step") if evals else None,
+               chosen=chosen, plan=plan)
+    shape = ", ".join(f"{k.split('.')[-1]} {v}" for k, v in chosen.items()
+                      if k.startswith(("model.", "data.tokenizer.vocab_size", "train.micro_batch_size",
+                                       "train.precision", "optim.lr")))
+    print(f"planner {budget}: val bpb {out['val_bpb']}, wall {wall:.1f} s of {budget_s:.0f} s "
+          f"({out['wall_over_budget']:.3f}x{'' if out['within_budget'] else ', OVER budget + 5%'}); {shape}")
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    return 0 if rc == 0 and evals and out["within_budget"] else 1
+
+
 def merge(old: dict, new: dict) -> dict:
     """`new`'s rows over `old`'s: rows that did not run this time keep their earlier result (each row says
     when and on which device it ran)."""
@@ -222,9 +302,13 @@ def main(argv: list[str] | None = None) -> int:
                     "does not run (a rerun of failed or skipped rows)")
     ap.add_argument("--resume-row", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    ap.add_argument("--planner-row", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--planner-budget", default="5m", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.resume_row:
         return resume_row(args.resume_row, args.device)
+    if args.planner_row:
+        return planner_row(args.planner_row, args.planner_budget)
 
     import torch
 
