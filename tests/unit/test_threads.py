@@ -98,3 +98,27 @@ def test_the_real_timer_restores_torch_threads(tmp_path):
     assert torch.get_num_threads() == before
     assert out in th.candidates(facts(max(2, before), max(2, before)), before)
     assert lines[0].startswith(f"threads auto: {out} (")
+
+
+@pytest.mark.parametrize("bad", [True, "2", [2], 7, None])
+def test_a_malformed_cached_count_is_measured_again(tmp_path, monkeypatch, bad):
+    import json
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    resolve(tmp_path, FakeMlp({1: 0.020, 2: 0.030}))
+    path = tmp_path / "probes.json"
+    obj = json.loads(path.read_text())
+    for entry in obj["entries"].values():
+        entry["threads"] = bad
+    path.write_text(json.dumps(obj))
+    again = FakeMlp({1: 0.030, 2: 0.020})
+    assert resolve(tmp_path, again)[0] == 2 and again.calls
+
+
+def test_ranks_of_a_job_take_their_share_instead_of_measuring(tiny_cfg):
+    from lmforge.assembly.build import _threads
+    from lmforge.parallel.world import World
+
+    cfg = tiny_cfg("train.threads=auto")
+    assert _threads(cfg, World(rank=0, world_size=2, local_rank=0), lambda _: pytest.fail("said")) is None
+    assert _threads(tiny_cfg("train.threads=3"), World(rank=0, world_size=1, local_rank=0), print) == 3

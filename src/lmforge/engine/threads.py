@@ -68,7 +68,7 @@ def resolve_threads(setting: int | str | None, *, rows: int, d_model: int, d_ff:
     rows, cache = min(rows, MAX_ROWS), cache or ProbeCache()
     key = ProbeCache.key("threads", **facts.key(), candidates=cands, shape=[rows, d_model, d_ff])
     hit = cache.get(key)
-    if hit is not None and hit.get("threads") in cands:
+    if hit is not None and type(hit.get("threads")) is int and hit["threads"] in cands:
         say(f"threads auto: {hit['threads']} (measured before on this machine; cached in {cache.path})")
         return hit["threads"]
     time_mlp = time_mlp or _mlp_timer(rows, d_model, d_ff)
