@@ -122,3 +122,23 @@ def test_ranks_of_a_job_take_their_share_instead_of_measuring(tiny_cfg):
     cfg = tiny_cfg("train.threads=auto")
     assert _threads(cfg, World(rank=0, world_size=2, local_rank=0), lambda _: pytest.fail("said")) is None
     assert _threads(tiny_cfg("train.threads=3"), World(rank=0, world_size=1, local_rank=0), print) == 3
+
+
+@pytest.mark.parametrize("value, expected", [(None, None), ("auto", "auto"), (3, 3), ("4", 4), (2.0, 2)])
+def test_config_accepts_counts_auto_and_null(value, expected):
+    from lmforge.config.train import TrainConfig
+
+    assert TrainConfig(threads=value).threads == expected
+
+
+@pytest.mark.parametrize("value", [0, -1, 2.5, True, "many", [2]])
+def test_config_refuses_anything_else_in_one_message(value):
+    from pydantic import ValidationError
+
+    from lmforge.config.train import TrainConfig
+
+    with pytest.raises(ValidationError) as e:
+        TrainConfig(threads=value)
+    errors = e.value.errors()
+    assert len(errors) == 1 and errors[0]["loc"] == ("threads",)
+    assert "give a number of threads >= 1, 'auto' (measured) or null" in errors[0]["msg"]

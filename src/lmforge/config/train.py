@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -194,7 +194,7 @@ class TrainConfig(Section):
     )
     compile: bool = Field(False, description="torch.compile the model.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device (auto: cuda if available).")
-    threads: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+    threads: int | Literal["auto"] | None = Field(
         None, description="torch CPU threads (None: torch's default; auto: the fastest of torch's default, "
         "the physical, the logical and half the physical cores, timed on one MLP of the run's shape, cached "
         "per machine and shape in ~/.cache/lmforge; under OMP_NUM_THREADS or torchrun, what those give)."
@@ -226,6 +226,20 @@ class TrainConfig(Section):
     @classmethod
     def _parse_duration(cls, value: Any) -> Any:
         return parse_duration(value) if isinstance(value, str) else value
+
+    @field_validator("threads", mode="before")
+    @classmethod
+    def _threads(cls, value: Any) -> Any:
+        # One message for the whole union (pydantic would name each branch as if it were a key).
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if type(value) is int and value >= 1:
+            return value
+        raise ValueError("give a number of threads >= 1, 'auto' (measured) or null (torch's default)")
 
 
 class FinetuneConfig(Section):
