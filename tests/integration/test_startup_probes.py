@@ -48,18 +48,18 @@ def test_bf16_probe_is_announced_and_bounded_by_the_time_budget(tiny_cfg, monkey
     def fake_timer(*_a, **_k):
         def step(name, rows):
             calls.append((name, rows))
-            return {"fp32": 0.02, "bf16": 0.01}[name] * rows
+            return {"fp32": 0.025, "bf16": 0.0125}[name] * rows
         return step
 
     monkeypatch.setattr(prec, "_step_timer", fake_timer)
     lines: list[str] = []
-    # max_time 20 s: the probe gets 3% of it, 0.6 s; a 4-row step costs 0.08 s in fp32
+    # max_time 20 s: the probe gets 3% of it, 0.6 s; a row costs 0.025 s in fp32
     cfg = tiny_cfg("train.precision=auto", "train.max_time=20", "train.micro_batch_size=64")
     run = build_run(cfg, "experiment", say=lines.append)
     assert run.precision.name == "bf16"
     timing = [line for line in lines if line.startswith("precision auto")]
     assert timing[0].startswith("precision auto: timing a bf16 and an fp32 training step at 64x")
     assert "at most 0.6 s" in timing[0]
-    assert "timing 7x" in timing[1]  # (0.6 - 0.02) / (4 x 0.02) rows
-    assert timing[-1].startswith("precision auto: bf16 (a step at 7x")
-    assert sum({"fp32": 0.02, "bf16": 0.01}[n] * r for n, r in calls) <= 0.6
+    assert "timing 5x" in timing[1]  # (0.6 - 2 x 0.025) / (4 x 0.025) rows
+    assert timing[-1].startswith("precision auto: bf16 (a step at 5x")
+    assert sum({"fp32": 0.025, "bf16": 0.0125}[n] * r for n, r in calls) <= 0.6

@@ -98,8 +98,9 @@ def test_the_probe_keeps_to_its_deadline_by_timing_fewer_rows(tmp_path):
     steps = FakeSteps(0.1, 0.05)  # a full 16-row fp32 step takes 1.6 s
     out, lines = resolve(tmp_path, steps, deadline_s=2.0)
     assert steps.spent() <= 2.0
-    rows = {r for _, r in steps.calls[1:]}
-    assert rows == {4}  # (2.0 - 0.1) / (4 x 0.1 per row) -> 4 rows
+    assert steps.calls[:2] == [("fp32", 1), ("fp32", 1)]  # a cold and a warm price of one row
+    rows = {r for _, r in steps.calls[2:]}
+    assert rows == {4}  # (2.0 - 0.2) / (4 x 0.1 per row) -> 4 rows
     assert any("timing 4x256 instead" in line for line in lines)
     assert out == "bf16" and "a step at 4x256" in lines[-1]
 

@@ -87,13 +87,17 @@ def time_bf16_bounded(time_step: StepTimer, batch_size: int, deadline_s: float,
                       say: Callable[[str], object] = lambda _: None, seq_len: int = 0) -> Bf16Timing:
     """Time bf16 against fp32 steps within about `deadline_s` seconds of step time.
 
-    One fp32 step of a single row warms fp32's kernels and prices a row; the rows timed are then as many
+    An fp32 step of a single row warms fp32's kernels and a second prices a row; the rows timed are as many
     of the micro-batch as a bf16 warm-up and an fp32/bf16 pair fit in what is left (fewer rows than the
     run's favour fp32, since small shapes gain least from bf16: a conservative error). Pairs repeat while
     time is left; before each step its cost is predicted and a step that would overrun is not started.
     """
     spent = time_step("fp32", 1)
-    per_row = max(spent, 1e-9)
+    per_row = spent
+    if spent < deadline_s / 4:  # the first call pays one-off costs (allocation, kernel choice): price again
+        per_row = time_step("fp32", 1)
+        spent += per_row
+    per_row = max(per_row, 1e-9)
     rows = max(1, min(batch_size, int((deadline_s - spent) / (_STEPS_PER_ROW_COST * per_row))))
     if rows < batch_size:
         say(f"precision auto: a step of {batch_size} rows would overrun the {deadline_s:.1f} s deadline; "
