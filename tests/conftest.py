@@ -39,6 +39,15 @@ def tiny_overrides(run_dir: Path, data_dir: Path, *extra: str) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _probe_cache(tmp_path_factory):
+    """Start-up probes (precision and threads `auto`) cache their verdicts in a session dir, never in the
+    user's ~/.cache; subprocesses inherit it."""
+    import os
+
+    os.environ["LMFORGE_CACHE_DIR"] = str(tmp_path_factory.mktemp("lmforge-cache"))
+
+
 @pytest.fixture(scope="session")
 def shared_data_dir(tmp_path_factory) -> Path:
     """One prepared copy of the shipped corpus for every test that does not test preparation."""

@@ -236,7 +236,8 @@ def _source_model(cfg) -> Any:
 
 def train_ask(cfg, procs: int, limits: Limits) -> Ask:
     """What a train job of `cfg` on `procs` processes asks (see limits.py)."""
-    threads = cfg.train.threads or limits.threads_for(procs)
+    # auto chooses among the cores the job is given: it asks for its share, as an unset value does.
+    threads = cfg.train.threads if isinstance(cfg.train.threads, int) else limits.threads_for(procs)
     return Ask(procs, threads, memory_floor(cfg, procs, _source_model(cfg)))
 
 

@@ -14,6 +14,7 @@ a tokenizer object, an objective) replace the parts the config would build.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,7 @@ from lmforge.data.memory import token_stream
 from lmforge.data.sft import prepare_sft
 from lmforge.engine.loss import logits_of
 from lmforge.engine.objectives import Objective, TokenObjective, build_objective
-from lmforge.engine.precision import Precision, resolve_precision
+from lmforge.engine.precision import Precision, probe_deadline, resolve_precision
 from lmforge.engine.step import StepHook
 from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.finetune.setup import apply_finetune, load_finetuned
@@ -116,8 +117,9 @@ def build_run(
 ) -> Run:
     """Build the parts `purpose` needs from `cfg` (see the module docstring)."""
     world = World.from_env()
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    threads = _threads(cfg, world, say if purpose in ("train", "experiment") else _stderr)
+    if threads:
+        torch.set_num_threads(threads)
     device = resolve_device(cfg.train.device, world)
     if purpose in ("eval", "generate"):
         if weights_from is None:
@@ -186,11 +188,27 @@ def check_layout(cfg: Config, dims: ParallelDims, objective: Objective, custom_m
         )
 
 
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _threads(cfg: Config, world: World, say: Callable[[str], object]) -> int | None:
+    """train.threads as a count (None: torch's default). `auto` is measured in a single process; the ranks
+    of a job take their share of the cores (parallel.process_group), as when it is unset."""
+    if cfg.train.threads != "auto" or world.world_size > 1:
+        return cfg.train.threads if isinstance(cfg.train.threads, int) else None
+    from lmforge.engine.threads import resolve_threads
+
+    return resolve_threads("auto", rows=cfg.train.micro_batch_size * cfg.seq_len, d_model=cfg.model.d_model,
+                           d_ff=cfg.model.resolved_d_ff, say=say)
+
+
 # -- training and experiments -----------------------------------------------------------------------
 def _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, resume,
                     say) -> Run:
     # A distributed job: join it (collective timeouts set); check the layout before any work.
-    init_distributed(cfg.parallel.timeout_s, device, cfg.train.threads)
+    init_distributed(cfg.parallel.timeout_s, device,
+                     cfg.train.threads if isinstance(cfg.train.threads, int) else None)
     custom = model is not None
     if custom and cfg.model.init_from:
         raise ConfigError("model.init_from loads weights into lmforge's Transformer; with a model object of "
@@ -340,9 +358,9 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     setup = method_setup(cfg)  # the method's own parts: a reference, a teacher, a rollout, ...
     refs = setup.attach(objective, SetupContext(cfg, model, dims, device, data, tokenizer, source_vocab, say))
     objective.check_model(model)
-    precision = Precision(on_rank0(lambda: resolve_precision(cfg.train.precision, device, model,
-                                                             cfg.train.micro_batch_size, cfg.seq_len, vocab)),
-                          device)
+    precision = Precision(on_rank0(lambda: resolve_precision(
+        cfg.train.precision, device, model, cfg.train.micro_batch_size, cfg.seq_len, vocab, say=say,
+        deadline_s=probe_deadline(cfg.train.max_time))), device)
     # TP -> activation checkpointing -> compile -> FSDP/DDP, from outside the model.
     parallel = parallelize(model, cfg, dims, precision.name, objective)
     optimizer = parallel.wrap_optimizer(build_optimizer(parallel.model, cfg.optim))

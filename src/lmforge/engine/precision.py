@@ -1,21 +1,53 @@
 """Mixed precision: which dtype to autocast to, and the loss scaler fp16 needs.
 
-`auto` is decided by measurement, not by the device name: on CPUs without native bf16 units a
-bf16 matmul is many times slower than fp32 (shared cpu-facts), and on CPUs with AMX the matmuls are
-faster but a whole bf16 training step can still be slower, so we time a real step of the model.
+`auto` on a CPU: without bf16 matrix units (AVX512-BF16, AMX-BF16, Arm BF16) a bf16 matmul is many times
+slower than fp32 (shared cpu-facts), so such a CPU gets fp32 at once, with no timing. With them the
+matmuls are faster but a whole bf16 training step can still be slower, so a real step of the model is
+timed both ways, within a deadline of a few seconds, and the verdict is cached per machine and shape
+(utils/machine.py), so that only a machine's first run of a shape pays for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from lmforge.engine.loss import logits_of
+from lmforge.utils.machine import CpuFacts, ProbeCache, cpu_facts
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DEADLINE_S = 5.0  # the most a CPU's bf16 probe may take; a budgeted run gets a few % of its budget
+BUDGET_FRACTION = 0.03
+SPEEDUP_NEEDED = 1.1  # a smaller bf16 gain is within timing noise: stay in fp32, the exact one
+# Before timing at r rows: a bf16 warm-up, one fp32 and one bf16 step, each bf16 step assumed up to
+# 1.5x the fp32 one (a machine without known bf16 units may be slower still: each step is checked).
+_STEPS_PER_ROW_COST = 4.0
+
+StepTimer = Callable[[str, int], float]  # (precision, rows) -> seconds of one step
+
+
+def _step_timer(model: torch.nn.Module, seq_len: int, vocab_size: int, device: torch.device,
+                backward: bool) -> StepTimer:
+    """Times one forward(+backward) of `model` in fp32 or under bf16 autocast at `rows` x `seq_len`."""
+    gen = torch.Generator().manual_seed(0)
+
+    def time_step(name: str, rows: int) -> float:
+        x = torch.randint(0, vocab_size, (rows, seq_len), generator=gen).to(device)
+        ctx = contextlib.nullcontext() if name == "fp32" else torch.autocast(device.type, torch.bfloat16)
+        t0 = time.perf_counter()
+        with torch.set_grad_enabled(backward), ctx:
+            out = logits_of(model(x)).float().mean()
+        if backward:
+            out.backward()
+        return time.perf_counter() - t0
+
+    return time_step
 
 
 def bf16_step_speedup(model: torch.nn.Module, batch_size: int, seq_len: int, vocab_size: int,
@@ -28,35 +60,134 @@ def bf16_step_speedup(model: torch.nn.Module, batch_size: int, seq_len: int, voc
     1.1-1.2x, at its real 16 x 256 micro-batch 1.5x).
     Global RNG state is left untouched, so measuring never changes a run's random stream.
     """
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen).to(device)
     best = {"fp32": float("inf"), "bf16": float("inf")}
     with torch.random.fork_rng(devices=[]):
+        time_step = _step_timer(model, seq_len, vocab_size, device, backward)
         for name in ("fp32", "bf16") * (repeats + 1):  # the first pair warms up kernels
-            ctx = contextlib.nullcontext() if name == "fp32" else torch.autocast(device.type, torch.bfloat16)
-            t0 = time.perf_counter()
-            with torch.set_grad_enabled(backward), ctx:
-                out = logits_of(model(x)).float().mean()
-            if backward:
-                out.backward()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            best[name] = min(best[name], time_step(name, batch_size))
     model.zero_grad(set_to_none=True)
     return best["fp32"] / best["bf16"]
 
 
+@dataclass
+class Bf16Timing:
+    """What a bounded probe measured: the best fp32 and bf16 step at `rows` rows (inf: not timed)."""
+
+    rows: int
+    fp32_s: float
+    bf16_s: float
+    spent_s: float
+
+    @property
+    def complete(self) -> bool:
+        return self.fp32_s < float("inf") and self.bf16_s < float("inf")
+
+
+def time_bf16_bounded(time_step: StepTimer, batch_size: int, deadline_s: float,
+                      say: Callable[[str], object] = lambda _: None, seq_len: int = 0) -> Bf16Timing:
+    """Time bf16 against fp32 steps within about `deadline_s` seconds of step time.
+
+    An fp32 step of a single row warms fp32's kernels and a second prices a row; the rows timed are as many
+    of the micro-batch as a bf16 warm-up and an fp32/bf16 pair fit in what is left (fewer rows than the
+    run's favour fp32, since small shapes gain least from bf16: a conservative error). Pairs repeat while
+    time is left; before each step its cost is predicted and a step that would overrun is not started.
+    """
+    spent = time_step("fp32", 1)
+    per_row = spent
+    if spent < deadline_s / 4:  # the first call pays one-off costs (allocation, kernel choice): price again
+        per_row = time_step("fp32", 1)
+        spent += per_row
+    per_row = max(per_row, 1e-9)
+    rows = max(1, min(batch_size, int((deadline_s - spent) / (_STEPS_PER_ROW_COST * per_row))))
+    if rows < batch_size:
+        say(f"precision auto: a step of {batch_size} rows would overrun the {deadline_s:.1f} s deadline; "
+            f"timing {rows}x{seq_len} instead (fewer rows favour fp32)")
+    best = {"fp32": float("inf"), "bf16": float("inf")}
+    last = {"fp32": per_row * rows, "bf16": 1.5 * per_row * rows}
+    for name in ("bf16-warm",) + ("fp32", "bf16") * 3:
+        kind = name.split("-")[0]
+        if spent + last[kind] > deadline_s:
+            break
+        t = time_step(kind, rows)
+        spent += t
+        last[kind] = t
+        if name != "bf16-warm":
+            best[kind] = min(best[kind], t)
+    return Bf16Timing(rows, best["fp32"], best["bf16"], spent)
+
+
+def model_signature(model: torch.nn.Module) -> str:
+    """A short hash of the model's class, parameter names, shapes, dtypes and trainability."""
+    parts = [type(model).__name__] + [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
+                                      for n, p in model.named_parameters()]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def probe_deadline(max_time: float | None) -> float:
+    """Seconds the bf16 probe may take: DEADLINE_S, or BUDGET_FRACTION of a run's time budget if smaller."""
+    return DEADLINE_S if not max_time else min(DEADLINE_S, BUDGET_FRACTION * max_time)
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def resolve_precision(name: str, device: torch.device, model: torch.nn.Module | None = None,
                       batch_size: int = 1, seq_len: int = 128, vocab_size: int = 256,
-                      backward: bool = True) -> str:
-    """'auto' -> bf16 on a GPU that supports it; on a CPU, bf16 only where a step of this model
-    measures clearly faster in bf16 than in fp32 (fp32 when there is no model to measure)."""
+                      backward: bool = True, *, say: Callable[[str], object] = _stderr,
+                      deadline_s: float = DEADLINE_S, facts: CpuFacts | None = None,
+                      cache: ProbeCache | None = None, time_step: StepTimer | None = None) -> str:
+    """'auto' -> bf16 on a GPU that supports it; on a CPU, fp32 where it has no bf16 matrix units, else
+    bf16 only where a step of this model measures clearly faster in bf16 than in fp32 (fp32 when there
+    is no model to measure). A CPU decision is said in one line through `say`; a measurement is
+    announced before it starts, bounded by `deadline_s` and cached (`facts`, `cache` and `time_step`
+    replace the machine's facts, the cache file and the real step, for tests)."""
     if name != "auto":
         return name
     if device.type == "cuda":
         return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
     if model is None:
         return "fp32"
-    speedup = bf16_step_speedup(model, batch_size, seq_len, vocab_size, device, backward)
-    return "bf16" if speedup > 1.1 else "fp32"
+    facts = facts or cpu_facts()
+    if facts.bf16_units is False:
+        say(f"precision auto: fp32 (this CPU has no bf16 matrix units: {facts.capability})")
+        return "fp32"
+    cache = cache or ProbeCache()
+    shape = f"{batch_size}x{seq_len}"
+    key = ProbeCache.key("precision", **facts.key(), threads=torch.get_num_threads(),
+                         model=model_signature(model), batch=batch_size, seq_len=seq_len, backward=backward,
+                         device=device.type)
+    hit = cache.get(key)
+    if hit is not None and hit.get("verdict") in ("fp32", "bf16"):
+        say(f"precision auto: {hit['verdict']} (measured before on this machine at {shape}: "
+            f"{_times(hit.get('bf16_s'), hit.get('fp32_s'))}; cached in {cache.path})")
+        return hit["verdict"]
+    units = "bf16 matrix units" if facts.bf16_units else "no sign of bf16 matrix units either way"
+    say(f"precision auto: timing a bf16 and an fp32 {'training' if backward else 'forward'} step at "
+        f"{shape} on this CPU ({units}), at most {deadline_s:.1f} s ...")
+    with torch.random.fork_rng(devices=[]):
+        step = time_step or _step_timer(model, seq_len, vocab_size, device, backward)
+        timing = time_bf16_bounded(step, batch_size, deadline_s, say, seq_len)
+    model.zero_grad(set_to_none=True)
+    if not timing.complete:
+        say(f"precision auto: fp32 (one bf16 and one fp32 step at {timing.rows}x{seq_len} do not fit in "
+            f"{deadline_s:.1f} s)")
+        return "fp32"
+    verdict = "bf16" if timing.fp32_s / timing.bf16_s > SPEEDUP_NEEDED else "fp32"
+    stored = cache.put(key, {"verdict": verdict, "rows": timing.rows, "fp32_s": timing.fp32_s,
+                             "bf16_s": timing.bf16_s})
+    times = _times(timing.bf16_s, timing.fp32_s)
+    where = f"cached in {cache.path}" if stored else "not cached"
+    say(f"precision auto: {verdict} (a step at {timing.rows}x{seq_len}: {times}; probe "
+        f"{timing.spent_s:.1f} s; {where})")
+    return verdict
+
+
+def _times(bf16_s, fp32_s) -> str:
+    try:
+        return f"bf16 {bf16_s:.3f} s, fp32 {fp32_s:.3f} s, {fp32_s / bf16_s:.2f}x"
+    except (TypeError, ValueError, ZeroDivisionError):
+        return "times not recorded"
 
 
 @dataclass

@@ -148,10 +148,11 @@ def _data(cfg: Config, say: Callable[[str], object]) -> Iterator[Config]:
 
 
 @contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    """train.threads for the sweep only: the caller's thread count comes back afterwards."""
+def _threads(n: int | str | None) -> Iterator[None]:
+    """train.threads for the sweep only: the caller's thread count comes back afterwards (build_run
+    sets a count that `auto` measures)."""
     before = torch.get_num_threads()
-    if n:
+    if isinstance(n, int):
         torch.set_num_threads(n)
     try:
         yield
