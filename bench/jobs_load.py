@@ -44,7 +44,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from lmforge.api.server import server_process  # noqa: E402
+from lmforge.jobserver.server import server_process  # noqa: E402
 
 
 def recipe(name: str, threads: int) -> tuple[str, list[str]]:

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from lmforge.api.server import free_port, lock_workspace, server_process
 from lmforge.errors import LmforgeError
+from lmforge.jobserver.server import free_port, lock_workspace, server_process
 
 pytest.importorskip("uvicorn")
 

@@ -27,9 +27,9 @@ from lmforge.metrics.loggers import read_metrics
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from lmforge.api.runner import proc_start_time  # noqa: E402
-from lmforge.api.server import server_process  # noqa: E402
-from lmforge.api.store import Store  # noqa: E402
+from lmforge.jobserver.runner import proc_start_time  # noqa: E402
+from lmforge.jobserver.server import server_process  # noqa: E402
+from lmforge.jobserver.store import Store  # noqa: E402
 
 
 def make_token(ws: Path, user: str) -> str:

@@ -22,16 +22,16 @@ import pytest
 import yaml
 
 from conftest import CORPUS, TINY
-from lmforge.api.ray_backend import connect, ended_state, submission_id
-from lmforge.api.store import Job, Store
 from lmforge.config import load_config
 from lmforge.data import prepare
+from lmforge.jobserver.ray_backend import connect, ended_state, submission_id
+from lmforge.jobserver.store import Job, Store
 from lmforge.metrics.loggers import read_metrics
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from lmforge.api.server import free_port, server_process  # noqa: E402
+from lmforge.jobserver.server import free_port, server_process  # noqa: E402
 
 RAY = Path(sys.executable).with_name("ray")
 

@@ -255,7 +255,7 @@ def test_job_server_publishes_a_finished_adapter(runs, merged, tmp_path, monkeyp
 
     import yaml
 
-    from lmforge.api.server import server_process
+    from lmforge.jobserver.server import server_process
     from lmforge.serve import start_server
 
     ws = tmp_path / "ws"

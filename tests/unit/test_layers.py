@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("eval",),
     ("train",),
     ("tools", "compress"),
-    ("serve", "api"),
+    ("serve", "jobserver", "api"),  # api: jobserver's old name, an import alias for one release
     ("cli",),
     ("__main__", "__init__"),
 ]
@@ -148,10 +148,15 @@ def cycles(g) -> list[list[str]]:
             if len(comp) > 1:
                 out.append(sorted(comp))
 
-    sys.setrecursionlimit(10_000)
-    for v in g:
-        if v not in index:
-            visit(v)
+    # deep enough for the graph, and put back: a later test (a YAML nesting bound) reads the limit
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        for v in g:
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(limit)
     return out
 
 

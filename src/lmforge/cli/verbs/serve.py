@@ -8,7 +8,7 @@ import argparse
 from lmforge.cli.numbers import PORT, PREFIX_MB, SERVE_BATCH, THREADS, number, real, whole
 from lmforge.cli.verbs.base import GIGABYTES, Verb, config_args, quantized_args, run_path, weights_arg
 
-PROCS = whole(1, 1_000_000)  # the job server's process and thread bounds (api/limits.py: the same range)
+PROCS = whole(1, 1_000_000)  # the job server's process and thread bounds (jobserver/limits.py: same range)
 PREFIX_CACHE_MB = 256  # serve's default prefix-cache budget (lmforge.serve.PREFIX_CACHE_MB: the same)
 
 
@@ -120,7 +120,7 @@ def _server_args(p: argparse.ArgumentParser) -> None:
 
 
 def _server(args: argparse.Namespace) -> int:
-    from lmforge.api.server import serve_jobs, token_command
+    from lmforge.jobserver.server import serve_jobs, token_command
 
     if args.server_cmd == "token":
         token_command(args.token_action, args.workspace, user=getattr(args, "user", None),

@@ -1,4 +1,4 @@
-"""The small parent of every job process: `python -m lmforge.api.launch JOB_DIR`.
+"""The small parent of every job process: `python -m lmforge.jobserver.launch JOB_DIR`.
 
 It runs the command in JOB_DIR/launch.json with stdout / stderr appended to the job's logs, waits, and
 writes JOB_DIR/exit.json (the command's exit status) when it ends, then, for an export job that
@@ -25,7 +25,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from lmforge.api.procs import JOB_ENV, kill_all
+from lmforge.jobserver.procs import JOB_ENV, kill_all
 from lmforge.utils.io import atomic_write_json
 
 LAUNCH = "launch.json"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 DB_NAME = "server.db"
-LOCK_NAME = "server.lock"  # held by the one server that runs this workspace's jobs (api/server.py)
+LOCK_NAME = "server.lock"  # held by the one server that runs this workspace's jobs (jobserver/server.py)
 
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled", "interrupted")
 TERMINAL = frozenset({"succeeded", "failed", "cancelled", "interrupted"})

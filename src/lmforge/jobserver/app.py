@@ -9,16 +9,16 @@
     POST   /v1/jobs/{id}/cancel                 SIGTERM: a train job saves a checkpoint and stops
     POST   /v1/jobs/{id}/resume                 a cancelled / interrupted / failed train job continues
     POST   /v1/jobs/{id}/publish                a finished LoRA/DoRA job's adapter onto a running
-                                                `lmforge serve` (api/publish.py; with --publish-url)
+                                                `lmforge serve` (jobserver/publish.py; with --publish-url)
     DELETE /v1/jobs/{id}?artifacts=true         refused while it runs; artifacts=true removes its dir
     GET    /v1/jobs/{id}/artifacts[/{name}]     metrics.jsonl, curves.png, config.yaml, eval reports...
 
 Every /v1 route needs `Authorization: Bearer <token>`; a job of another user answers 404 exactly as a
 missing one does, so ids do not leak. Errors are {"error": {"message", "type", "param", "code"}}.
 
-Each area is an APIRouter built by a small function in api/routes/ from the shared state it is handed
+Each area is an APIRouter built by a small function in jobserver/routes/ from the shared state it is handed
 (JobsState, the token dependency, the publisher); this module only composes them. The HTTP edge (error
-shape, body limit, exception handlers) is api/http.py; the dashboard page is api/dashboard.py.
+shape, body limit, exception handlers) is jobserver/http.py; the dashboard page is jobserver/dashboard.py.
 """
 
 from __future__ import annotations
@@ -28,21 +28,21 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from lmforge.api.auth import RateLimiter
-from lmforge.api.confine import Confiner
-from lmforge.api.http import MAX_BODY_BYTES, BodyLimit, install_error_handlers
-from lmforge.api.limits import Limits
-from lmforge.api.progress import Progress
-from lmforge.api.publish import Publisher
-from lmforge.api.routes.artifacts import artifacts_router
-from lmforge.api.routes.auth import bearer_user
-from lmforge.api.routes.health import health_router
-from lmforge.api.routes.jobs import jobs_router
-from lmforge.api.routes.publish import publish_router
-from lmforge.api.routes.state import JobsState
-from lmforge.api.routes.watch import watch_router
-from lmforge.api.runner import Runner
-from lmforge.api.store import Store
+from lmforge.jobserver.auth import RateLimiter
+from lmforge.jobserver.confine import Confiner
+from lmforge.jobserver.http import MAX_BODY_BYTES, BodyLimit, install_error_handlers
+from lmforge.jobserver.limits import Limits
+from lmforge.jobserver.progress import Progress
+from lmforge.jobserver.publish import Publisher
+from lmforge.jobserver.routes.artifacts import artifacts_router
+from lmforge.jobserver.routes.auth import bearer_user
+from lmforge.jobserver.routes.health import health_router
+from lmforge.jobserver.routes.jobs import jobs_router
+from lmforge.jobserver.routes.publish import publish_router
+from lmforge.jobserver.routes.state import JobsState
+from lmforge.jobserver.routes.watch import watch_router
+from lmforge.jobserver.runner import Runner
+from lmforge.jobserver.store import Store
 
 __all__ = ["API_NICE", "MAX_BODY_BYTES", "create_app"]
 
@@ -89,7 +89,7 @@ def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tupl
     app.include_router(artifacts_router(state, user_of))
     app.include_router(watch_router(state, user_of))
 
-    from lmforge.api.dashboard import mount_dashboard  # the web page at /: a client of the routes above
+    from lmforge.jobserver.dashboard import mount_dashboard  # the web page at /: a client of the routes above
 
     mount_dashboard(app)
     return app

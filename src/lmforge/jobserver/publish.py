@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from lmforge.api.jobs import RequestError
 from lmforge.errors import LmforgeError
+from lmforge.jobserver.jobs import RequestError
 
 TIMEOUT_S = 300.0  # reading an adapter from a run dir loads its checkpoint
 

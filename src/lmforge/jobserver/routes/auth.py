@@ -1,5 +1,5 @@
 """Who is calling: the bearer-token dependency of every /v1 route (tokens are made by `lmforge server
-token create`; api/auth.py checks them)."""
+token create`; jobserver/auth.py checks them)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Awaitable, Callable
 from fastapi import Depends
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from lmforge.api.auth import authenticate
-from lmforge.api.jobs import RequestError
-from lmforge.api.store import Store
+from lmforge.jobserver.auth import authenticate
+from lmforge.jobserver.jobs import RequestError
+from lmforge.jobserver.store import Store
 
 
 def bearer_user(store: Store) -> Callable[..., Awaitable[str]]:

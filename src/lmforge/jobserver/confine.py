@@ -21,10 +21,10 @@ import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lmforge.api.store import DB_NAME, LOCK_NAME
 from lmforge.config.paths import OUTPUT, PATH_KEYS, PathKey, is_service_url, map_paths
 from lmforge.config.schema import Config
 from lmforge.errors import LmforgeError
+from lmforge.jobserver.store import DB_NAME, LOCK_NAME
 
 JOBS_DIR = "jobs"
 JOB_ID_RE = re.compile(r"^job-[0-9a-f]{16}$")

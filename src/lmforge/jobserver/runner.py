@@ -1,6 +1,6 @@
 """Jobs as processes: a FIFO queue, at most `max_running` at once, and re-attachment after a restart.
 
-Each job runs under `python -m lmforge.api.launch` (see launch.py) as the leader of a new process
+Each job runs under `python -m lmforge.jobserver.launch` (see launch.py) as the leader of a new process
 group: cancel is SIGTERM to that group (the trainer saves a checkpoint at the next step boundary and
 exits), a Ctrl-C at the server's terminal does not reach it, and the server can die without taking its
 jobs along. The group stays in the server's session on purpose: Linux's autogroup scheduling shares
@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from lmforge.api import procs
-from lmforge.api.launch import EXIT, LAUNCH, STDERR
-from lmforge.api.limits import GIB, Ask, Limits, OverAsk
-from lmforge.api.store import Job, Store
+from lmforge.jobserver import procs
+from lmforge.jobserver.launch import EXIT, LAUNCH, STDERR
+from lmforge.jobserver.limits import GIB, Ask, Limits, OverAsk
+from lmforge.jobserver.store import Job, Store
 from lmforge.utils.io import atomic_write_json
 
 POLL_S = 0.2
@@ -75,7 +75,7 @@ def launch_argv(job: Job) -> list[str]:
 
 def last_error(job_dir: Path) -> str | None:
     """The job's own error line (`lmforge <verb>: error: ...`) from its stderr, else its last line."""
-    from lmforge.api.progress import tail_lines
+    from lmforge.jobserver.progress import tail_lines
 
     lines = [ln for ln in tail_lines(job_dir / STDERR, 200) if ln.strip()]
     for ln in reversed(lines):
@@ -261,9 +261,9 @@ class Runner:
         """Why the job's saved config breaks the path rules now (None: it does not, or it is no train job)."""
         if self.confiner is None or job.kind != "train":
             return None
-        from lmforge.api.confine import ConfinementError
         from lmforge.config import load_config
         from lmforge.errors import ConfigError
+        from lmforge.jobserver.confine import ConfinementError
 
         own = lambda other: (j := self.store.get(other)) is not None and j.user == job.user  # noqa: E731
         try:
@@ -295,7 +295,7 @@ class Runner:
                     return True
                 # The mark finds every process of the job later (procs.py); the thread count is its share.
                 env = {**os.environ, procs.JOB_ENV: job.id, "OMP_NUM_THREADS": str(ask.threads)}
-                proc = subprocess.Popen([sys.executable, "-m", "lmforge.api.launch", str(d)], cwd=d,
+                proc = subprocess.Popen([sys.executable, "-m", "lmforge.jobserver.launch", str(d)], cwd=d,
                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, process_group=0, env=env)
                 self._procs[job.id] = proc

@@ -42,7 +42,7 @@ def _finite(option: str, value: object, low: float, high: float) -> float:
 def lock_workspace(ws: Path) -> PidLock:
     """The workspace's server lock, held for the server's life: a second server over the same server.db
     would run every queued job twice. Refused naming the holder (the lock dies with it, kill -9 too)."""
-    from lmforge.api.store import LOCK_NAME
+    from lmforge.jobserver.store import LOCK_NAME
 
     ws.mkdir(parents=True, exist_ok=True)
     return PidLock.acquire(ws / LOCK_NAME, lambda holder: LmforgeError(
@@ -62,10 +62,10 @@ def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_ru
     first, then the workspace is locked: nothing starts on a bad option or a workspace already served."""
     import uvicorn
 
-    from lmforge.api.app import create_app
-    from lmforge.api.limits import Limits
-    from lmforge.api.runner import Runner
-    from lmforge.api.store import Store
+    from lmforge.jobserver.app import create_app
+    from lmforge.jobserver.limits import Limits
+    from lmforge.jobserver.runner import Runner
+    from lmforge.jobserver.store import Store
 
     _whole("--port", port, 1, 65535)
     _whole("--max-running", max_running, 1, 10_000)
@@ -81,7 +81,7 @@ def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_ru
             raise LmforgeError(f"--allow-root {r} is not a directory")
     publisher = None
     if publish_urls:
-        from lmforge.api.publish import Publisher
+        from lmforge.jobserver.publish import Publisher
 
         publisher = Publisher(publish_urls, publish_key or os.environ.get("LMFORGE_ADMIN_KEY"))
     elif publish_key:
@@ -91,7 +91,7 @@ def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_ru
     lock = lock_workspace(ws)
     try:
         if backend == "ray":
-            from lmforge.api.ray_backend import RayBackend
+            from lmforge.jobserver.ray_backend import RayBackend
 
             ray = RayBackend(ray_address, num_gpus=ray_gpus)
             # Its own connection to server.db (the app opens another; SQLite serialises the two writers).
@@ -112,8 +112,8 @@ def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_ru
 
 def token_command(action: str, workspace: str, user: str | None = None, token_id: str | None = None) -> None:
     """`lmforge server token create|list|revoke`."""
-    from lmforge.api.auth import create_token, revoke_token
-    from lmforge.api.store import Store
+    from lmforge.jobserver.auth import create_token, revoke_token
+    from lmforge.jobserver.store import Store
 
     store = Store(_workspace(workspace))
     try:

@@ -20,9 +20,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse
 
-from lmforge.api.jobs import RequestError, build_job, parse_request
-from lmforge.api.routes.state import JobsState
-from lmforge.api.store import RESUMABLE, STATUSES, TERMINAL
+from lmforge.jobserver.jobs import RequestError, build_job, parse_request
+from lmforge.jobserver.routes.state import JobsState
+from lmforge.jobserver.store import RESUMABLE, STATUSES, TERMINAL
 
 _CREATE_BODY = {"requestBody": {"content": {
     "application/json": {"schema": {"type": "object", "properties": {

@@ -17,8 +17,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from lmforge.api.store import Store
 from lmforge.errors import LmforgeError
+from lmforge.jobserver.store import Store
 
 USER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TOKEN_RE = re.compile(r"^lmf_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")

@@ -16,10 +16,10 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 
-from lmforge.api.confine import ConfinementError, check_artifact_name, resolve_inside
-from lmforge.api.jobs import RequestError
-from lmforge.api.launch import STDERR, STDOUT
-from lmforge.api.routes.state import JobsState
+from lmforge.jobserver.confine import ConfinementError, check_artifact_name, resolve_inside
+from lmforge.jobserver.jobs import RequestError
+from lmforge.jobserver.launch import STDERR, STDOUT
+from lmforge.jobserver.routes.state import JobsState
 
 # Run-dir entries that are not artifacts: weights are exported by an export job, data is shared input.
 _NOT_ARTIFACTS = {"checkpoints", "data", "tensorboard"}

@@ -12,7 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from lmforge.api.jobs import RequestError
+from lmforge.jobserver.jobs import RequestError
 
 MAX_BODY_BYTES = 1 << 20
 

@@ -1,4 +1,4 @@
-"""The job server's routes, one APIRouter per area; api/app.py `create_app` composes them.
+"""The job server's routes, one APIRouter per area; jobserver/app.py `create_app` composes them.
 
     state.py      JobsState: what every route shares (store, runner, confiner, limits, ...), passed in
     auth.py       the bearer-token dependency every /v1 route takes
@@ -8,5 +8,5 @@
     artifacts.py  a job's files: the list and one file's bytes
     publish.py    a finished adapter onto a running `lmforge serve`
 
-The dashboard (the page at / and /static) is api/dashboard.py.
+The dashboard (the page at / and /static) is jobserver/dashboard.py.
 """

@@ -20,10 +20,6 @@ from typing import Any
 
 import yaml
 
-from lmforge.api.confine import ConfinementError, Confiner, check_job_id
-from lmforge.api.limits import GIB, PROCESS_BASE_BYTES, Ask, Limits, OverAsk, memory_floor
-from lmforge.api.progress import Progress, eta_seconds
-from lmforge.api.store import RESUMABLE, Job
 from lmforge.config.load import (
     _key_lines,
     check_nesting,
@@ -33,6 +29,10 @@ from lmforge.config.load import (
     save_config,
 )
 from lmforge.errors import ConfigError, LmforgeError
+from lmforge.jobserver.confine import ConfinementError, Confiner, check_job_id
+from lmforge.jobserver.limits import GIB, PROCESS_BASE_BYTES, Ask, Limits, OverAsk, memory_floor
+from lmforge.jobserver.progress import Progress, eta_seconds
+from lmforge.jobserver.store import RESUMABLE, Job
 
 KINDS = ("train", "eval", "generate", "export")
 MAX_SETS = 200

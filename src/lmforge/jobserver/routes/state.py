@@ -6,13 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lmforge.api.auth import RateLimiter
-from lmforge.api.confine import ConfinementError, Confiner, check_job_id
-from lmforge.api.jobs import RequestError, job_json
-from lmforge.api.limits import Limits
-from lmforge.api.progress import Progress
-from lmforge.api.runner import Runner
-from lmforge.api.store import Job, Store
+from lmforge.jobserver.auth import RateLimiter
+from lmforge.jobserver.confine import ConfinementError, Confiner, check_job_id
+from lmforge.jobserver.jobs import RequestError, job_json
+from lmforge.jobserver.limits import Limits
+from lmforge.jobserver.progress import Progress
+from lmforge.jobserver.runner import Runner
+from lmforge.jobserver.store import Job, Store
 
 
 @dataclass

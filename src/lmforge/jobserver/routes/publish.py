@@ -1,5 +1,5 @@
 """POST /v1/jobs/{id}/publish: a finished LoRA/DoRA job's adapter onto a running `lmforge serve` (one of
-the job server's --publish-url; api/publish.py does the call)."""
+the job server's --publish-url; jobserver/publish.py does the call)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from lmforge.api.jobs import RequestError
-from lmforge.api.publish import Publisher
-from lmforge.api.routes.state import JobsState
+from lmforge.jobserver.jobs import RequestError
+from lmforge.jobserver.publish import Publisher
+from lmforge.jobserver.routes.state import JobsState
 
 
 def publish_router(state: JobsState, user_of: Callable, publisher: Publisher | None) -> APIRouter:

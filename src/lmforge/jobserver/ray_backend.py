@@ -2,7 +2,7 @@
 
 The server keeps its queue (`--max-running`), its store and its routes; only where a job's process runs
 changes. Each start is one Ray job whose entrypoint is the same launcher the local runner starts
-(`python -m lmforge.api.launch JOB_DIR`), so the job writes its logs, metrics, checkpoints and exit.json
+(`python -m lmforge.jobserver.launch JOB_DIR`), so the job writes its logs, metrics, checkpoints and exit.json
 into its dir in the workspace exactly as a local job does, and the server reads them from there. That
 is why the workspace must be a filesystem every Ray node mounts at the same path (NFS, Lustre, a shared
 volume), and why the nodes need lmforge at the server's interpreter path (the same image or venv): no
@@ -25,9 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-from lmforge.api.launch import EXIT
-from lmforge.api.store import Job
 from lmforge.errors import LmforgeError
+from lmforge.jobserver.launch import EXIT
+from lmforge.jobserver.store import Job
 
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 STOP_GRACE_S = 120
@@ -120,7 +120,8 @@ class RayBackend:
         n = max(1, job.nproc)
         try:
             self.client.submit_job(
-                entrypoint=shlex.join([sys.executable, "-m", "lmforge.api.launch", str(job_dir.resolve())]),
+                entrypoint=shlex.join([sys.executable, "-m", "lmforge.jobserver.launch",
+                                       str(job_dir.resolve())]),
                 submission_id=sid, runtime_env={"env_vars": env},
                 entrypoint_num_cpus=self.num_cpus * n, entrypoint_num_gpus=self.num_gpus * n or None,
                 metadata={"lmforge_job": job.id, "user": job.user, "kind": job.kind})

@@ -14,10 +14,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 
-from lmforge.api.launch import STDERR, STDOUT
-from lmforge.api.progress import Tail, tail_lines
-from lmforge.api.routes.state import JobsState
-from lmforge.api.store import TERMINAL, Job
+from lmforge.jobserver.launch import STDERR, STDOUT
+from lmforge.jobserver.progress import Tail, tail_lines
+from lmforge.jobserver.routes.state import JobsState
+from lmforge.jobserver.store import TERMINAL, Job
 
 SSE_POLL_S = 0.25
 
