@@ -1,5 +1,5 @@
 """Hostile-input cases of the job server's verb and of the run-dir protection (wave 3, jobs): every
-numeric option of `lmforge server` out of range or not finite (refused before anything starts), and runs
+numeric option of `lmforge jobs` out of range or not finite (refused before anything starts), and runs
 whose run.dir is one of their own inputs (a teacher, adapters to start from, the principles a
 constitution run reads): refused, the input intact."""
 
@@ -11,7 +11,7 @@ from caselib import CHAT, Case, S, both, common, write
 
 
 def _server(*opts: str):
-    return lambda ws: ["server", "--workspace", str(ws / "srv"), *opts]
+    return lambda ws: ["jobs", "--workspace", str(ws / "srv"), *opts]
 
 
 _NUMBERS = [

@@ -43,7 +43,7 @@ def _playwright():
 
 
 def _token(ws: Path, user: str) -> str:
-    cmd = [sys.executable, "-m", "lmforge", "server", "token", "create", "--workspace", str(ws),
+    cmd = [sys.executable, "-m", "lmforge", "jobs", "token", "create", "--workspace", str(ws),
            "--user", user]
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
 

@@ -1,4 +1,4 @@
-"""The routes of `lmforge server`: a REST job API (OpenAPI at /docs) a dashboard can be a thin page over.
+"""The routes of `lmforge jobs`: a REST job API (OpenAPI at /docs) a dashboard can be a thin page over.
 
     GET    /health                              no token needed
     POST   /v1/jobs                             create (train / eval / generate / export); 201
@@ -78,7 +78,7 @@ def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tupl
 
     app = FastAPI(title="lmforge job server", version="1", lifespan=lifespan,
                   description="Submit, watch, stop and resume lmforge runs. Every /v1 route needs a bearer "
-                  "token from `lmforge server token create`.")
+                  "token from `lmforge jobs token create`.")
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     app.state.store, app.state.runner, app.state.workspace = store, runner, workspace
     install_error_handlers(app)

@@ -1,4 +1,4 @@
-"""Who is calling: bearer tokens (made by `lmforge server token create`, stored hashed) and the per-user
+"""Who is calling: bearer tokens (made by `lmforge jobs token create`, stored hashed) and the per-user
 token bucket that limits job creation.
 
 A token reads `lmf_<id>_<secret>`: the id (public, 12 hex digits) finds the row, the secret (32 random
@@ -49,7 +49,7 @@ def revoke_token(store: Store, token_id: str) -> None:
     m = _TOKEN_RE.match(token_id)
     token_id = m.group(1) if m else token_id
     if not store.revoke_token(token_id):
-        raise LmforgeError(f"no active token with id {token_id!r}; `lmforge server token list` shows them")
+        raise LmforgeError(f"no active token with id {token_id!r}; `lmforge jobs token list` shows them")
 
 
 def authenticate(store: Store, header: str | None) -> str | None:

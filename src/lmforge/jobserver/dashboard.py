@@ -1,4 +1,4 @@
-"""The dashboard of `lmforge server`: one static page (static/index.html, app.js, app.css and a vendored
+"""The dashboard of `lmforge jobs`: one static page (static/index.html, app.js, app.css and a vendored
 uPlot 1.6.32, MIT) that is a thin client of the job API.
 
 The page and its files need no token: they hold no data. The page asks for a bearer token, keeps it in

@@ -75,7 +75,7 @@ def main(job_dir: str) -> int:
         job = os.environ.get(JOB_ENV)
         strays = kill_all(job) if job else 0
         if strays:
-            err.write(f"lmforge server: {strays} process(es) of the job outlived its command "
+            err.write(f"lmforge jobs: {strays} process(es) of the job outlived its command "
                       f"(exit {code}) and were stopped\n".encode())
     archive = spec.get("archive")
     if code == 0 and archive:
@@ -83,7 +83,7 @@ def main(job_dir: str) -> int:
             zip_dir(d / archive["src"], d / archive["dst"])
         except OSError as e:
             with open(d / STDERR, "a", encoding="utf-8") as f:
-                f.write(f"lmforge server: error: cannot pack {archive['src']}: {e}\n")
+                f.write(f"lmforge jobs: error: cannot pack {archive['src']}: {e}\n")
             code = 2
     atomic_write_json(d / EXIT, {"code": code, "signals": got, "strays": strays, "finished_at": time.time()})
     return 0

@@ -1,7 +1,7 @@
 """POST /v1/jobs/{id}/publish {"server_url", "lora_name"}: a finished LoRA / DoRA train job's adapter
 onto a running `lmforge serve`, through that server's admin route /v1/load_lora_adapter (vLLM's shape).
 
-The operator names the model servers this job server may publish to (`lmforge server --publish-url
+The operator names the model servers this job server may publish to (`lmforge jobs --publish-url
 URL`, repeatable) and holds their admin key (`--publish-key`, default $LMFORGE_ADMIN_KEY): a user
 names one of those URLs, never an address of their own choosing, so the key goes nowhere else and the
 job server cannot be made to call arbitrary hosts. The model server reads the adapter from the job's

@@ -1,4 +1,4 @@
-"""Jobs on a Ray cluster through the Ray Jobs API: `lmforge server --backend ray --ray-address URL`.
+"""Jobs on a Ray cluster through the Ray Jobs API: `lmforge jobs --backend ray --ray-address URL`.
 
 The server keeps its queue (`--max-running`), its store and its routes; only where a job's process runs
 changes. Each start is one Ray job whose entrypoint is the same launcher the local runner starts
@@ -161,13 +161,13 @@ class RayBackend:
         try:
             self.client.stop_job(submission_id(job))
         except (RuntimeError, OSError) as e:
-            print(f"lmforge server: cannot stop Ray job {submission_id(job)}: {e}", file=sys.stderr,
+            print(f"lmforge jobs: cannot stop Ray job {submission_id(job)}: {e}", file=sys.stderr,
                   flush=True)
 
     def _unreachable(self, e: Exception) -> None:
         """Keep the job running while Ray cannot be asked; say so at most once a minute."""
         if time.monotonic() - self._warned > 60:
             self._warned = time.monotonic()
-            print(f"lmforge server: cannot ask Ray at {self.address} about jobs: {e}", file=sys.stderr,
+            print(f"lmforge jobs: cannot ask Ray at {self.address} about jobs: {e}", file=sys.stderr,
                   flush=True)
         return None

@@ -158,7 +158,7 @@ class Runner:
             try:
                 self._tick()
             except Exception as e:  # noqa: BLE001 - the runner must outlive one bad tick (a full disk)
-                print(f"lmforge server: runner error: {e!r}", file=sys.stderr)
+                print(f"lmforge jobs: runner error: {e!r}", file=sys.stderr)
             self._wake.wait(POLL_S)
             self._wake.clear()
 
@@ -254,7 +254,7 @@ class Runner:
                 os.kill(p.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        print(f"lmforge server: stopped job {job.id}: {reason}", file=sys.stderr, flush=True)
+        print(f"lmforge jobs: stopped job {job.id}: {reason}", file=sys.stderr, flush=True)
 
     # -- one job --------------------------------------------------------------------------------------
     def _refused_now(self, job: Job) -> str | None:

@@ -1,4 +1,4 @@
-"""`lmforge server`: start the job server, and the `token` subcommands that manage who may use it."""
+"""`lmforge jobs`: start the job server, and the `token` subcommands that manage who may use it."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_ru
         app = create_app(ws, max_running=max_running, allow_roots=tuple(allow_roots), runner=runner,
                          limits=lim, jobs_per_minute=jobs_per_minute, job_burst=job_burst,
                          max_body_bytes=max_body_bytes, publisher=publisher)
-        print(f"lmforge server: http://{host}:{port} (API docs at /docs), workspace {ws}, {max_running} "
+        print(f"lmforge jobs: http://{host}:{port} (API docs at /docs), workspace {ws}, {max_running} "
               f"job(s) at a time, {where}; a job may ask {lim.max_procs_per_job} process(es), "
               f"{lim.max_threads_per_job} thread(s), {lim.max_memory_per_job / (1 << 30):.1f} GiB; all jobs "
               f"together {lim.max_procs} process(es), {lim.max_memory / (1 << 30):.1f} GiB",
@@ -111,7 +111,7 @@ def serve_jobs(workspace: str, host: str = "127.0.0.1", port: int = 8080, max_ru
 
 
 def token_command(action: str, workspace: str, user: str | None = None, token_id: str | None = None) -> None:
-    """`lmforge server token create|list|revoke`."""
+    """`lmforge jobs token create|list|revoke`."""
     from lmforge.jobserver.auth import create_token, revoke_token
     from lmforge.jobserver.store import Store
 
@@ -129,7 +129,7 @@ def token_command(action: str, workspace: str, user: str | None = None, token_id
                 print(f"{t['id']}  {t['user']:<20}  {state:<8}  created {made}")
         elif action == "revoke":
             if not token_id:
-                raise LmforgeError("give the token's id (`lmforge server token list` shows them)")
+                raise LmforgeError("give the token's id (`lmforge jobs token list` shows them)")
             revoke_token(store, token_id)
             print(f"revoked {token_id}")
     finally:
@@ -153,11 +153,11 @@ class ServerProcess:
 @contextlib.contextmanager
 def server_process(workspace: str | Path, *extra: str, port: int | None = None,
                    timeout: float = 60.0) -> Iterator[ServerProcess]:
-    """Start `lmforge server --workspace ...` on localhost, wait for /health, stop it (SIGTERM) at the end."""
+    """Start `lmforge jobs --workspace ...` on localhost, wait for /health, stop it (SIGTERM) at the end."""
     import httpx
 
     port = port or free_port()
-    cmd = [sys.executable, "-m", "lmforge", "server", "--workspace", str(workspace), "--port", str(port),
+    cmd = [sys.executable, "-m", "lmforge", "jobs", "--workspace", str(workspace), "--port", str(port),
            *extra]
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"

@@ -1,7 +1,7 @@
 """The job server's state in one SQLite file (<workspace>/server.db): tokens and jobs.
 
 WAL journal so that readers (the API's many GETs) never wait for the writer; one connection per
-`Store`, guarded by a lock, so the server is the one writer (the `lmforge server token` CLI writes
+`Store`, guarded by a lock, so the server is the one writer (the `lmforge jobs token` CLI writes
 from its own process, which SQLite serialises with a busy timeout). Every status change is a row
 update; nothing lives only in memory, so a restarted server finds every job where it was.
 """

@@ -1,5 +1,6 @@
-"""Verbs that serve: `serve` (an OpenAI-compatible server for one model) and `server` (the REST job server
-that trains, evaluates and exports on request, and its bearer tokens)."""
+"""Verbs that serve: `serve` (an OpenAI-compatible server for one model) and `jobs` (the REST job server
+that trains, evaluates and exports on request, and its bearer tokens; `server` was its name until this
+release, one letter from `serve`: lmforge.cli.verbs.RENAMED keeps it working for one more)."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _server_args(p: argparse.ArgumentParser) -> None:
+def _jobs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workspace", help="the server's dir: server.db (jobs, token hashes) and jobs/<id>/")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=number(whole(1, 65535)), default=8080, help="TCP port to listen on")
@@ -119,7 +120,7 @@ def _server_args(p: argparse.ArgumentParser) -> None:
             a.add_argument("token_id", help="the token's id (or the whole token)")
 
 
-def _server(args: argparse.Namespace) -> int:
+def _jobs(args: argparse.Namespace) -> int:
     from lmforge.jobserver.server import serve_jobs, token_command
 
     if args.server_cmd == "token":
@@ -138,5 +139,5 @@ def _server(args: argparse.Namespace) -> int:
 
 SERVE = Verb("serve", "an OpenAI-compatible HTTP server (completions, chat, streaming) for a run or "
              "checkpoint", _serve_args, _serve)
-SERVER = Verb("server", "a REST job server: submit, watch (SSE), cancel, resume and download runs with "
-              "bearer tokens (`server token create`); OpenAPI docs at /docs", _server_args, _server)
+JOBS = Verb("jobs", "a REST job server: submit, watch (SSE), cancel, resume and download runs with "
+            "bearer tokens (`jobs token create`); OpenAPI docs at /docs", _jobs_args, _jobs)

@@ -105,7 +105,7 @@ function setToken(token) {
 async function useToken(ev) {
   ev.preventDefault();
   const token = $('token').value.trim();
-  if (!token) return say('enter a bearer token (`lmforge server token create --user NAME` prints one)');
+  if (!token) return say('enter a bearer token (`lmforge jobs token create --user NAME` prints one)');
   setToken(token);
   $('token').value = '';
   try {
