@@ -16,8 +16,8 @@ import torch
 from conftest import CORPUS, TINY, tiny_overrides
 from lmforge.config import load_config
 from lmforge.errors import LmforgeError
-from lmforge.eval.entry import load_run
 from lmforge.eval.generate import generate
+from lmforge.eval.open_run import load_run
 from lmforge.finetune.export import export_adapter
 from lmforge.finetune.lora import merge_lora
 from lmforge.serve.engine import SamplingParams

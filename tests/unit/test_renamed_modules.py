@@ -52,3 +52,18 @@ def test_lmforge_api_is_an_alias_of_jobserver():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
     warned = [line for line in r.stderr.splitlines() if "DeprecationWarning" in line]
     assert len(warned) == 1 and "lmforge.api is renamed lmforge.jobserver" in warned[0], r.stderr
+
+
+def test_eval_entry_is_open_run(monkeypatch):
+    import importlib
+
+    import lmforge.eval.open_run as open_run
+
+    monkeypatch.delitem(sys.modules, "lmforge.eval.entry", raising=False)
+    with pytest.warns(DeprecationWarning, match="lmforge.eval.entry is renamed lmforge.eval.open_run"):
+        entry = importlib.import_module("lmforge.eval.entry")
+    assert entry is open_run
+    from lmforge.eval.entry import chat_template_of, evaluate, generate_text, load_run
+
+    assert (evaluate, generate_text, load_run, chat_template_of) == (
+        open_run.evaluate, open_run.generate_text, open_run.load_run, open_run.chat_template_of)
