@@ -18,7 +18,7 @@ from lmforge.config import load_config
 from lmforge.errors import LmforgeError
 from lmforge.eval.generate import generate
 from lmforge.eval.open_run import load_run
-from lmforge.finetune.export import export_adapter
+from lmforge.export.hf import export_adapter
 from lmforge.finetune.lora import merge_lora
 from lmforge.serve.engine import SamplingParams
 from lmforge.train.trainer import train

@@ -28,6 +28,7 @@ API_ALIAS = textwrap.dedent("""
     from lmforge.api.routes.jobs import jobs_router
     import lmforge.api.routes.auth
     assert lmforge.api.routes.auth is sys.modules["lmforge.jobserver.routes.auth"]
+    import lmforge.api.dashboard
     static = lmforge.api.dashboard.STATIC
     assert static.name == "static" and (static / "index.html").is_file()
     try:
@@ -67,3 +68,36 @@ def test_eval_entry_is_open_run(monkeypatch):
 
     assert (evaluate, generate_text, load_run, chat_template_of) == (
         open_run.evaluate, open_run.generate_text, open_run.load_run, open_run.chat_template_of)
+
+
+EXPORT_ALIASES = textwrap.dedent("""
+    import warnings
+    warnings.simplefilter("always")
+    import lmforge.finetune.export as old_hf
+    from lmforge.finetune import kquants
+    from lmforge.finetune.gguf import _choose, export_gguf
+    from lmforge.finetune.gguf_arch import families
+    import lmforge.finetune.gguf_arch.llama
+    from lmforge.finetune.gguf_vocab import read_vocab
+    from lmforge.finetune.ollama import modelfile_text
+    import lmforge.export.gguf as gguf, lmforge.export.gguf_arch as arch, lmforge.export.hf as hf
+    import lmforge.export.gguf_vocab as vocab, lmforge.export.kquants as kq, lmforge.export.ollama as ollama
+    assert old_hf is hf and kquants is kq and (_choose, export_gguf) == (gguf._choose, gguf.export_gguf)
+    assert families is arch.families and read_vocab is vocab.read_vocab
+    assert modelfile_text is ollama.modelfile_text
+    assert lmforge.finetune.gguf_arch.llama is arch.llama is families()["llama"]
+    assert arch.__spec__.name == "lmforge.export.gguf_arch"
+    assert arch.llama.__name__ == "lmforge.export.gguf_arch.llama"
+    print("ok")
+""")
+
+
+def test_the_exporters_old_paths_are_the_export_package():
+    """finetune/export.py and the GGUF writers moved to lmforge.export (a run of any kind is exported, not
+    only a fine-tuned one); each old path is the new module, gguf_arch's submodules included."""
+    r = subprocess.run([sys.executable, "-c", EXPORT_ALIASES], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+    warned = sorted(line.split("DeprecationWarning: ")[1].split(" is renamed")[0]
+                    for line in r.stderr.splitlines() if "DeprecationWarning" in line)
+    old = ("export", "gguf", "gguf_arch", "gguf_vocab", "kquants", "ollama")
+    assert warned == [f"lmforge.finetune.{m}" for m in old], r.stderr

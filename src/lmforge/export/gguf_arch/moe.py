@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from lmforge.errors import LmforgeError
-from lmforge.finetune.gguf_arch.common import Context, Planned, llama_metadata, mapped, permute_rope_rows
+from lmforge.export.gguf_arch.common import Context, Planned, llama_metadata, mapped, permute_rope_rows
 
 ARCHES = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from lmforge.errors import LmforgeError
-from lmforge.finetune.gguf_arch.common import Context, Planned
+from lmforge.export.gguf_arch.common import Context, Planned
 
 ARCHES = {"gpt_oss": "gpt-oss"}
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lmforge.errors import LmforgeError
-from lmforge.finetune.gguf_arch.common import Context, Planned, context_length
+from lmforge.export.gguf_arch.common import Context, Planned, context_length
 from lmforge.models.hf.deepseek import LATENT_NORM_EPS
 
 ARCHES = {"deepseek_v3": "deepseek2"}

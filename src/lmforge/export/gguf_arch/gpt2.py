@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.errors import LmforgeError
-from lmforge.finetune.gguf_arch.common import Context, Planned, mapped
+from lmforge.export.gguf_arch.common import Context, Planned, mapped
 
 ARCHES = {"gpt2": "gpt2"}
 _CONV1D = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from lmforge.errors import LmforgeError
-from lmforge.finetune.gguf_arch.common import Context, Planned, context_length, mapped
+from lmforge.export.gguf_arch.common import Context, Planned, context_length, mapped
 
 ARCHES = {"phi3": "phi3"}
 

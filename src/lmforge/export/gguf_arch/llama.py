@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.errors import LmforgeError
-from lmforge.finetune.gguf_arch.common import Context, llama_metadata, mapped, permute_rope_rows
+from lmforge.export.gguf_arch.common import Context, llama_metadata, mapped, permute_rope_rows
 
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 

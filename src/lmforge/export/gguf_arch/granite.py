@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.errors import LmforgeError
-from lmforge.finetune.gguf_arch.common import Context, llama_metadata, mapped, permute_rope_rows
+from lmforge.export.gguf_arch.common import Context, llama_metadata, mapped, permute_rope_rows
 
 ARCHES = {"granite": "granite"}
 # config.json key -> gguf-py writer method; transformers' GraniteConfig defaults when a key is absent

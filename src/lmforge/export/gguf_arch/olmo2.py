@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.errors import LmforgeError
-from lmforge.finetune.gguf_arch.common import Context, Planned, llama_metadata, mapped
+from lmforge.export.gguf_arch.common import Context, Planned, llama_metadata, mapped
 
 ARCHES = {"olmo2": "olmo2"}
 

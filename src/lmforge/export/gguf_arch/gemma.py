@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from lmforge.errors import LmforgeError
-from lmforge.finetune.gguf_arch.common import Context, mapped, rope_keys
+from lmforge.export.gguf_arch.common import Context, mapped, rope_keys
 
 ARCHES = {"gemma2": "gemma2", "gemma3_text": "gemma3"}
 # llama.cpp's graphs take the 27B models' attention scale from hidden / heads, else from head_dim

@@ -18,7 +18,7 @@ class Context:
     writer: Any                  # gguf.GGUFWriter
     cfg: dict[str, Any]          # the Hugging Face config.json
     arch: str                    # llama.cpp architecture name
-    tensors: Any                 # finetune.gguf._Tensors: names, shapes, one tensor at a time
+    tensors: Any                 # export.gguf._Tensors: names, shapes, one tensor at a time
     say: Callable[..., None]
     extra: dict[str, Any] = field(default_factory=dict)  # what metadata() leaves for plan()
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from lmforge.errors import LmforgeError
-from lmforge.finetune.gguf_arch.common import Context, llama_metadata, mapped
-from lmforge.finetune.gguf_arch.granite import rope_pairs
+from lmforge.export.gguf_arch.common import Context, llama_metadata, mapped
+from lmforge.export.gguf_arch.granite import rope_pairs
 
 ARCHES = {"smollm3": "smollm3"}
 LLAMA_CPP_NOPE_STEP = 4  # llama.cpp's hparams.n_no_rope_layer_step for smollm3, fixed
