@@ -10,7 +10,7 @@ import json
 from caselib import CHAT, Case, S, both, common, write
 
 
-def _server(*opts: str):
+def _jobs(*opts: str):
     return lambda ws: ["jobs", "--workspace", str(ws / "srv"), *opts]
 
 
@@ -41,7 +41,7 @@ def _chat(ws) -> str:
 _PRINCIPLES = "- {name: p, critique: 'Point out a flaw.', revision: 'Rewrite it better.'}\n"
 
 CASES: list[Case] = [
-    *(Case(f"server {' '.join(opts)}", _server(*opts), match=match) for opts, match in _NUMBERS),
+    *(Case(f"jobs {' '.join(opts)}", _jobs(*opts), match=match) for opts, match in _NUMBERS),
     Case(
         "distill whose teacher is its own run dir, overwritten",
         lambda ws: ["distill", *common(ws), *S(f"distill.teacher={ws / 'run'}", "run.overwrite=true",
