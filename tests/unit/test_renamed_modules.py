@@ -101,3 +101,13 @@ def test_the_exporters_old_paths_are_the_export_package():
                     for line in r.stderr.splitlines() if "DeprecationWarning" in line)
     old = ("export", "gguf", "gguf_arch", "gguf_vocab", "kquants", "ollama")
     assert warned == [f"lmforge.finetune.{m}" for m in old], r.stderr
+
+
+def test_the_warning_names_the_line_that_imports_the_old_path():
+    """Python shows a DeprecationWarning by default only where __main__ triggers it: the warning points past
+    the alias and the import system at the importing line, so a script's author sees it with no flags."""
+    r = subprocess.run([sys.executable, "-c", "import lmforge.finetune.ollama"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("<string>:1: DeprecationWarning: lmforge.finetune.ollama is renamed "
+                               "lmforge.export.ollama"), r.stderr

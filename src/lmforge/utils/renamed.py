@@ -51,6 +51,8 @@ _FINDER = _Finder()
 
 def renamed(old: str, new: str, package: bool = False) -> ModuleType:
     """Make the module being imported as `old` the module `new` (call it as a module's only statement)."""
+    # stacklevel 3: the line that imported the old path (warn() skips the import system's own frames), so
+    # Python shows it by default when that line is in __main__
     warnings.warn(f"{old} is renamed {new}; import {new} instead ({old} goes after this release)",
                   DeprecationWarning, stacklevel=3)
     module = importlib.import_module(new)
