@@ -252,7 +252,7 @@ def part_engines(args) -> list[dict]:
 def part_batch(args) -> list[dict]:
     from lmforge.config import ModelConfig
     from lmforge.data.tokenizer import Tokenizer
-    from lmforge.eval.entry import load_run
+    from lmforge.eval.open_run import load_run
     from lmforge.models import Transformer
     from lmforge.serve.engine import Engine, SamplingParams
     from lmforge.serve.grammar import json_grammar

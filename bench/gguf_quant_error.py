@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lmforge.checkpoint.runs import run_config, run_tokenizer_file  # noqa: E402
 from lmforge.cli import main as cli  # noqa: E402
 from lmforge.data.tokenizer import Tokenizer  # noqa: E402
-from lmforge.finetune import kquants  # noqa: E402
+from lmforge.export import kquants  # noqa: E402
 from lmforge.finetune.setup import load_merged  # noqa: E402
 
 TEXT = '''def fibonacci(n):

@@ -3,7 +3,7 @@
     .venv/bin/python bench/jobs_load.py                    # demo model, 200 req/s, 3 rounds of 30 s + 30 s
     .venv/bin/python bench/jobs_load.py --recipe tiny --window 10 --rounds 2   # quick look, debug model
 
-A job server (`lmforge server`, a child process) trains a run as a job: the demo recipe
+A job server (`lmforge jobs`, a child process) trains a run as a job: the demo recipe
 (runs/demo/config.yaml: d_model 256, 4 layers, batch 16 x 256, its prepared data in data/cache/demo)
 or configs/debug/tiny.yaml (--recipe tiny, on tests/data), log_every 1, no evaluations or
 checkpoints, train.threads from --threads (1 by default, so that the job, the server and the clients
@@ -44,7 +44,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 
-from lmforge.api.server import server_process  # noqa: E402
+from lmforge.jobserver.server import server_process  # noqa: E402
 
 
 def recipe(name: str, threads: int) -> tuple[str, list[str]]:
@@ -158,7 +158,7 @@ def main() -> None:
     cfg, roots = recipe(args.recipe, args.threads)
     with tempfile.TemporaryDirectory(prefix="jobs_load_") as tmp:
         ws = Path(tmp)
-        token = subprocess.run([sys.executable, "-m", "lmforge", "server", "token", "create", "--workspace",
+        token = subprocess.run([sys.executable, "-m", "lmforge", "jobs", "token", "create", "--workspace",
                                 str(ws), "--user", "bench"], capture_output=True, text=True,
                                check=True).stdout.strip()
         headers = {"Authorization": f"Bearer {token}"}

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lmforge.compress.prune import PruneSpec, prune_run  # noqa: E402
-from lmforge.eval.entry import load_run  # noqa: E402
+from lmforge.eval.open_run import load_run  # noqa: E402
 from machine import machine_info, print_markdown_table  # noqa: E402
 
 METHODS = {

@@ -185,7 +185,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     info = machine_info(threads=args.threads, src=args.src, rounds=args.rounds, steps=args.steps)
     results = {"machine": info}
-    from lmforge.eval.entry import load_run
+    from lmforge.eval.open_run import load_run
 
     results["demo"] = bench_model("demo", load_run(args.src).model, 64, args)
     if not args.skip_big:

@@ -13,7 +13,7 @@ the run's validation split). Each is a run dir from `quantize_run` (bf16: keep_d
 layer quantized is not a mode, so it is the source loaded and saved in bf16 by this script).
 
 Reported per variant: checkpoint data on disk (MiB, measured on the files) and the ratio to bf16;
-validation loss / perplexity (`lmforge.eval.entry.evaluate`, eval.max_batches 20 of 8 x 256 tokens);
+validation loss / perplexity (`lmforge.eval.open_run.evaluate`, eval.max_batches 20 of 8 x 256 tokens);
 builtin:code task metrics (`lmforge eval tasks RUN... --tasks builtin:code --limit 100`, delta to bf16); CPU
 generation tokens/s (greedy decode of 64 tokens from a 16-token prompt, batch 1, KV cache,
 `lmforge.eval.generate.generate`), variants interleaved round by round, medians, ratio to bf16.
@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lmforge.checkpoint.manager import CheckpointManager  # noqa: E402
 from lmforge.cli import main as cli  # noqa: E402
 from lmforge.compress.quantize import quantize_run  # noqa: E402
-from lmforge.eval.entry import evaluate, load_run  # noqa: E402
 from lmforge.eval.generate import generate  # noqa: E402
+from lmforge.eval.open_run import evaluate, load_run  # noqa: E402
 from lmforge.models.quant import QuantLinear  # noqa: E402
 from machine import machine_info, print_markdown_table  # noqa: E402
 

@@ -77,7 +77,7 @@ def child(run: str, port: int, key: str, batch: int) -> None:
     import torch
 
     from lmforge.data.chat_template import ChatTemplate
-    from lmforge.eval.entry import load_run
+    from lmforge.eval.open_run import load_run
     from lmforge.finetune.lora import apply_lora
     from lmforge.finetune.peft_io import save_peft_adapter
     from lmforge.serve import Server, bind

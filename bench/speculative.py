@@ -47,8 +47,8 @@ from pathlib import Path
 import torch
 
 from lmforge.config.schema import ModelConfig
-from lmforge.eval.entry import load_run
 from lmforge.eval.generate import generate
+from lmforge.eval.open_run import load_run
 from lmforge.models import Transformer
 from lmforge.models.common.attention import KVCache
 from lmforge.models.speculative import SpeculativeStats, speculative_generate

@@ -101,6 +101,12 @@ def test_every_verb_has_a_docs_entry():
         assert (DOCS / "reference" / target).resolve().is_file(), f"{verb}: {target} is not a page"
         assert f"lmforge {verb}" in (DOCS / "reference" / target).resolve().read_text(encoding="utf-8"), (
             f"the page for `lmforge {verb}` ({target}) never mentions it")
+    from lmforge.cli.verbs import RENAMED
+
+    for old, new in RENAMED.items():  # a renamed verb's old name is no row, but the page says what it became
+        assert old not in rows and new in rows, (old, new)
+        assert re.search(rf"`lmforge {old}` is now `lmforge {new}`", " ".join(page.split())), (
+            f"docs/reference/cli.md does not say that `lmforge {old}` is now `lmforge {new}`")
 
 
 def test_readme_is_a_front_page():

@@ -1,5 +1,5 @@
 """Hostile-input cases of the job server's verb and of the run-dir protection (wave 3, jobs): every
-numeric option of `lmforge server` out of range or not finite (refused before anything starts), and runs
+numeric option of `lmforge jobs` out of range or not finite (refused before anything starts), and runs
 whose run.dir is one of their own inputs (a teacher, adapters to start from, the principles a
 constitution run reads): refused, the input intact."""
 
@@ -10,8 +10,8 @@ import json
 from caselib import CHAT, Case, S, both, common, write
 
 
-def _server(*opts: str):
-    return lambda ws: ["server", "--workspace", str(ws / "srv"), *opts]
+def _jobs(*opts: str):
+    return lambda ws: ["jobs", "--workspace", str(ws / "srv"), *opts]
 
 
 _NUMBERS = [
@@ -41,7 +41,7 @@ def _chat(ws) -> str:
 _PRINCIPLES = "- {name: p, critique: 'Point out a flaw.', revision: 'Rewrite it better.'}\n"
 
 CASES: list[Case] = [
-    *(Case(f"server {' '.join(opts)}", _server(*opts), match=match) for opts, match in _NUMBERS),
+    *(Case(f"jobs {' '.join(opts)}", _jobs(*opts), match=match) for opts, match in _NUMBERS),
     Case(
         "distill whose teacher is its own run dir, overwritten",
         lambda ws: ["distill", *common(ws), *S(f"distill.teacher={ws / 'run'}", "run.overwrite=true",

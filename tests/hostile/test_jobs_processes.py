@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from lmforge.api import procs
-from lmforge.api import runner as runner_mod
-from lmforge.api.launch import JOB_OOM_SCORE_ADJ
-from lmforge.api.limits import GIB, Ask, Limits
-from lmforge.api.runner import Runner, proc_start_time
-from lmforge.api.store import Job, Store
+from lmforge.jobserver import procs
+from lmforge.jobserver import runner as runner_mod
+from lmforge.jobserver.launch import JOB_OOM_SCORE_ADJ
+from lmforge.jobserver.limits import GIB, Ask, Limits
+from lmforge.jobserver.runner import Runner, proc_start_time
+from lmforge.jobserver.store import Job, Store
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
 

@@ -18,9 +18,9 @@ pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from lmforge.api.app import create_app  # noqa: E402
-from lmforge.api.auth import RateLimiter, create_token  # noqa: E402
-from lmforge.api.store import Store  # noqa: E402
+from lmforge.jobserver.app import create_app  # noqa: E402
+from lmforge.jobserver.auth import RateLimiter, create_token  # noqa: E402
+from lmforge.jobserver.store import Store  # noqa: E402
 
 
 @pytest.fixture
@@ -220,10 +220,10 @@ def test_request_shape_checks(env):
 
 def test_process_count_follows_the_parallel_layout(env):
     """torchrun is used when the layout needs several processes; a request's nproc must fit the layout."""
-    from lmforge.api.jobs import RequestError, process_count
-    from lmforge.api.runner import launch_argv
-    from lmforge.api.store import Job
     from lmforge.config import load_config
+    from lmforge.jobserver.jobs import RequestError, process_count
+    from lmforge.jobserver.runner import launch_argv
+    from lmforge.jobserver.store import Job
 
     def cfg(*sets):
         return load_config(TINY, list(sets))

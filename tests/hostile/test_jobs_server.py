@@ -1,4 +1,4 @@
-"""One job server per workspace: a second `lmforge server` on the same workspace is refused naming the
+"""One job server per workspace: a second `lmforge jobs` on the same workspace is refused naming the
 first one's pid (two runners on one server.db would start every queued job twice), and the lock dies
 with its holder, kill -9 included, so a restart after a crash is never refused."""
 
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from lmforge.api.server import free_port, lock_workspace, server_process
 from lmforge.errors import LmforgeError
+from lmforge.jobserver.server import free_port, lock_workspace, server_process
 
 pytest.importorskip("uvicorn")
 
@@ -31,11 +31,11 @@ def test_a_second_server_on_the_same_workspace_is_refused(tmp_path):
     ws = tmp_path / "ws"
     with server_process(ws) as first:
         before = (ws / "server.lock").read_text()
-        second = subprocess.run([sys.executable, "-m", "lmforge", "server", "--workspace", str(ws), "--port",
+        second = subprocess.run([sys.executable, "-m", "lmforge", "jobs", "--workspace", str(ws), "--port",
                                  str(free_port())], capture_output=True, text=True, timeout=60)
         assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
         last = second.stderr.strip().splitlines()[-1]
-        assert last.startswith("lmforge server: error: --workspace") and f"(pid {first.proc.pid} on" in last
+        assert last.startswith("lmforge jobs: error: --workspace") and f"(pid {first.proc.pid} on" in last
         assert (ws / "server.lock").read_text() == before  # the refused one changed nothing
         first.proc.send_signal(signal.SIGKILL)
         first.proc.wait()

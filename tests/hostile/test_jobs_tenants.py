@@ -21,12 +21,12 @@ pytest.importorskip("httpx")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from lmforge.api.app import create_app  # noqa: E402
-from lmforge.api.auth import create_token  # noqa: E402
-from lmforge.api.limits import Limits  # noqa: E402
-from lmforge.api.store import Store  # noqa: E402
 from lmforge.config import load_config  # noqa: E402
 from lmforge.config.paths import OUTPUT, PATH_KEYS, path_values  # noqa: E402
+from lmforge.jobserver.app import create_app  # noqa: E402
+from lmforge.jobserver.auth import create_token  # noqa: E402
+from lmforge.jobserver.limits import Limits  # noqa: E402
+from lmforge.jobserver.store import Store  # noqa: E402
 
 
 @pytest.fixture
@@ -254,7 +254,7 @@ def test_odd_requests_are_refused_without_a_trace(bounded, body, status):
 def test_a_link_made_while_a_job_queues_is_refused_when_it_starts(server):
     """The paths are checked again when the job is to start: a dir that was fine when the job was accepted
     and has since become a link into another user's job fails the job, and nothing is launched."""
-    from lmforge.api.runner import Runner
+    from lmforge.jobserver.runner import Runner
 
     ws, client, a = server
     (ws / "mine").mkdir()

@@ -84,7 +84,7 @@ def test_without_the_sandbox_pass_at_k_is_refused_before_any_model_loads(
     task, _, _ = evil_task(tmp_path)
     _unavailable(monkeypatch)
     loaded = []
-    monkeypatch.setattr("lmforge.eval.entry.load_run", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr("lmforge.eval.open_run.load_run", lambda *a, **k: loaded.append(a))
     assert main(["eval", str(run_dir), "--tasks", str(task), "--no-contamination"]) == 2
     err = capsys.readouterr().err
     assert "lmforge eval: error: evil: pass@k runs model-written code" in err

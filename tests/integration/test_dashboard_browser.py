@@ -43,7 +43,7 @@ def _playwright():
 
 
 def _token(ws: Path, user: str) -> str:
-    cmd = [sys.executable, "-m", "lmforge", "server", "token", "create", "--workspace", str(ws),
+    cmd = [sys.executable, "-m", "lmforge", "jobs", "token", "create", "--workspace", str(ws),
            "--user", user]
     return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -68,7 +68,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from lmforge.api.server import server_process
+    from lmforge.jobserver.server import server_process
 
     ws = tmp_path_factory.mktemp("dash_ws")
     prepare(load_config(TINY, [f"run.dir={ws / 'prep'}", f"data.dir={ws / 'data'}",
@@ -220,8 +220,8 @@ def test_page_and_files_need_no_token_and_carry_a_strict_policy(tmp_path):
     """The page and its files are public (they hold no data) and locked down; the API behind stays closed."""
     from fastapi.testclient import TestClient
 
-    from lmforge.api.app import create_app
-    from lmforge.api.dashboard import CSP, STATIC
+    from lmforge.jobserver.app import create_app
+    from lmforge.jobserver.dashboard import CSP, STATIC
 
     client = TestClient(create_app(tmp_path / "ws", start_runner=False))
     page = client.get("/")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lmforge.eval.entry import load_run
+from lmforge.eval.open_run import load_run
 from lmforge.metrics.loggers import read_metrics
 from lmforge.train.trainer import Trainer, TrainingDiverged
 

@@ -17,7 +17,7 @@ from conftest import TINY, tiny_overrides
 from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.data.batch import TokenBatch
-from lmforge.eval.entry import evaluate
+from lmforge.eval.open_run import evaluate
 from lmforge.finetune.topk_cache import TopKCache
 from lmforge.metrics.loggers import read_metrics
 from lmforge.train.trainer import train
@@ -80,7 +80,7 @@ def test_topk_cache_holds_the_teachers_logits_and_trains(teacher, tmp_path):
     # a batch of real windows: the cache returns the teacher's top-8 of each row, in any order
     from lmforge.data.loader import TokenLoader
     from lmforge.data.prepare import prepare
-    from lmforge.eval.entry import load_run
+    from lmforge.eval.open_run import load_run
 
     cfg = load_config(TINY, _student(teacher, tmp_path / "c"))
     data = prepare(cfg, console=lambda *_: None)

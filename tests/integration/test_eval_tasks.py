@@ -16,7 +16,7 @@ from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.errors import LmforgeError
 from lmforge.eval.bundle import build_bundle
-from lmforge.eval.entry import load_run
+from lmforge.eval.open_run import load_run
 from lmforge.eval.scorer import Scorer
 from lmforge.eval.tasks import load_task, run_task
 from lmforge.models import build_model

@@ -152,7 +152,7 @@ def test_full_sft_exports_then_quantizes_evaluates_and_trains_with_grpo(family, 
     _train("sft", run, root / "imported", data, "finetune.method=full")
     out = tmp_path / "hf"
     assert main(["export", str(run), str(out)]) == 0
-    from lmforge.eval.entry import load_run
+    from lmforge.eval.open_run import load_run
 
     ours = load_run(run).model
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

@@ -13,7 +13,7 @@ from lmforge.checkpoint.hf_io import export_hf, import_hf
 from lmforge.cli import main
 from lmforge.config import load_config
 from lmforge.data import Tokenizer, prepare
-from lmforge.eval.entry import evaluate, generate_text, load_run
+from lmforge.eval.open_run import evaluate, generate_text, load_run
 from lmforge.train.trainer import Trainer, train
 
 transformers = pytest.importorskip("transformers")

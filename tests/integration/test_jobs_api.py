@@ -1,4 +1,4 @@
-"""`lmforge server` on localhost through httpx: the tiny recipe submitted as a job runs, streams its
+"""`lmforge jobs` on localhost through httpx: the tiny recipe submitted as a job runs, streams its
 metrics over SSE and succeeds; a cancelled job saves a checkpoint and, resumed, ends with the losses
 of an uninterrupted run; eval / generate / export jobs on it; tokens and ownership (401 / 404); and a
 server SIGKILLed mid-run loses no job (a live one is re-attached, a dead one is interrupted and
@@ -27,13 +27,13 @@ from lmforge.metrics.loggers import read_metrics
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from lmforge.api.runner import proc_start_time  # noqa: E402
-from lmforge.api.server import server_process  # noqa: E402
-from lmforge.api.store import Store  # noqa: E402
+from lmforge.jobserver.runner import proc_start_time  # noqa: E402
+from lmforge.jobserver.server import server_process  # noqa: E402
+from lmforge.jobserver.store import Store  # noqa: E402
 
 
 def make_token(ws: Path, user: str) -> str:
-    cmd = [sys.executable, "-m", "lmforge", "server", "token", "create", "--workspace", str(ws),
+    cmd = [sys.executable, "-m", "lmforge", "jobs", "token", "create", "--workspace", str(ws),
            "--user", user]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return out.stdout.strip()
@@ -217,7 +217,7 @@ def test_tokens_and_ownership(ws, server, alice, finished):
     tok = make_token(ws, "carol")
     carol = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {tok}"}, timeout=30)
     assert carol.get("/v1/jobs").status_code == 200
-    subprocess.run([sys.executable, "-m", "lmforge", "server", "token", "revoke", "--workspace", str(ws),
+    subprocess.run([sys.executable, "-m", "lmforge", "jobs", "token", "revoke", "--workspace", str(ws),
                     tok.split("_")[1]], check=True, capture_output=True)
     assert carol.get("/v1/jobs").status_code == 401
 

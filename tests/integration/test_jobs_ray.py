@@ -1,4 +1,4 @@
-"""`lmforge server --backend ray` against a real one-node Ray cluster (`ray start --head` on localhost): the
+"""`lmforge jobs --backend ray` against a real one-node Ray cluster (`ray start --head` on localhost): the
 tiny recipe runs as a Ray job and succeeds with its metrics; a cancelled one is stopped by Ray with SIGTERM,
 saves a checkpoint, and, resumed as a new submission, ends with the losses of an uninterrupted run, even
 though the server is SIGKILLed and restarted meanwhile (it re-attaches by submission id).
@@ -22,16 +22,16 @@ import pytest
 import yaml
 
 from conftest import CORPUS, TINY
-from lmforge.api.ray_backend import connect, ended_state, submission_id
-from lmforge.api.store import Job, Store
 from lmforge.config import load_config
 from lmforge.data import prepare
+from lmforge.jobserver.ray_backend import connect, ended_state, submission_id
+from lmforge.jobserver.store import Job, Store
 from lmforge.metrics.loggers import read_metrics
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from lmforge.api.server import free_port, server_process  # noqa: E402
+from lmforge.jobserver.server import free_port, server_process  # noqa: E402
 
 RAY = Path(sys.executable).with_name("ray")
 
@@ -53,7 +53,7 @@ def test_ray_states_map_onto_job_statuses():
 
 def test_unreachable_cluster_is_a_user_error(tmp_path):
     pytest.importorskip("ray.job_submission")
-    cmd = [sys.executable, "-m", "lmforge", "server", "--workspace", str(tmp_path), "--backend", "ray",
+    cmd = [sys.executable, "-m", "lmforge", "jobs", "--workspace", str(tmp_path), "--backend", "ray",
            "--ray-address", f"http://127.0.0.1:{free_port()}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
@@ -120,7 +120,7 @@ def tiny_yaml(ws: Path, **train) -> str:
 
 
 def token(ws: Path) -> dict[str, str]:
-    cmd = [sys.executable, "-m", "lmforge", "server", "token", "create", "--workspace", str(ws),
+    cmd = [sys.executable, "-m", "lmforge", "jobs", "token", "create", "--workspace", str(ws),
            "--user", "ann"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     return {"Authorization": f"Bearer {out.stdout.strip()}"}

@@ -16,7 +16,7 @@ from lmforge.checkpoint.runs import load_model, run_config
 from lmforge.config import load_config
 from lmforge.data import Tokenizer
 from lmforge.errors import ConfigError
-from lmforge.eval.entry import evaluate, load_run
+from lmforge.eval.open_run import evaluate, load_run
 from lmforge.metrics.loggers import read_metrics
 from lmforge.train.trainer import Trainer, train
 

@@ -63,7 +63,7 @@ def test_moe_trains_logs_router_stats_resumes_exactly_and_exports(tmp_path, shar
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert type(hf).__name__ == "MixtralForCausalLM"
-    from lmforge.eval.entry import load_run
+    from lmforge.eval.open_run import load_run
 
     run = load_run(plain)
     ids = torch.randint(0, run.cfg.model.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))

@@ -14,7 +14,7 @@ from conftest import TINY, tiny_overrides
 from lmforge.cli import main
 from lmforge.compress.sparsity import semi_structured_ok, sparsity_stats
 from lmforge.config import load_config
-from lmforge.eval.entry import evaluate, load_run
+from lmforge.eval.open_run import evaluate, load_run
 from lmforge.train.trainer import Trainer
 
 QUIET = ["--set", "logging.progress=none", "--set", "logging.plot=false"]

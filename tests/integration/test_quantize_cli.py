@@ -15,7 +15,7 @@ from conftest import TINY, tiny_overrides
 from lmforge.checkpoint.safe_dcp import read_metadata
 from lmforge.cli import main
 from lmforge.config import load_config
-from lmforge.eval.entry import load_run
+from lmforge.eval.open_run import load_run
 from lmforge.models.quant import QuantEmbedding, QuantLinear
 from lmforge.train.trainer import Trainer
 

@@ -22,7 +22,7 @@ from lmforge.data.chat_loader import PreferenceLoader
 from lmforge.data.instruct_tasks import pairs_of, split_disjoint, write_jsonl
 from lmforge.data.sft import load_prepared_sft
 from lmforge.engine.objectives.reward import sequence_scores
-from lmforge.eval.entry import load_run
+from lmforge.eval.open_run import load_run
 from lmforge.metrics.loggers import read_metrics
 from lmforge.train.trainer import Trainer, train
 

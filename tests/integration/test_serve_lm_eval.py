@@ -94,7 +94,7 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(setup):
-    from lmforge.eval.entry import load_run
+    from lmforge.eval.open_run import load_run
 
     return load_run(setup["hf_dir"])
 

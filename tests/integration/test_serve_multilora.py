@@ -16,9 +16,9 @@ import torch
 from conftest import CORPUS, TINY, tiny_overrides
 from lmforge.config import load_config
 from lmforge.errors import LmforgeError
-from lmforge.eval.entry import load_run
 from lmforge.eval.generate import generate
-from lmforge.finetune.export import export_adapter
+from lmforge.eval.open_run import load_run
+from lmforge.export.hf import export_adapter
 from lmforge.finetune.lora import merge_lora
 from lmforge.serve.engine import SamplingParams
 from lmforge.train.trainer import train
@@ -247,7 +247,7 @@ def test_cli_refuses_half_given_admin_settings(runs, capsys, monkeypatch):
 
 @pytest.mark.slow  # a train job in a job server child process: ~35 s on 2 cores
 def test_job_server_publishes_a_finished_adapter(runs, merged, tmp_path, monkeypatch):
-    """End to end: a LoRA train job on `lmforge server` (a child process holding the admin key), then
+    """End to end: a LoRA train job on `lmforge jobs` (a child process holding the admin key), then
     POST /v1/jobs/{id}/publish loads its adapter into a running `lmforge serve`, whose replies for it
     equal the job's merged model."""
     import subprocess
@@ -255,7 +255,7 @@ def test_job_server_publishes_a_finished_adapter(runs, merged, tmp_path, monkeyp
 
     import yaml
 
-    from lmforge.api.server import server_process
+    from lmforge.jobserver.server import server_process
     from lmforge.serve import start_server
 
     ws = tmp_path / "ws"
@@ -268,7 +268,7 @@ def test_job_server_publishes_a_finished_adapter(runs, merged, tmp_path, monkeyp
         monkeypatch.setenv("LMFORGE_ADMIN_KEY", ADMIN)  # the job server's copy of the admin key
         with server_process(ws, "--allow-root", str(runs["top"]), "--allow-root", str(CORPUS.parent),
                             "--publish-url", srv.url) as js:
-            token = subprocess.run([sys.executable, "-m", "lmforge", "server", "token", "create",
+            token = subprocess.run([sys.executable, "-m", "lmforge", "jobs", "token", "create",
                                     "--workspace", str(ws), "--user", "alice"], capture_output=True,
                                    text=True, check=True).stdout.strip()
             jobs = httpx.Client(base_url=js.url, headers={"Authorization": f"Bearer {token}"}, timeout=120)

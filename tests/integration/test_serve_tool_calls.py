@@ -19,8 +19,8 @@ from conftest import TINY, tiny_overrides
 from lmforge.config import load_config
 from lmforge.data.chat_template import ChatTemplate, stop_ids
 from lmforge.eval.chat import chat_prompt_ids
-from lmforge.eval.entry import load_run
 from lmforge.eval.generate import generate
+from lmforge.eval.open_run import load_run
 from lmforge.train.trainer import train
 from tool_templates import CHATML, LLAMA31, QWEN
 

@@ -14,7 +14,7 @@ import torch
 from lmforge.checkpoint.hf_io import export_hf
 from lmforge.checkpoint.manager import load_states
 from lmforge.cli import main
-from lmforge.eval.entry import evaluate, load_run
+from lmforge.eval.open_run import evaluate, load_run
 from lmforge.metrics.loggers import read_metrics
 from lmforge.train.trainer import Trainer, TrainingDiverged, TrainingInterrupted
 

@@ -16,7 +16,7 @@ import yaml
 from conftest import CORPUS, TINY, tiny_overrides
 from lmforge.cli import main
 from lmforge.config import load_config
-from lmforge.eval.entry import evaluate, generate_text
+from lmforge.eval.open_run import evaluate, generate_text
 from lmforge.metrics.loggers import read_metrics
 from lmforge.train.trainer import train
 

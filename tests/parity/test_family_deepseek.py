@@ -293,7 +293,7 @@ def test_serving_engine_batches_an_mla_model_as_generate_does(pair):
                                                    "d_ff_expert": 8, "dense_layers": 1}),
 ])
 def test_parameter_and_flop_counts_cover_mla_and_dense_layers(mla, moe):
-    from lmforge.api.limits import model_params
+    from lmforge.jobserver.limits import model_params
     from lmforge.models.flops import count_params, flops_per_token
 
     sizes = {"kv_lora_rank": 10, "qk_nope_head_dim": 6, "qk_rope_head_dim": 4, "v_head_dim": 5}

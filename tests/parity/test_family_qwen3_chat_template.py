@@ -15,7 +15,7 @@ from lmforge.data.chat_template import ChatTemplate
 from lmforge.data.sft import load_prepared_sft
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import ConfigError
-from lmforge.eval.entry import chat_template_of
+from lmforge.eval.open_run import chat_template_of
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,10 +19,10 @@ def _functions(path: Path):
 
 
 def test_create_app_is_a_composition_and_no_function_is_long():
-    sizes = dict(_functions(SRC / "api" / "app.py"))
+    sizes = dict(_functions(SRC / "jobserver" / "app.py"))
     assert sizes["create_app"] < 100, sizes["create_app"]
-    files = [SRC / "api" / "app.py", SRC / "api" / "http.py", SRC / "serve" / "server.py",
-             *sorted((SRC / "api" / "routes").glob("*.py"))]
+    files = [SRC / "jobserver" / "app.py", SRC / "jobserver" / "http.py", SRC / "serve" / "server.py",
+             *sorted((SRC / "jobserver" / "routes").glob("*.py"))]
     for f in files:
         assert len(f.read_text(encoding="utf-8").splitlines()) < 600, f
         long = [(name, n) for name, n in _functions(f) if n > 100]
@@ -31,7 +31,7 @@ def test_create_app_is_a_composition_and_no_function_is_long():
 
 def test_the_job_api_keeps_every_route(tmp_path):
     pytest.importorskip("fastapi")
-    from lmforge.api.app import create_app
+    from lmforge.jobserver.app import create_app
 
     spec = create_app(tmp_path / "ws", start_runner=False).openapi()
     ops = {(m.upper(), p, op["operationId"], tuple(op["tags"]))

@@ -1,4 +1,4 @@
-"""lmforge's Q4_K / Q6_K quantizer (finetune/kquants.py) without llama.cpp: its blocks are the bytes
+"""lmforge's Q4_K / Q6_K quantizer (export/kquants.py) without llama.cpp: its blocks are the bytes
 llama.cpp's reference quantizer writes (digests recorded from llama-cpp-python 0.3.36's
 quantize_row_q4_K_ref / quantize_row_q6_K_ref on x86-64; tests/integration/test_export_gguf_kquants.py
 compares against llama.cpp itself when it is installed), its error on Gaussian rows is what llama.cpp's
@@ -15,7 +15,7 @@ gguf = pytest.importorskip("gguf")
 
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
-from lmforge.finetune import kquants  # noqa: E402
+from lmforge.export import kquants  # noqa: E402
 
 
 def _fixed_rows() -> np.ndarray:

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from lmforge.data.chat_template import CHATML, ChatTemplate
-from lmforge.finetune.ollama import SHAPES, match_shape, modelfile_text, render_go
+from lmforge.export.ollama import SHAPES, match_shape, modelfile_text, render_go
 
 # The templates these models ship (tokenizer_config.json), as published.
 LLAMA3 = (

@@ -292,8 +292,8 @@ def test_parse_lora_specs():
 
 
 def test_publisher_sends_the_key_only_to_the_configured_servers():
-    from lmforge.api.jobs import RequestError
-    from lmforge.api.publish import Publisher, normalize_url
+    from lmforge.jobserver.jobs import RequestError
+    from lmforge.jobserver.publish import Publisher, normalize_url
 
     assert normalize_url("http://Host:8000/v1/") == normalize_url("http://host:8000") == "http://host:8000"
     for bad in ("ftp://h", "http://user:pw@h:1", "h:8000", "http://h/?x=1"):

@@ -174,15 +174,15 @@ def test_refusals_and_modes(pair):
 
 def test_a_draft_with_another_tokenizer_is_refused(monkeypatch):
     # `lmforge generate --draft`: same vocabulary size is not enough, the token ids must mean the same
-    import lmforge.eval.entry as entry
+    import lmforge.eval.open_run as open_run
 
     def run(vocab: dict) -> SimpleNamespace:
         return SimpleNamespace(tokenizer=SimpleNamespace(hf=SimpleNamespace(get_vocab=lambda: vocab)),
                                weights_from="runs/t/checkpoints/step_1")
 
-    monkeypatch.setattr(entry, "load_run", lambda path, *a, **kw: run({"a": 1, "b": 0}))
+    monkeypatch.setattr(open_run, "load_run", lambda path, *a, **kw: run({"a": 1, "b": 0}))
     with pytest.raises(LmforgeError, match="--draft runs/d: its tokenizer differs from the one of runs/t"):
-        entry._speculative_samples(run({"a": 0, "b": 1}), "runs/d", 4, [1], {0}, print)
+        open_run._speculative_samples(run({"a": 0, "b": 1}), "runs/d", 4, [1], {0}, print)
 
 
 # ---- the output distribution --------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 
-from lmforge.cli.verbs import BY_NAME, VERBS, build_parser, mode_parser, table
+from lmforge.cli.verbs import BY_NAME, RENAMED, VERBS, build_parser, mode_parser, table
 from lmforge.errors import ConfigError, LmforgeDeprecationWarning, LmforgeError
 
 __all__ = ["VERBS", "build_parser", "main", "table"]
@@ -34,6 +34,18 @@ def _plain_warnings(verb: str, rank: int) -> Iterator[None]:
         warnings.showwarning = shown
 
 
+def _renamed(argv: list[str]) -> list[str]:
+    """`lmforge OLD ...` of a renamed verb runs as `lmforge NEW ...`, saying so in one line (from rank 0). The
+    arguments are not echoed: they may hold a key (--publish-key)."""
+    new = RENAMED.get(argv[0]) if argv else None
+    if new is None:
+        return argv
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"lmforge {argv[0]}: warning: `lmforge {argv[0]}` is deprecated and goes after this release; "
+              f"it is now `lmforge {new}` (the same arguments)", file=sys.stderr)
+    return [new, *argv[1:]]
+
+
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, Callable[[argparse.Namespace], int]]:
     """The parsed arguments and the handler: `lmforge VERB MODE ...` goes to the mode's own parser."""
     verb = BY_NAME.get(argv[0]) if argv else None
@@ -48,7 +60,7 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Callable[[argparse.Name
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _renamed(list(sys.argv[1:] if argv is None else argv))
     try:
         args, handler = _parse(argv)
     except SystemExit as e:  # argparse printed a usage error (a flag out of range, ...): exit 2 as any

@@ -5,7 +5,8 @@ tests/unit/test_config_paths.py walks the whole schema (sections, optional secti
 of sections) and fails on a string key that is in neither, so a new path key cannot be forgotten.
 
 - an *input* is read by the run: run.overwrite may never delete it, a run may not write into it, and
-  the job server confines it to what the submitting user may read (checkpoint/run_dir.py, api/confine.py);
+  the job server confines it to what the submitting user may read (checkpoint/run_dir.py,
+  jobserver/confine.py);
 - an *output* is written by the run (run.dir, the caches and stores it fills): the job server keeps it
   inside the user's own jobs.
 

@@ -177,7 +177,7 @@ def evaluate_run(
 ) -> dict:
     """One model on every task; results JSON, samples and report written into its run dir."""
     from lmforge.data.chat_template import stop_ids
-    from lmforge.eval.entry import chat_template_of, load_run
+    from lmforge.eval.open_run import chat_template_of, load_run
 
     run = load_run(path, list(overrides), weights)
     render, stops = None, None

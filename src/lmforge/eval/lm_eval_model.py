@@ -85,7 +85,7 @@ class LmforgeLM(TemplateLM):
                 "batch_size, device, precision, max_length, seed"
             )
         from lmforge.engine.precision import Precision, resolve_precision
-        from lmforge.eval.entry import load_run
+        from lmforge.eval.open_run import load_run
         from lmforge.eval.scorer import Scorer
 
         self._batch_size = _count("batch_size", batch_size)
@@ -251,7 +251,7 @@ class LmforgeLM(TemplateLM):
     # ------------------------------------------------------------------------------ helpers
 
     def _template(self):
-        from lmforge.eval.entry import chat_template_of
+        from lmforge.eval.open_run import chat_template_of
 
         return chat_template_of(self.run)
 

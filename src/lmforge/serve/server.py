@@ -144,7 +144,7 @@ def build_server(path: str | Path, host: str = "127.0.0.1", port: int = 8000, *,
     serves weight-only quantized layers on the fastest CPU path whose weights fit memory_budget_mb
     (serve/quantized.py); quant_path names the path instead of probing."""
     _require_extra()
-    from lmforge.eval.entry import chat_template_of, load_run
+    from lmforge.eval.open_run import chat_template_of, load_run
     from lmforge.serve.app import create_app
 
     MAX_BATCH.check(max_batch_size, "--max-batch-size")  # the KV cache holds this many rows

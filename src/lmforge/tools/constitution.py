@@ -132,7 +132,7 @@ def run_constitution(path: str | Path, prompts_files: list[str], out: str | Path
     from lmforge.checkpoint.hf_io import write_output_dir
     from lmforge.data.chat_template import stop_ids
     from lmforge.eval.chat import chat_prompt_ids
-    from lmforge.eval.entry import chat_template_of, load_run
+    from lmforge.eval.open_run import chat_template_of, load_run
     from lmforge.models.generation import sample_replies
 
     # the CLI's flags are checked by argparse already; these are for Python callers

@@ -2,7 +2,7 @@
 
 The kernel drops the lock when the holder exits, however it exits (kill -9 included), so there are no
 stale locks; the file itself only tells who holds it. A run dir (checkpoint/run_dir.py) and a job
-server's workspace (api/server.py) are locked this way.
+server's workspace (jobserver/server.py) are locked this way.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
     constitution.py  constitution
     evaluate.py      eval and its modes (eval_run.py: what each mode runs and prints)
     generate.py      generate
-    serve.py         serve, server
+    serve.py         serve, jobs
     convert.py       import, export, merge
     compress.py      prune, quantize
     plan.py          config, plot-schedule, estimate, lr-find, scaling, sweep
@@ -24,18 +24,25 @@ from lmforge.cli.verbs.base import Verb
 VERBS: tuple[Verb, ...] = (
     data.PREPARE, data.DATA, training.TRAIN, *training.METHODS, constitution.CONSTITUTION, data.TASKS,
     evaluate.EVAL, generate.GENERATE, serve.SERVE,
-    serve.SERVER, convert.IMPORT, convert.EXPORT, convert.MERGE, compress.PRUNE, compress.QUANTIZE,
+    serve.JOBS, convert.IMPORT, convert.EXPORT, convert.MERGE, compress.PRUNE, compress.QUANTIZE,
     plan.CONFIG, plan.PLOT_SCHEDULE, plan.ESTIMATE, plan.LR_FIND, plan.SCALING, plan.SWEEP,
 )
 BY_NAME: dict[str, Verb] = {v.name: v for v in VERBS}
 assert len(BY_NAME) == len(VERBS), "two verbs share a name"
+# A renamed verb's old name -> its name: the old one still runs for one release, with one warning line
+# (`server` was one letter from `serve`, a different server).
+RENAMED: dict[str, str] = {"server": "jobs"}
+assert set(RENAMED.values()) <= set(BY_NAME) and not set(RENAMED) & set(BY_NAME)
 
 DESCRIPTION = "From raw text to a trained language model."
 
 
 def build_parser() -> argparse.ArgumentParser:
     """`lmforge`'s parser: one subparser per verb of VERBS."""
-    parser = argparse.ArgumentParser(prog="lmforge", description=DESCRIPTION)
+    renamed = ", ".join(f"{old} is now {new}" for old, new in RENAMED.items())
+    parser = argparse.ArgumentParser(
+        prog="lmforge", description=DESCRIPTION,
+        epilog=f"renamed verbs (the old name works until the next release): {renamed}")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
     for verb in VERBS:
         # a verb with modes lists them one a line in its epilog (argparse would run them together)

@@ -43,10 +43,10 @@ def _export_args(p: argparse.ArgumentParser) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from lmforge.finetune.export import export_adapter, export_run
+    from lmforge.export.hf import export_adapter, export_run
 
     if args.format == "gguf":
-        from lmforge.finetune.gguf import export_gguf
+        from lmforge.export.gguf import export_gguf
 
         if args.adapter:
             raise LmforgeError("--adapter writes a PEFT adapter dir; --format gguf writes the merged model "
@@ -74,7 +74,7 @@ def _merge_args(p: argparse.ArgumentParser) -> None:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from lmforge.finetune.export import merge_run
+    from lmforge.export.hf import merge_run
 
     merge_run(args.src, args.out, overwrite=args.overwrite, weights=args.weights)
     return 0

@@ -11,7 +11,7 @@ from lmforge.utils.io import check_new_file
 
 def run_mode(args: argparse.Namespace, mode: str) -> int:
     """Run `lmforge eval` in `mode` (a key of evaluate.EVAL_MODES) on parsed arguments of any of its forms."""
-    from lmforge.eval.entry import eval_tasks, evaluate
+    from lmforge.eval.open_run import eval_tasks, evaluate
     from lmforge.eval.tasks import check_limit
 
     check_limit(args.limit)
@@ -27,7 +27,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> int:
         from rich.console import Console
         from rich.table import Table
 
-        from lmforge.eval.entry import eval_redteam
+        from lmforge.eval.open_run import eval_redteam
 
         result = eval_redteam(run_path(args), args.redteam_prompts, args.set, weights=args.weights,
                               limit=args.limit, batch_size=args.batch_size or 32)
@@ -48,7 +48,7 @@ def run_mode(args: argparse.Namespace, mode: str) -> int:
               f"harmless look-alike prompts refused; {benign['non_answers']} got no answer at all")
         return 0
     if args.data:
-        from lmforge.eval.entry import eval_data
+        from lmforge.eval.open_run import eval_data
 
         eval_data(run_path(args), args.data, args.set, weights=args.weights, max_length=args.max_length,
                   stride=args.stride, batch_size=args.batch_size or 16, limit=args.limit)

@@ -28,7 +28,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from lmforge.eval.entry import generate_text
+    from lmforge.eval.open_run import generate_text
 
     overrides = list(args.set)
     if args.prompt is not None:

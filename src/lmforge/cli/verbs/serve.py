@@ -1,5 +1,6 @@
-"""Verbs that serve: `serve` (an OpenAI-compatible server for one model) and `server` (the REST job server
-that trains, evaluates and exports on request, and its bearer tokens)."""
+"""Verbs that serve: `serve` (an OpenAI-compatible server for one model) and `jobs` (the REST job server
+that trains, evaluates and exports on request, and its bearer tokens; `server` was its name until this
+release, one letter from `serve`: lmforge.cli.verbs.RENAMED keeps it working for one more)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import argparse
 from lmforge.cli.numbers import PORT, PREFIX_MB, SERVE_BATCH, THREADS, number, real, whole
 from lmforge.cli.verbs.base import GIGABYTES, Verb, config_args, quantized_args, run_path, weights_arg
 
-PROCS = whole(1, 1_000_000)  # the job server's process and thread bounds (api/limits.py: the same range)
+PROCS = whole(1, 1_000_000)  # the job server's process and thread bounds (jobserver/limits.py: same range)
 PREFIX_CACHE_MB = 256  # serve's default prefix-cache budget (lmforge.serve.PREFIX_CACHE_MB: the same)
 
 
@@ -58,7 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _server_args(p: argparse.ArgumentParser) -> None:
+def _jobs_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workspace", help="the server's dir: server.db (jobs, token hashes) and jobs/<id>/")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=number(whole(1, 65535)), default=8080, help="TCP port to listen on")
@@ -119,8 +120,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
             a.add_argument("token_id", help="the token's id (or the whole token)")
 
 
-def _server(args: argparse.Namespace) -> int:
-    from lmforge.api.server import serve_jobs, token_command
+def _jobs(args: argparse.Namespace) -> int:
+    from lmforge.jobserver.server import serve_jobs, token_command
 
     if args.server_cmd == "token":
         token_command(args.token_action, args.workspace, user=getattr(args, "user", None),
@@ -138,5 +139,5 @@ def _server(args: argparse.Namespace) -> int:
 
 SERVE = Verb("serve", "an OpenAI-compatible HTTP server (completions, chat, streaming) for a run or "
              "checkpoint", _serve_args, _serve)
-SERVER = Verb("server", "a REST job server: submit, watch (SSE), cancel, resume and download runs with "
-              "bearer tokens (`server token create`); OpenAPI docs at /docs", _server_args, _server)
+JOBS = Verb("jobs", "a REST job server: submit, watch (SSE), cancel, resume and download runs with "
+            "bearer tokens (`jobs token create`); OpenAPI docs at /docs", _jobs_args, _jobs)
