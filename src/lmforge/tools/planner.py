@@ -43,7 +43,9 @@ WARMUP_SECONDS, WARMUP_SHARE, COOLDOWN_FRACTION = 15.0, 0.05, 0.3
 PREPARE_SHARE = 0.12  # the most of the budget preparing the corpus and tokenizer may take
 EVAL_SHARE = 0.03  # the final evaluation
 EVAL_SPEEDUP = 3.0  # a forward alone takes about a third of a training step (forward + backward)
-MARGIN_SHARE, MARGIN_S = 0.02, 0.5  # exit: saving the model, the report, the interpreter's exit
+# exit: saving the model, the report, the interpreter's exit (~1 s for a small model on a busy 2-core machine)
+MARGIN_SHARE, MARGIN_S = 0.02, 1.5
+PLOT_MIN_BUDGET_S = 120.0  # drawing curves.png imports matplotlib: 1-5 s, too much of a shorter budget
 SETUP_S = 1.5  # assembling the run: model, optimizer, loaders (measured ~0.5-1 s at these sizes)
 PREPARE_FIXED_S = 0.5
 MIN_TRAIN_S = 5.0  # below this a run is mostly its first, slow steps
@@ -240,7 +242,7 @@ def _rank(budget_s: float, throughput: Throughput, user: dict[str, Any], vocab: 
     from lmforge.models.flops import flops_per_token
     from lmforge.tools.scaling_inputs import param_count
 
-    rows, best = [], None
+    rows, best, fallback = [], None, None
     for shape in candidate_shapes(user):
         mc = model_config(shape, vocab, seq)
         n, fpt = param_count(mc, "non-embedding"), flops_per_token(mc, seq)
@@ -253,16 +255,31 @@ def _rank(budget_s: float, throughput: Throughput, user: dict[str, Any], vocab: 
             continue
         d = tps * train_s
         row.update(tokens_per_s=round(tps), tokens=int(d))
-        if n < LAW_MIN_PARAMS and not any(k.startswith("model.") for k in user):
-            row["why"] = "below the rule's measured range"
-            continue
         if d / (micro * seq) < MIN_STEPS:
             row["why"] = f"fewer than {MIN_STEPS} steps"
             continue
         row["loss"] = round(law_loss(n, d), 4)
+        if n < LAW_MIN_PARAMS and not any(k.startswith("model.") for k in user):
+            # below the range the rule was fitted on: only when no shape in it gets its steps
+            row["why"] = "below the rule's measured range"
+            if fallback is None or row["loss"] < fallback[1]["loss"]:
+                fallback = (shape, row, n, tps, d)
+            continue
         if best is None or row["loss"] < best[1]["loss"]:
             best = (shape, row, n, tps, d)
-    return rows, best
+    return rows, best or fallback
+
+
+def check_budget(budget_s: float, user: dict[str, Any]) -> None:
+    """ConfigError for a budget out of range or a key --budget cannot keep (before anything is measured)."""
+    if "train.max_time" in user:
+        raise ConfigError("--budget plans train.max_time from what is left after preparing and before the "
+                          "final evaluation; remove train.max_time from the config (or drop --budget)")
+    if not (math.isfinite(budget_s) and 0 < budget_s <= MAX_BUDGET_S):
+        raise ConfigError(f"--budget {budget_s:g}s: give a budget above 0 and at most "
+                          f"{MAX_BUDGET_S / 3600:g}h "
+                          "(longer runs need checkpoints and resumes: plan a shorter budget and train it on "
+                          "with -c and train.max_time)")
 
 
 def plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any]) -> Plan:
@@ -296,14 +313,7 @@ def _works(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[s
 
 
 def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any]) -> Plan:
-    if "train.max_time" in user:
-        raise ConfigError("--budget plans train.max_time from what is left after preparing and before the "
-                          "final evaluation; remove train.max_time from the config (or drop --budget)")
-    if not (math.isfinite(budget_s) and 0 < budget_s <= MAX_BUDGET_S):
-        raise ConfigError(f"--budget {budget_s:g}s: give a budget above 0 and at most "
-                          f"{MAX_BUDGET_S / 3600:g}h "
-                          "(longer runs need checkpoints and resumes: plan a shorter budget and train it on "
-                          "with -c and train.max_time)")
+    check_budget(budget_s, user)
     if not throughput.points:
         raise ConfigError("the throughput probe measured no shape (not even the smallest) in its time")
     micro, seq = batch_shape(throughput.device, user)
@@ -388,5 +398,8 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
         frac = min(max(val_tokens / max(1.0, chars / cpt), VAL_FRACTION_RANGE[0]), VAL_FRACTION_RANGE[1])
         choose("data.val_fraction", round(frac, 4), "rule: enough held-out text for the evaluation")
     choose("checkpoint.every", 0, "one checkpoint, at the end")
+    if budget_s < PLOT_MIN_BUDGET_S:
+        choose("logging.plot", False, f"rule: curves.png costs 1-5 s; drawn from {PLOT_MIN_BUDGET_S:g}s "
+               "budgets")
     predicted = {"params": n, "tokens": int(d), "tokens_per_s": tps, "loss": row["loss"]}
     return Plan(budget_s, {k: round(v, 2) for k, v in phases.items()}, choices, rows, predicted)
