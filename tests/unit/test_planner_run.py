@@ -58,3 +58,21 @@ def test_training_and_evaluation_stop_at_the_deadline():
     assert list(ev.iter_eval_batches(10)) == list(range(10))  # ends at 10 s of 20
     now[0] = 15.0
     assert list(ev.iter_eval_batches(10)) == [0, 1, 2]  # the first batch always; then while 2 s are left
+
+
+def test_max_chars_leaves_the_validation_sources_their_own_room(tmp_path):
+    """data.max_chars reached by the train text no longer leaves data.val_sources empty (a budget run
+    bounds the train text it reads and scores on the user's held-out file)."""
+    from lmforge.data.prepare import prepare
+
+    (tmp_path / "train").mkdir()
+    for i in range(20):
+        (tmp_path / "train" / f"{i}.txt").write_text(f"document {i} " * 200)
+    (tmp_path / "held.txt").write_text("held out text " * 100)
+    cfg = load_config(None, [f"data.sources=[{tmp_path / 'train'}]",
+                             f"data.val_sources=[{tmp_path / 'held.txt'}]",
+                             "data.max_chars=5000", "data.tokenizer.vocab_size=300",
+                             f"data.dir={tmp_path / 'd'}", f"run.dir={tmp_path / 'run'}"])
+    meta = prepare(cfg, console=lambda _: None).meta
+    assert meta["splits"]["val"]["documents"] == 1 and meta["splits"]["val"]["tokens"] > 0
+    assert meta["stats"]["chars"] == 5000 + len("held out text " * 100)

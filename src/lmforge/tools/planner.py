@@ -128,9 +128,11 @@ class Throughput:
 @dataclass(frozen=True)
 class Corpus:
     """What the planner knows of the corpus: its characters (None: not counted; read up to what the budget
-    needs) and characters per token at each vocabulary (the measured rule unless known)."""
+    needs), the characters of data.val_sources (read whole: they take preparing time) and characters per
+    token at each vocabulary (the measured rule unless known)."""
 
     chars: int | None = None
+    val_chars: int = 0
     chars_per_token: dict[int, float] = field(default_factory=lambda: dict(CHARS_PER_TOKEN))
 
     def per_token(self, vocab: int) -> float:
@@ -331,8 +333,14 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
             return int(user["data.max_chars"])
         return int(min(1.1 * tokens_per_s * seconds * cpt / (1 - 0.1), cap))
 
+    def read(chars: int) -> int:
+        """Characters preparing reads: data.max_chars of the train text (at least the held-out text's
+        size, so that data.val_sources is read whole: each gets data.max_chars) and the held-out text."""
+        return max(chars, corpus.val_chars) + corpus.val_chars
+
     def train_time(chars: int) -> float:
-        return budget_s - throughput.spent_s - (PREPARE_FIXED_S + chars / PREPARE_CHARS_PER_S) - SETUP_S - \
+        prepare = PREPARE_FIXED_S + read(chars) / PREPARE_CHARS_PER_S
+        return budget_s - throughput.spent_s - prepare - SETUP_S - \
             eval_s - margin_s
 
     # first as if the fastest shape trained the whole budget, then for the speed of the shape chosen
@@ -352,7 +360,7 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
         raise _TooSmall(f"no candidate shape (with the model keys you set: {keys}) gets {MIN_STEPS} steps "
                         f"in {train_s:.1f}s of training at the measured speed")
     shape, row, n, tps, d = best
-    prepare_s = PREPARE_FIXED_S + chars / PREPARE_CHARS_PER_S
+    prepare_s = PREPARE_FIXED_S + read(chars) / PREPARE_CHARS_PER_S
     phases = {"start-up and probe": throughput.spent_s, "prepare": prepare_s,
               "setup": SETUP_S, "train": train_s, "evaluate": eval_s, "margin": margin_s}
     measured = f"measured: {tps:,.0f} tok/s"
@@ -362,8 +370,8 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
         choices.append(Choice(key, user[key], "user") if key in user else Choice(key, value, why))
 
     choose("data.tokenizer.vocab_size", vocab, vocab_why)
-    choose("data.max_chars", chars, f"rule: what {tps:,.0f} tok/s trains on, <= {PREPARE_SHARE:.0%} of the "
-           f"budget at {PREPARE_CHARS_PER_S:,.0f} chars/s")
+    choose("data.max_chars", max(chars, corpus.val_chars), f"rule: what {tps:,.0f} tok/s trains on, <= "
+           f"{PREPARE_SHARE:.0%} of the budget at {PREPARE_CHARS_PER_S:,.0f} chars/s")
     choose("data.tokenizer.train_chars", max(1000, chars // 2), "rule: half of the corpus read")
     rule = f"rule: lowest L(N,D) at {measured}, {d / n:.1f} tokens/non-embedding param"
     for k in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
