@@ -69,8 +69,9 @@ class Deadline:
 
 def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precision: str,
                   until: float) -> tuple[float, Any]:
-    """Seconds of one training step of `shape` and the model (for the precision probe): the first step
-    (a little slow: it allocates) and, while time allows before `until`, up to two more; the fastest."""
+    """Seconds of one training step of `shape` and the model (for the precision probe): the fastest of two
+    steps (the first allocates, the optimizer's state included) and, if time allows before `until`, a
+    third."""
     import torch
 
     from lmforge.data.batch import TokenBatch
@@ -92,8 +93,8 @@ def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precis
             if device.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
-            if time.perf_counter() + times[-1] > until:
-                break
+            if len(times) >= 2 and time.perf_counter() + times[-1] > until:
+                break  # the first step allocates (the optimizer's state too): always time a second
     return min(times), model
 
 
@@ -123,7 +124,7 @@ def probe(budget_s: float, user: dict[str, Any], deadline: Deadline, device_name
     _step_seconds(Shape(32, 1, 1, 1), vocab, 1, 16, device, precision, 0.0)
     points, model, last = [], None, 0.0
     for shape in shapes:
-        if points and time.perf_counter() + 2 * last * 1.5 > until:
+        if points and time.perf_counter() + 3 * last * 1.5 > until:
             break  # the next (larger) shape would not finish its steps in the probe's time
         try:
             seconds, model = _step_seconds(shape, vocab, micro, seq, device, precision, until)
