@@ -13,7 +13,7 @@ import yaml
 
 from lmforge.cli import main
 
-# a shape the user fixed (kept by the planner; the rest is planned around it), small enough that a 20 s
+# a shape the user fixed (kept by the planner; the rest is planned around it), small enough that a 30 s
 # budget trains it even on a busy 2-core machine
 TINY = ["--set", "model.d_model=32", "--set", "model.max_seq_len=64", "--set", "train.micro_batch_size=4",
         "--set", "data.tokenizer.vocab_size=512", "--set", "logging.progress=none",
@@ -28,10 +28,12 @@ def lmforge(*args: str, timeout: float = 120) -> tuple[subprocess.CompletedProce
 
 
 def test_budget_run_stays_within_budget(tmp_path):
-    budget = 20.0
+    # 30 s: issue 36 asks the default suite to hold a 20-40 s budget to +5% on any machine (so not marked
+    # slow); on a 2-core machine shared with other jobs, start-up and the probe alone took 5-13 s
+    budget = 30.0
     proc, wall = lmforge("train", "--budget", f"{budget:g}s", "--set", f"run.dir={tmp_path / 'run'}", *TINY)
     if proc.returncode == 2 and "too small for any model on this machine" in proc.stderr:
-        # a machine too busy to start, probe and train in 20 s: the planner must say so, in time
+        # a machine too busy to start, probe and train in this budget: the planner must say so, in time
         assert wall <= 1.05 * budget and "smallest budget that would work is" in proc.stderr
         pytest.skip(f"this machine is too busy for a {budget:g}s budget: {proc.stderr.strip()}")
     assert proc.returncode == 0, proc.stderr

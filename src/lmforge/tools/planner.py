@@ -44,7 +44,7 @@ PREPARE_SHARE = 0.12  # the most of the budget preparing the corpus and tokenize
 EVAL_SHARE = 0.03  # the final evaluation
 EVAL_SPEEDUP = 3.0  # a forward alone takes about a third of a training step (forward + backward)
 # exit: saving the model, the report, the interpreter's exit (~1 s for a small model on a busy 2-core machine)
-MARGIN_SHARE, MARGIN_S = 0.02, 1.5
+MARGIN_SHARE, MARGIN_S = 0.02, 2.0
 PLOT_MIN_BUDGET_S = 120.0  # drawing curves.png imports matplotlib: 1-5 s, too much of a shorter budget
 SETUP_S = 1.5  # assembling the run: model, optimizer, loaders (measured ~0.5-1 s at these sizes)
 PREPARE_FIXED_S = 0.5
