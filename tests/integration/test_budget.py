@@ -67,7 +67,8 @@ def test_plan_only_writes_a_config_that_plain_train_reads(tmp_path, capsys):
     plan = json.loads((where / "plan.json").read_text())
     settings = {c["key"]: c["value"] for c in plan["choices"]}
     assert cfg.optim.lr == 1e-3 and cfg.model.d_model == 32  # the user's keys
-    assert cfg.model.n_layers == settings["model.n_layers"] and cfg.train.max_time == settings["train.max_time"]
+    assert cfg.model.n_layers == settings["model.n_layers"]
+    assert cfg.train.max_time == settings["train.max_time"]
     assert "model.n_layers" in capsys.readouterr().out
     # a second --plan-only does not replace the first's files without --overwrite
     before = (where / "config.yaml").read_text()
