@@ -17,6 +17,9 @@ def test_user_keys_are_what_the_file_and_set_gave(tmp_path):
     assert keys == {"model.d_model": 96, "optim.lr": 0.001, "optim.name": "adamw",
                     "train.micro_batch_size": 8, "data.sources": ["builtin:python"]}
     assert user_keys(load_config(None, [])) == {}
+    # a preset sets the shape it names: the planner keeps it
+    preset = user_keys(load_config(None, ["model.preset=debug"]))
+    assert (preset["model.d_model"], preset["model.n_layers"]) == (64, 2)
 
 
 def test_the_deadline_counts_from_the_process_start():
