@@ -47,7 +47,8 @@ class DataConfig(Section):
         "data.sources): with it every document of data.sources trains and val_fraction is not used."
     )
     max_chars: int | None = Field(
-        None, ge=1, description="Stop reading sources after this many characters (None: read all)."
+        None, ge=1, description="Stop reading sources after this many characters (None: read all); "
+        "data.val_sources gets as many again."
     )
     on_bad_utf8: Literal["skip", "fail"] = Field(
         "skip", description="A file that is not UTF-8: skip it and count it, or fail with its path."

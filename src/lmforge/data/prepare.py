@@ -223,7 +223,10 @@ def _split_documents(d: DataConfig, seed: int, stats: SourceStats) -> Iterator[t
         check_source(src)
     for i, doc in enumerate(iter_documents(d, stats)):
         yield i, "train", doc
-    val = d.model_copy(update={"sources": list(d.val_sources)})
+    # data.max_chars bounds the validation text on its own: counted on top of the train text read so far,
+    # else a train corpus that reached the limit would leave the validation split empty
+    room = None if d.max_chars is None else stats.chars + d.max_chars
+    val = d.model_copy(update={"sources": list(d.val_sources), "max_chars": room})
     for i, doc in enumerate(iter_documents(val, stats)):
         yield i, "val", doc
 

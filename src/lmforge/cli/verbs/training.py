@@ -19,12 +19,44 @@ def _resume_arg(p: argparse.ArgumentParser) -> None:
 def _train_args(p: argparse.ArgumentParser) -> None:
     config_args(p)
     _resume_arg(p)
+    p.add_argument("--budget", metavar="DURATION", help="wall-clock budget for the whole process (e.g. 5m, "
+                   "90s, 1h): measure this machine, choose vocabulary, model shape, batch, lr, schedule and "
+                   "precision for it (keys you set are kept), then prepare, train and evaluate within it; "
+                   "the plan is printed and saved as plan.json / plan.md in the run dir")
+    p.add_argument("--plan-only", action="store_true", help="with --budget: write the planned config.yaml, "
+                   "plan.json and plan.md to --plan-dir and stop (train it with lmforge train -c)")
+    p.add_argument("--plan-dir", metavar="DIR", help="where --plan-only writes (default: <run.dir>-plan)")
+    p.add_argument("--overwrite", action="store_true", help="--plan-only: replace the files in --plan-dir")
 
 
 def _train(args: argparse.Namespace) -> int:
+    if args.budget is not None:
+        return _train_budget(args)
+    if args.plan_only or args.plan_dir:
+        raise ConfigError("--plan-only and --plan-dir plan a --budget; give --budget DURATION (e.g. 5m)")
     from lmforge.train.trainer import train
 
     train(load_config(args), resume=args.resume)
+    return 0
+
+
+def _train_budget(args: argparse.Namespace) -> int:
+    """`lmforge train --budget 5m`: tools/planner_run.py (the clock is the process's, from its start)."""
+    from lmforge.config.train import parse_duration
+    from lmforge.tools.planner_probe import Deadline
+    from lmforge.tools.planner_run import run_budget
+
+    try:
+        budget = parse_duration(args.budget)
+    except ValueError as e:
+        raise ConfigError(f"--budget: {e}") from None
+    if args.resume:
+        raise ConfigError("--budget plans a new run; --resume continues one: drop one of them")
+    if args.plan_dir and not args.plan_only:
+        raise ConfigError("--plan-dir is where --plan-only writes; add --plan-only (a planned run writes its "
+                          "plan into run.dir)")
+    run_budget(budget, args.config, args.set, plan_only=args.plan_only, out=args.plan_dir,
+               overwrite=args.overwrite, deadline=Deadline.from_process(budget))
     return 0
 
 

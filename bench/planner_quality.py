@@ -1,0 +1,234 @@
+"""Quality per minute: `lmforge train --budget B` against (a) the best of a grid of 12 hand configurations at
+the same budget and (b) nanoGPT's documented CPU recipe for the same wall time, on corpora the planner was
+not tuned on (bench/corpora.py: builtin:python, on which its rules were measured, and a generated prose
+corpus it never saw), each scored the same way: bits per byte over the whole held-out text.
+
+- planner: `lmforge train --budget B --set data.sources=[TRAIN] --set data.val_sources=[HELDOUT]`, the whole
+  process timed (it prepares its own data inside the budget).
+- grid: 6 shapes x 2 lrs (HAND_GRID), WSD over time, vocabulary 4096, each with its data prepared before
+  its clock starts and 90% of the budget as pure training time (more than the planner's own run gets:
+  an upper bound on what a hand-tuned run of that budget reaches); the best of the 12 is the reference.
+- nanoGPT (`--nanogpt PATH`, a checkout of https://github.com/karpathy/nanoGPT; skipped without one): the
+  README's CPU recipe (train_shakespeare_char with --device=cpu --compile=False --block_size=64
+  --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000
+  --dropout=0.0, its config's lr 1e-3, min_lr 1e-4, warm-up 100, beta2 0.99): characters as tokens, the
+  same training text, its own model and optimizer (bench/nanogpt_ref.py), run until the budget's wall
+  time (or its 2000 iterations); start-up and data encoding are not counted against it.
+- scoring: lmforge runs with `lmforge eval loss RUN --set eval.max_batches=null` over data.val_sources (the
+  held-out file, every window); nanoGPT's model over every window of the held-out text, summed
+  nats / ln 2 / UTF-8 bytes.
+
+Targets (issue 36): planner within 3% of the grid's best bpb; planner <= 0.75x nanoGPT's bpb. Hours of
+exclusive CPU at the full set (2 corpora x 2/5/15 min x 14 runs): run it alone.
+
+    python bench/planner_quality.py --nanogpt ~/nanoGPT                 # 2, 5, 15 minutes, both corpora
+    python bench/planner_quality.py --budgets 5m --corpora prose
+    python bench/planner_quality.py --tiny --out /tmp/pq                # a 20 s smoke run of every part
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from corpora import CORPORA, materialize  # bench/ (on sys.path)
+from machine import machine_info, print_markdown_table
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results" / "planner_quality.json"
+SHAPES = {"d64-L2": (64, 2, 2), "d96-L3": (96, 3, 3), "d128-L4": (128, 4, 4), "d192-L4": (192, 4, 6),
+          "d256-L4": (256, 4, 8), "d256-L6": (256, 6, 8)}
+HAND_GRID = {f"{name}-lr{lr:g}": (d, n, h, lr) for name, (d, n, h) in SHAPES.items() for lr in (2e-3, 4e-3)}
+TINY_GRID = ("d64-L2-lr0.004", "d96-L3-lr0.002")
+TINY_SETS = ["model.max_seq_len=64", "train.micro_batch_size=4"]  # --tiny: steps of ms, kept by the planner
+NANOGPT_RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, max_iters=2000,
+                      lr=1e-3, min_lr=1e-4, warmup_iters=100, beta2=0.99, weight_decay=0.1, grad_clip=1.0)
+
+
+def duration(text: str) -> float:
+    sys.path.insert(0, str(REPO / "src"))
+    from lmforge.config.train import parse_duration
+
+    return parse_duration(text)
+
+
+def lmforge(*args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lmforge", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def sets(*items: str) -> list[str]:
+    return sum((["--set", s] for s in items), [])
+
+
+def score(run_dir: Path) -> float:
+    """bpb of a run over every window of its data.val_sources."""
+    proc = lmforge("eval", "loss", str(run_dir), *sets("eval.max_batches=null"))
+    if proc.returncode != 0:
+        raise RuntimeError(f"eval loss {run_dir}: {proc.stderr.strip()[-500:]}")
+    found = sorted(run_dir.glob("eval_val_*.json"), key=lambda p: p.stat().st_mtime)
+    return float(json.loads(found[-1].read_text())["bpb"])
+
+
+def run_planner(budget: float, train: Path, held: Path, out: Path, extra: list[str]) -> dict:
+    run = out / "planner"
+    t0 = time.perf_counter()
+    proc = lmforge("train", "--budget", f"{budget:g}s", *sets(
+        f"data.sources=[{json.dumps(str(train))}]", f"data.val_sources=[{json.dumps(str(held))}]",
+        f"run.dir={run}", "logging.progress=none", *extra))
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"name": "planner", "error": proc.stderr.strip()[-500:], "wall_s": round(wall, 1)}
+    plan = json.loads((run / "plan.json").read_text())
+    chosen = {c["key"]: c["value"] for c in plan["choices"]}
+    return {"name": "planner", "bpb": score(run), "wall_s": round(wall, 1),
+            "shape": f"d{chosen['model.d_model']}-L{chosen['model.n_layers']}", "lr": chosen["optim.lr"],
+            "vocab": chosen["data.tokenizer.vocab_size"]}
+
+
+def run_hand(name: str, budget: float, train: Path, held: Path, out: Path, extra: list[str]) -> dict:
+    d, n, h, lr = HAND_GRID[name]
+    run = out / name
+    common = [f"data.sources=[{json.dumps(str(train))}]", f"data.val_sources=[{json.dumps(str(held))}]",
+              "data.tokenizer.vocab_size=4096", f"data.dir={out / 'data-v4096'}"]
+    prep = lmforge("prepare", *sets(*common))  # before the clock: cached for every grid point
+    if prep.returncode != 0:
+        return {"name": name, "error": prep.stderr.strip()[-500:]}
+    t0 = time.perf_counter()
+    proc = lmforge("train", *sets(
+        *common, f"run.dir={run}", f"model.d_model={d}", f"model.n_layers={n}", f"model.n_heads={h}",
+        f"model.n_kv_heads={h // 2 if h % 2 == 0 else h}", "model.max_seq_len=256",
+        "train.micro_batch_size=16", f"optim.lr={lr}", "schedule.name=wsd", "schedule.unit=time",
+        f"schedule.warmup_seconds={min(15, 0.05 * budget):g}",
+        "schedule.cooldown_fraction=0.3", "schedule.min_lr_ratio=0.0", f"train.max_time={0.9 * budget:g}",
+        "train.max_steps=1000000000", "train.eval_every=0", "train.eval_batches=1", "checkpoint.every=0",
+        "logging.progress=none", "logging.plot=false", *extra))
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        return {"name": name, "error": proc.stderr.strip()[-500:], "wall_s": round(wall, 1)}
+    return {"name": name, "bpb": score(run), "wall_s": round(wall, 1)}
+
+
+def run_nanogpt(root: str, budget: float, train: Path, held: Path) -> dict:
+    """nanoGPT's CPU recipe on characters for `budget` seconds of training; bpb over all of `held`."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "src"))
+    from nanogpt_ref import find_nanogpt, load_nanogpt
+
+    checkout, why = find_nanogpt(root)
+    if checkout is None:
+        return {"name": "nanogpt", "error": why}
+    module = load_nanogpt(checkout)
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted(train.glob("*.txt")))
+    held_text = held.read_text(encoding="utf-8")
+    chars = sorted(set(text) | set(held_text))  # nanoGPT's prepare.py: the vocabulary of the whole text
+    index = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([index[c] for c in text], dtype=torch.long)
+    r = NANOGPT_RECIPE
+    torch.manual_seed(1337)
+    cfg = module.GPTConfig(block_size=r["block_size"], vocab_size=len(chars), n_layer=r["n_layer"],
+                           n_head=r["n_head"], n_embd=r["n_embd"], dropout=0.0, bias=False)
+    model = module.GPT(cfg)
+    opt = model.configure_optimizers(r["weight_decay"], r["lr"], (0.9, r["beta2"]), "cpu")
+
+    def lr_at(it: int) -> float:  # train.py's get_lr
+        if it < r["warmup_iters"]:
+            return r["lr"] * (it + 1) / (r["warmup_iters"] + 1)
+        ratio = (it - r["warmup_iters"]) / (r["max_iters"] - r["warmup_iters"])
+        return r["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (r["lr"] - r["min_lr"])
+
+    t0, it = time.perf_counter(), 0
+    while it < r["max_iters"] and time.perf_counter() - t0 < budget:
+        ix = torch.randint(len(data) - r["block_size"], (r["batch_size"],))
+        x = torch.stack([data[i:i + r["block_size"]] for i in ix])
+        y = torch.stack([data[i + 1:i + 1 + r["block_size"]] for i in ix])
+        for group in opt.param_groups:
+            group["lr"] = lr_at(it)
+        _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), r["grad_clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        it += 1
+    seconds = time.perf_counter() - t0
+    model.eval()
+    ids = torch.tensor([index[c] for c in held_text], dtype=torch.long)
+    nats, t = 0.0, r["block_size"]
+    with torch.no_grad():  # every window of the held-out text, each target scored once
+        for start in range(0, len(ids) - 1, t):
+            x, y = ids[start:start + t][None], ids[start + 1:start + 1 + t][None]
+            x = x[:, :y.shape[1]]
+            logits, _ = model(x, y)
+            nats += float(torch.nn.functional.cross_entropy(logits[0], y[0], reduction="sum"))
+    scored = held_text[1:len(ids)]
+    return {"name": "nanogpt", "bpb": nats / math.log(2) / len(scored.encode("utf-8")), "iters": it,
+            "train_s": round(seconds, 1)}
+
+
+def compare(rows: list[dict]) -> dict:
+    ok = {r["name"]: r["bpb"] for r in rows if "bpb" in r}
+    grid = {k: v for k, v in ok.items() if k in HAND_GRID}
+    out: dict = {}
+    if grid:
+        best = min(grid, key=grid.get)
+        out.update(grid_best=best, grid_best_bpb=grid[best])
+        if "planner" in ok:
+            out["planner_vs_grid"] = ok["planner"] / grid[best]
+    if "planner" in ok and "nanogpt" in ok:
+        out["planner_vs_nanogpt"] = ok["planner"] / ok["nanogpt"]
+    return out
+
+
+def table_row(c: dict) -> list[str]:
+    planner = next((r for r in c["rows"] if r["name"] == "planner"), {})
+    return [c["corpus"], f"{c['budget_s']:g}s", f"{planner['bpb']:.4f}" if "bpb" in planner else "-",
+            f"{c['grid_best_bpb']:.4f} ({c['grid_best']})" if "grid_best" in c else "-",
+            f"{c['planner_vs_grid']:.3f}" if "planner_vs_grid" in c else "-",
+            f"{c['planner_vs_nanogpt']:.3f}" if "planner_vs_nanogpt" in c else "-"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budgets", default="2m,5m,15m")
+    ap.add_argument("--corpora", default=",".join(CORPORA))
+    ap.add_argument("--chars", type=int, default=20_000_000, help="characters of each corpus")
+    ap.add_argument("--nanogpt", default=None, help="a nanoGPT checkout (else $LMFORGE_NANOGPT, else none)")
+    ap.add_argument("--out", default=str(REPO / "runs" / "planner-quality"))
+    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--tiny", action="store_true", help="a smoke run: 20 s, the prose corpus at 300k "
+                    "chars, 2 grid points, 4 x 64 tokens a micro-batch")
+    args = ap.parse_args(argv)
+    budgets = [duration(b) for b in args.budgets.split(",")]
+    corpora, grid, chars, extra = args.corpora.split(","), list(HAND_GRID), args.chars, []
+    if args.tiny:
+        budgets, corpora, grid, chars, extra = [20.0], ["prose"], list(TINY_GRID), 300_000, TINY_SETS
+    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    results = {"machine": machine_info(), "tiny": args.tiny, "grid": grid, "nanogpt_recipe": NANOGPT_RECIPE,
+               "cells": []}
+    for corpus in corpora:
+        train, held = materialize(corpus, Path(args.out) / "corpora", chars)
+        for budget in budgets:
+            cell_dir = out / corpus / f"{budget:g}s"
+            rows = [run_planner(budget, train, held, cell_dir, extra)]
+            rows += [run_hand(name, budget, train, held, cell_dir, extra) for name in grid]
+            if args.nanogpt or not args.tiny:
+                rows.append(run_nanogpt(args.nanogpt, budget, train, held))
+            cell = {"corpus": corpus, "budget_s": budget, "rows": rows, **compare(rows)}
+            results["cells"].append(cell)
+            print(json.dumps(cell), flush=True)
+    head = ["corpus", "budget", "planner bpb", "grid best", "planner / grid", "planner / nanoGPT"]
+    print_markdown_table(head, [table_row(c) for c in results["cells"]])
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.results}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

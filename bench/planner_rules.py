@@ -1,0 +1,148 @@
+"""The measurements behind the budget planner's rules (src/lmforge/tools/planner.py cites the numbers this
+writes to bench/results/planner_rules.json; tests/unit/test_planner.py checks that the two agree).
+
+From bench/results/speedrun_search.json (the measured search that chose configs/speedrun/cpu-5min.yaml:
+12 candidates at 60 s of training and the best 3 at 300 s, builtin:python, 2 AMD EPYC cores):
+
+- law: L(N, D) = E + A/N^alpha + B/D^beta fitted (Hoffmann et al. D.2, lmforge.tools.scaling.fit_law) to
+  the runs at vocabulary 4096 (nats/token compare only at one vocabulary): N the non-embedding parameters
+  (Kaplan's count, so that the ranking of shapes does not move with the vocabulary), D the tokens
+  each run saw in its budget, L its final validation loss. Published laws (Hoffmann, Epoch) are fitted at
+  1e7-1e10 parameters and over-predict these losses by 3-5x (printed below): the planner ranks shapes by
+  this small-budget fit instead, which is what "smaller models that see more tokens won" looks like as
+  a formula.
+- lr: the width rule lr = c * 128 / d_model, c from the 5-minute winner (d128, lr 4e-3). The only lr sweep
+  (d256 at 60 s: 1e-3, 2e-3, 4e-3) came out within noise of each other, which is also why the planner
+  does not spend budget on an lr probe: a probe of seconds cannot tell such lrs apart.
+- batch: DeepSeek LLM's B_opt = k C^0.3271 (tokens per step, C = 6ND), with k refitted so that the
+  5-minute winner's compute gives its measured best batch (16 x 256 = 4096 tokens; 8 x 256 lost at both
+  60 s and 300 s, 32 x 128 lost at 60 s).
+
+Measured here, now (a few seconds): how fast `lmforge prepare` reads, trains a BPE on and encodes
+builtin:python, and the characters per token at each vocabulary (to size data.max_chars and the
+tokenizer's sample from the budget).
+
+    python bench/planner_rules.py            # writes bench/results/planner_rules.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from machine import machine_info  # bench/machine.py (on sys.path)
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "src"))
+SEARCH = REPO / "bench" / "results" / "speedrun_search.json"
+RESULTS = REPO / "bench" / "results" / "planner_rules.json"
+SEARCH_SHAPE = dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=256, vocab_size=4096)
+BATCH_EXPONENT = 0.3271  # DeepSeek LLM (Bi et al. 2024) eq. 1
+PREPARE_CHARS = (500_000, 2_000_000)
+VOCABS = (1024, 2048, 4096)
+
+
+def search_points() -> list[dict]:
+    """(name, budget, N, D, loss) of every speedrun run at vocabulary 4096."""
+    from lmforge.config.schema import ModelConfig
+    from lmforge.tools.scaling_inputs import param_count
+
+    search = json.loads(SEARCH.read_text())
+    out = []
+    for r in search["screen"] + search["final"]:
+        if "val_loss" not in r or any(o.startswith("data.tokenizer.vocab_size") for o in r["overrides"]):
+            continue
+        shape = dict(SEARCH_SHAPE)
+        for o in r["overrides"]:
+            key, value = o.split("=", 1)
+            if key.startswith("model."):
+                shape[key.removeprefix("model.")] = int(value)
+        n = param_count(ModelConfig(**shape), "non-embedding")
+        out.append({"name": r["name"], "budget_s": r["budget_s"], "n": n,
+                    "d": r["tokens_seen"], "loss": r["val_loss"], "bpb": r["val_bpb"],
+                    "d_model": shape["d_model"], "lr": _lr(r["overrides"])})
+    return out
+
+
+def _lr(overrides: list[str]) -> float:
+    for o in overrides:
+        if o.startswith("optim.lr="):
+            return float(o.split("=", 1)[1])
+    return 2e-3  # the search's starting point (SEARCH_BASE in bench/speedrun_search.py)
+
+
+def fit(points: list[dict]) -> dict:
+    from lmforge.tools.scaling import LAWS, fit_law
+
+    law = fit_law([p["n"] for p in points], [p["d"] for p in points], [p["loss"] for p in points],
+                  count="non-embedding")
+    rms = math.sqrt(sum((math.log(law.loss(p["n"], p["d"])) - math.log(p["loss"])) ** 2 for p in points)
+                    / len(points))
+    published = {name: [round(pub.loss(p["n"], p["d"]), 2) for p in points] for name, pub in LAWS.items()}
+    return {"E": law.E, "A": law.A, "B": law.B, "alpha": law.alpha, "beta": law.beta,
+            "count": "non-embedding", "min_params": min(p["n"] for p in points), "rms_log_residual": rms,
+            "published_laws_predict": published}
+
+
+def lr_rule(points: list[dict]) -> dict:
+    final = [p for p in points if p["budget_s"] == max(q["budget_s"] for q in points)]
+    best = min(final, key=lambda p: p["loss"])
+    return {"lr_at_128": best["lr"] * best["d_model"] / 128, "from": f"{best['name']} at "
+            f"{best['budget_s']:g}s: lr {best['lr']:g} at d_model {best['d_model']}",
+            "d256_sweep_60s": {f"{p['lr']:g}": round(p["bpb"], 4) for p in points
+                               if p["budget_s"] == 60 and p["d_model"] == 256
+                               and p["name"] in ("base", "lr4e-3", "lr1e-3")}}
+
+
+def batch_rule(points: list[dict]) -> dict:
+    final = [p for p in points if p["budget_s"] == max(q["budget_s"] for q in points)]
+    best = min(final, key=lambda p: p["loss"])
+    tokens = 16 * 256  # the winner's micro-batch x context, accumulation 1 (configs/speedrun/cpu-5min.yaml)
+    compute = 6 * best["n"] * best["d"]
+    return {"coefficient": tokens / compute**BATCH_EXPONENT, "exponent": BATCH_EXPONENT,
+            "from": f"{best['name']}: {tokens} tokens/step at C = {compute:.3g}"}
+
+
+def prepare_rates() -> dict:
+    """Characters per second of a whole `prepare` (read + BPE training + encoding) and chars per token."""
+    from lmforge.config.load import load_config
+    from lmforge.data.prepare import prepare
+
+    rates, cpt = [], {}
+    for vocab in VOCABS:
+        for chars in PREPARE_CHARS:
+            with tempfile.TemporaryDirectory() as tmp:
+                cfg = load_config(None, [f"data.max_chars={chars}", f"data.tokenizer.vocab_size={vocab}",
+                                         f"data.dir={tmp}/data", f"run.dir={tmp}/run"])
+                t0 = time.perf_counter()
+                meta = prepare(cfg, console=lambda _: None).meta
+                seconds = time.perf_counter() - t0
+            tokens = sum(s["tokens"] for s in meta["splits"].values())
+            rates.append(chars / seconds)
+            cpt[vocab] = chars / tokens
+            print(f"prepare {chars:,} chars at vocab {vocab}: {seconds:.2f}s, {chars / tokens:.2f} chars/tok")
+    return {"chars_per_s": sorted(rates)[len(rates) // 4],  # a low quartile: a busy machine is slower
+            "chars_per_token": {str(v): round(c, 3) for v, c in cpt.items()},
+            "measured": [round(r) for r in rates]}
+
+
+def main() -> None:
+    points = search_points()
+    out = {"machine": machine_info(), "source": str(SEARCH.relative_to(REPO)), "points": points,
+           "law": fit(points), "lr": lr_rule(points), "batch": batch_rule(points), "prepare": prepare_rates()}
+    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+    law = out["law"]
+    print(f"law: L = {law['E']:.4g} + {law['A']:.4g}/N^{law['alpha']:.4g} + {law['B']:.4g}/D^"
+          f"{law['beta']:.4g} (rms log residual {law['rms_log_residual']:.4f}, {len(points)} runs)")
+    print(f"lr at d_model 128: {out['lr']['lr_at_128']:g}; batch k {out['batch']['coefficient']:.4g}")
+    prep = out["prepare"]
+    print(f"prepare: {prep['chars_per_s']:,.0f} chars/s; chars/token {prep['chars_per_token']}")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,413 @@
+"""The budget planner's choice: `plan(budget_s, throughput, corpus, user) -> Plan`, a pure function of the
+machine's measured throughput (tools/planner_probe.py measures it), the corpus and the keys the user set.
+
+What it chooses, and from what (every constant below cites bench/results/planner_rules.json, written by
+bench/planner_rules.py from the measured runs of bench/results/speedrun_search.json):
+
+- the phases of the whole process inside the budget: what was already spent (start-up and the probe),
+  preparing the corpus and tokenizer (data.max_chars and the tokenizer's sample bounded by a share of the
+  budget at the measured prepare rate), training (what is left), the final evaluation (a few % of the
+  budget at the measured speed) and a small exit margin;
+- the model shape: every candidate of a ladder of shapes sees the tokens its measured (or interpolated)
+  speed gives in the training time; the one a loss rule L(N, D) fitted to small-budget runs on a 2-core
+  CPU predicts lowest wins (there, smaller models that see more tokens won);
+- vocabulary, context, micro-batch and accumulation, lr (a width rule), a WSD schedule over time with a
+  cooldown over the end, precision (measured by the probe) and the evaluation's batches.
+
+Any key the user set is kept and the rest is planned around it; the plan says for each choice why."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from lmforge.errors import ConfigError
+
+# -- rules, with the measurements that chose them (bench/results/planner_rules.json) -------------------
+# L(N, D) in nats/token at vocabulary 4096, N the non-embedding parameters (so the ranking of shapes does
+# not move with the vocabulary), fitted to the 13 speedrun runs (N 0.79M-5.8M, D 0.27M-3.4M tokens, rms
+# log residual 0.025); E is not identifiable at these losses (all >= 3.7 nats) and the fit puts it at 0.
+# Published laws (Hoffmann, Epoch) predict 10-25 nats for the same runs.
+LAW = dict(E=0.0, A=14.2883, B=101.547, alpha=0.218476, beta=0.235491)
+LAW_MIN_PARAMS = 0.5 * 787_584  # half the smallest fitted N: below it the rule is an extrapolation
+LR_AT_128 = 4.0e-3  # lr = LR_AT_128 * 128 / d_model: the 5-minute winner (d128, lr 4e-3)
+LR_RANGE = (3e-4, 6e-3)
+BATCH_RULE = (0.1968, 0.3271)  # tokens/step = k C^e: DeepSeek's exponent, k from the winner's 4096 tokens
+PREPARE_CHARS_PER_S = 1_207_555.0  # a whole `lmforge prepare` of builtin:python (low quartile of 6 runs)
+CHARS_PER_TOKEN = {1024: 2.839, 2048: 3.423, 4096: 3.916}  # builtin:python, per BPE vocabulary
+# Schedule: the speedrun's WSD (15 s of warm-up in 5 minutes, cooldown over the last 30%).
+WARMUP_SECONDS, WARMUP_SHARE, COOLDOWN_FRACTION = 15.0, 0.05, 0.3
+
+# -- the shares of the budget (decisions; docs/planning.md says why) -----------------------------------
+PREPARE_SHARE = 0.12  # the most of the budget preparing the corpus and tokenizer may take
+EVAL_SHARE = 0.03  # the final evaluation
+EVAL_SPEEDUP = 3.0  # a forward alone takes about a third of a training step (forward + backward)
+# exit: saving the model, the report, the interpreter's exit (~1 s for a small model on a busy 2-core machine)
+MARGIN_SHARE, MARGIN_S = 0.02, 2.0
+PLOT_MIN_BUDGET_S = 120.0  # drawing curves.png imports matplotlib: 1-5 s, too much of a shorter budget
+SETUP_S = 1.5  # assembling the run: model, optimizer, loaders (measured ~0.5-1 s at these sizes)
+PREPARE_FIXED_S = 0.5
+MIN_TRAIN_S = 5.0  # below this a run is mostly its first, slow steps
+MIN_STEPS = 20  # ... and fewer steps than this train nothing
+MAX_BUDGET_S = 24 * 3600.0  # longer runs need checkpoints and resumes: -c with train.max_time
+VAL_FRACTION_RANGE = (0.02, 0.2)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One candidate model shape."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+
+    @property
+    def name(self) -> str:
+        return f"d{self.d_model}-L{self.n_layers}"
+
+
+def _ladder_shape(d: int, layers: int) -> Shape:
+    heads = d // 32 if d <= 256 else d // 64  # head_dim 32 at small widths (the speedrun's), 64 above
+    return Shape(d, layers, heads, heads // 2 if heads % 2 == 0 else heads)
+
+
+# widths and depths at aspect ratios 32-85 (the speedrun's winner d128-L4; choose_shape's 64 above 1B)
+LADDER = tuple(_ladder_shape(d, n) for d, n in (
+    (64, 2), (96, 3), (128, 4), (192, 4), (256, 4), (256, 6), (320, 5), (384, 6), (512, 8), (640, 10),
+    (768, 12), (1024, 16), (1280, 20), (1536, 24), (2048, 24)))
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One probe measurement: a shape trained at (micro, seq, vocab) ran at tokens_per_s."""
+
+    shape: Shape
+    micro: int
+    seq_len: int
+    vocab: int
+    flops_per_token: float
+    tokens_per_s: float
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The machine as the probe measured it: tokens/s of a few shapes (interpolated in between), the
+    precision it resolved, and the seconds spent before planning (start-up and the probe)."""
+
+    device: str  # "cpu" or "cuda"
+    points: tuple[Measured, ...]
+    precision: str = "fp32"
+    precision_why: str = "fp32 (not measured)"
+    spent_s: float = 0.0
+
+    def tokens_per_s(self, flops_per_token: float) -> float | None:
+        """Interpolated tokens/s at `flops_per_token` (log-log, between measured shapes); the smallest
+        shape's speed below it (a smaller model is never slower); None above the largest measured."""
+        pts = sorted((p.flops_per_token, p.tokens_per_s) for p in self.points)
+        if not pts or flops_per_token > pts[-1][0] * 1.0001:
+            return None
+        # never faster for more FLOPs per token: a noisy table must not reward a bigger model
+        mono, low = [], math.inf
+        for f, t in pts:
+            low = min(low, t)
+            mono.append((f, low))
+        if flops_per_token <= mono[0][0]:
+            return mono[0][1]
+        for (f0, t0), (f1, t1) in zip(mono, mono[1:]):
+            if flops_per_token >= f1:
+                if flops_per_token == f1:
+                    return t1  # a measured shape: its own speed
+                continue
+            w = math.log(flops_per_token / f0) / math.log(f1 / f0)
+            return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+        return mono[-1][1]
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """What the planner knows of the corpus: its characters (None: not counted; read up to what the budget
+    needs), the characters of data.val_sources (read whole: they take preparing time) and characters per
+    token at each vocabulary (the measured rule unless known)."""
+
+    chars: int | None = None
+    val_chars: int = 0
+    chars_per_token: dict[int, float] = field(default_factory=lambda: dict(CHARS_PER_TOKEN))
+
+    def per_token(self, vocab: int) -> float:
+        known = sorted(self.chars_per_token)
+        near = min(known, key=lambda v: abs(math.log(v / vocab)))
+        return self.chars_per_token[near]
+
+
+@dataclass
+class Choice:
+    key: str
+    value: Any
+    why: str
+
+
+@dataclass
+class Plan:
+    budget_s: float
+    phases: dict[str, float]
+    choices: list[Choice]
+    candidates: list[dict[str, Any]]
+    predicted: dict[str, float]
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """dotted config key -> value (what `--set` would say)."""
+        return {c.key: c.value for c in self.choices if "." in c.key}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"budget_s": self.budget_s, "phases": self.phases,
+                "choices": [asdict(c) for c in self.choices], "candidates": self.candidates,
+                "predicted": self.predicted}
+
+    def table(self) -> str:
+        """One line per choice: key, value, why (what the CLI prints before training)."""
+        rows = [(c.key, _show(c.value), c.why) for c in self.choices]
+        w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+        phases = ", ".join(f"{k} {v:.1f}s" for k, v in self.phases.items())
+        lines = [f"plan for a budget of {self.budget_s:g}s: {phases}",
+                 f"{'choice':<{w0}}  {'value':<{w1}}  why"]
+        lines += [f"{k:<{w0}}  {v:<{w1}}  {why}" for k, v, why in rows]
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        out = [f"# Plan for a budget of {self.budget_s:g} s", "", "| phase | seconds |", "|---|---|"]
+        out += [f"| {k} | {v:.1f} |" for k, v in self.phases.items()]
+        out += ["", "| choice | value | why |", "|---|---|---|"]
+        out += [f"| {c.key} | {_show(c.value)} | {c.why} |" for c in self.choices]
+        out += ["", "| shape | parameters | tokens/s | tokens | predicted loss |", "|---|---|---|---|---|"]
+        out += [f"| {c['shape']} | {c['params']:,} | {c['tokens_per_s'] or '-'} | {c['tokens'] or '-'} | "
+                f"{c['loss'] if c['loss'] is not None else c['why']} |" for c in self.candidates]
+        return "\n".join(out) + "\n"
+
+
+def _show(v: Any) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+# -- what the probe and the plan agree on -----------------------------------------------------------------
+def batch_shape(device: str, user: dict[str, Any]) -> tuple[int, int]:
+    """(micro-batch, context) a candidate trains at: the user's, else 16 x 256 on a CPU (the speedrun's
+    winner; 8 x 256 and 32 x 128 lost) and 16 x 1024 on a GPU (fills its matmuls)."""
+    seq = user.get("model.max_seq_len") or (256 if device == "cpu" else 1024)
+    return user.get("train.micro_batch_size") or 16, seq
+
+
+def vocab_for(budget_s: float, user: dict[str, Any]) -> tuple[int, str]:
+    """The tokenizer's vocabulary: the user's, else 4096 (the speedrun's; 2048-8192 came within 0.05 bpb of
+    each other at 60 s), halved where the budget's tokenizer sample is too small to fill it."""
+    if "data.tokenizer.vocab_size" in user:
+        return int(user["data.tokenizer.vocab_size"]), "user"
+    sample = PREPARE_SHARE * budget_s * PREPARE_CHARS_PER_S / 2  # half the preparing time trains the BPE
+    vocab = 4096
+    while vocab > 1024 and sample / vocab < 250:  # a merge needs material: >= 250 chars per entry
+        vocab //= 2
+    why = "rule: 4096 (speedrun: 2048-8192 within 0.05 bpb)"
+    return vocab, why if vocab == 4096 else f"rule: >= 250 sample chars per entry ({sample:,.0f} chars)"
+
+
+def candidate_shapes(user: dict[str, Any]) -> list[Shape]:
+    """The ladder with the user's shape keys put in (the rest of each shape kept where it stays valid)."""
+    out: list[Shape] = []
+    for s in LADDER:
+        d = user.get("model.d_model", s.d_model)
+        heads = user.get("model.n_heads") or max(1, d // (s.d_model // s.n_heads))  # the ladder's head_dim
+        kv = user.get("model.n_kv_heads") or (heads // 2 if heads % 2 == 0 else heads)
+        shape = Shape(d, user.get("model.n_layers", s.n_layers), heads, kv)
+        if d % heads == 0 and heads % kv == 0 and shape not in out:
+            out.append(shape)
+    return out
+
+
+def model_config(shape: Shape, vocab: int, seq: int):
+    from lmforge.config.schema import ModelConfig
+
+    return ModelConfig(d_model=shape.d_model, n_layers=shape.n_layers, n_heads=shape.n_heads,
+                       n_kv_heads=shape.n_kv_heads, vocab_size=-(-vocab // 64) * 64, max_seq_len=seq)
+
+
+def law_loss(n: float, d: float) -> float:
+    return LAW["E"] + LAW["A"] / n ** LAW["alpha"] + LAW["B"] / d ** LAW["beta"]
+
+
+# -- the plan ---------------------------------------------------------------------------------------------
+def _rank(budget_s: float, throughput: Throughput, user: dict[str, Any], vocab: int, micro: int, seq: int,
+          train_s: float) -> tuple[list[dict[str, Any]], tuple | None]:
+    """Every candidate shape with its speed, tokens and predicted loss; the best (lowest loss, the first
+    of the ladder on a tie) as (shape, row, N, tokens/s, tokens)."""
+    from lmforge.models.flops import flops_per_token
+    from lmforge.tools.scaling_inputs import param_count
+
+    rows, best, fallback = [], None, None
+    for shape in candidate_shapes(user):
+        mc = model_config(shape, vocab, seq)
+        n, fpt = param_count(mc, "non-embedding"), flops_per_token(mc, seq)
+        tps = throughput.tokens_per_s(fpt)
+        row = {"shape": shape.name, "params": n, "tokens_per_s": None, "tokens": None, "loss": None,
+               "why": ""}
+        rows.append(row)
+        if tps is None:
+            row["why"] = "larger than the largest shape measured"
+            continue
+        d = tps * train_s
+        row.update(tokens_per_s=round(tps), tokens=int(d))
+        if d / (micro * seq) < MIN_STEPS:
+            row["why"] = f"fewer than {MIN_STEPS} steps"
+            continue
+        row["loss"] = round(law_loss(n, d), 4)
+        if n < LAW_MIN_PARAMS and not any(k.startswith("model.") for k in user):
+            # below the range the rule was fitted on: only when no shape in it gets its steps
+            row["why"] = "below the rule's measured range"
+            if fallback is None or row["loss"] < fallback[1]["loss"]:
+                fallback = (shape, row, n, tps, d)
+            continue
+        if best is None or row["loss"] < best[1]["loss"]:
+            best = (shape, row, n, tps, d)
+    return rows, best or fallback
+
+
+def check_budget(budget_s: float, user: dict[str, Any]) -> None:
+    """ConfigError for a budget out of range or a key --budget cannot keep (before anything is measured)."""
+    if "train.max_time" in user:
+        raise ConfigError("--budget plans train.max_time from what is left after preparing and before the "
+                          "final evaluation; remove train.max_time from the config (or drop --budget)")
+    if not (math.isfinite(budget_s) and 0 < budget_s <= MAX_BUDGET_S):
+        raise ConfigError(f"--budget {budget_s:g}s: give a budget above 0 and at most "
+                          f"{MAX_BUDGET_S / 3600:g}h "
+                          "(longer runs need checkpoints and resumes: plan a shorter budget and train it on "
+                          "with -c and train.max_time)")
+
+
+def plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any]) -> Plan:
+    """The run to train in `budget_s` seconds of wall time on the machine `throughput` measured, on
+    `corpus`; `user` (dotted key -> value) holds the keys the user set, which are kept. Pure: the same
+    inputs give the same plan. ConfigError for a budget outside what can work, naming what would."""
+    try:
+        return _plan(budget_s, throughput, corpus, user)
+    except _TooSmall as e:
+        # more budget only adds training time, so the budgets that work are an interval: bisect for its start
+        lo, hi = max(1, math.floor(budget_s)), math.ceil(MAX_BUDGET_S)
+        if _works(hi, throughput, corpus, user) is None:
+            raise ConfigError(f"no budget up to {MAX_BUDGET_S / 3600:g}h trains a model with the keys you "
+                              f"set on this machine ({e.args[0]})") from None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if _works(mid, throughput, corpus, user) else (mid, hi)
+        raise ConfigError(f"--budget {budget_s:g}s is too small for any model on this machine: {e.args[0]}; "
+                          f"the smallest budget that would work is {hi}s") from None
+
+
+class _TooSmall(Exception):
+    pass
+
+
+def _works(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any]) -> Plan | None:
+    try:
+        return _plan(budget_s, throughput, corpus, user)
+    except _TooSmall:
+        return None
+
+
+def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any]) -> Plan:
+    check_budget(budget_s, user)
+    if not throughput.points:
+        raise ConfigError("the throughput probe measured no shape (not even the smallest) in its time")
+    micro, seq = batch_shape(throughput.device, user)
+    vocab, vocab_why = vocab_for(budget_s, user)
+    cpt = corpus.per_token(vocab)
+    fastest = max(p.tokens_per_s for p in throughput.points)
+    step_s = micro * seq / fastest
+    eval_s, margin_s = EVAL_SHARE * budget_s, MARGIN_SHARE * budget_s + MARGIN_S
+    cap = min(PREPARE_SHARE * budget_s * PREPARE_CHARS_PER_S, corpus.chars or math.inf)
+
+    def chars_for(tokens_per_s: float, seconds: float) -> int:
+        """Characters to read: what `tokens_per_s` trains on in `seconds` (+10%, + held-out text), within
+        the share of the budget preparing may take (and the corpus); the user's data.max_chars if set."""
+        if "data.max_chars" in user:
+            return int(user["data.max_chars"])
+        return int(min(1.1 * tokens_per_s * seconds * cpt / (1 - 0.1), cap))
+
+    def read(chars: int) -> int:
+        """Characters preparing reads: data.max_chars of the train text (at least the held-out text's
+        size, so that data.val_sources is read whole: each gets data.max_chars) and the held-out text."""
+        return max(chars, corpus.val_chars) + corpus.val_chars
+
+    def train_time(chars: int) -> float:
+        prepare = PREPARE_FIXED_S + read(chars) / PREPARE_CHARS_PER_S
+        return budget_s - throughput.spent_s - prepare - SETUP_S - \
+            eval_s - margin_s
+
+    # first as if the fastest shape trained the whole budget, then for the speed of the shape chosen
+    chars = chars_for(fastest, budget_s)
+    train_s = train_time(chars)
+    least_train = max(MIN_TRAIN_S, MIN_STEPS * step_s)
+    if train_s < least_train:
+        raise _TooSmall(f"start-up and the probe took {throughput.spent_s:.1f}s and a run needs at least "
+                        f"{least_train:.1f}s of training ({MIN_STEPS} steps of the fastest shape)")
+    rows, best = _rank(budget_s, throughput, user, vocab, micro, seq, train_s)
+    if best is not None:  # read only what the chosen shape trains on: the time saved goes to training
+        chars = min(chars, chars_for(best[3], train_s))
+        train_s = train_time(chars)
+        rows, best = _rank(budget_s, throughput, user, vocab, micro, seq, train_s)
+    if best is None:
+        keys = ", ".join(sorted(k for k in user if k.startswith("model."))) or "none"
+        raise _TooSmall(f"no candidate shape (with the model keys you set: {keys}) gets {MIN_STEPS} steps "
+                        f"in {train_s:.1f}s of training at the measured speed")
+    shape, row, n, tps, d = best
+    prepare_s = PREPARE_FIXED_S + read(chars) / PREPARE_CHARS_PER_S
+    phases = {"start-up and probe": throughput.spent_s, "prepare": prepare_s,
+              "setup": SETUP_S, "train": train_s, "evaluate": eval_s, "margin": margin_s}
+    measured = f"measured: {tps:,.0f} tok/s"
+    choices = [Choice("budget", f"{budget_s:g}s", "--budget")]
+
+    def choose(key: str, value: Any, why: str) -> None:
+        choices.append(Choice(key, user[key], "user") if key in user else Choice(key, value, why))
+
+    choose("data.tokenizer.vocab_size", vocab, vocab_why)
+    choose("data.max_chars", max(chars, corpus.val_chars), f"rule: what {tps:,.0f} tok/s trains on, <= "
+           f"{PREPARE_SHARE:.0%} of the budget at {PREPARE_CHARS_PER_S:,.0f} chars/s")
+    choose("data.tokenizer.train_chars", max(1000, chars // 2), "rule: half of the corpus read")
+    rule = f"rule: lowest L(N,D) at {measured}, {d / n:.1f} tokens/non-embedding param"
+    for k in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
+        choose(f"model.{k}", getattr(shape, k), rule if k == "d_model" else f"with d_model ({shape.name})")
+    choose("model.max_seq_len", seq, "rule: 256 on a CPU (speedrun), 1024 on a GPU")
+    choose("train.micro_batch_size", micro, "rule: 16 sequences (speedrun: 8 and 32x128 lost)")
+    batch = BATCH_RULE[0] * (6 * n * d) ** BATCH_RULE[1]
+    accum = max(1, min(64, round(batch / (micro * seq))))
+    while accum > 1 and d / (accum * micro * seq) < 100:  # at least 100 updates
+        accum //= 2
+    choose("train.grad_accum_steps", accum, f"rule: {BATCH_RULE[0]:g} C^{BATCH_RULE[1]:g} = {batch:,.0f} "
+           "tokens/step")
+    d_model = user.get("model.d_model", shape.d_model)
+    lr = min(max(LR_AT_128 * 128 / d_model, LR_RANGE[0]), LR_RANGE[1])
+    choose("optim.lr", lr, f"rule: {LR_AT_128:g} x 128 / d_model (speedrun's winner)")
+    choose("schedule.name", "wsd", "rule: warm-up, flat, cooldown over the end (speedrun)")
+    choose("schedule.unit", "time", "the budget is wall time")
+    if user.get("schedule.name", "wsd") == "wsd":
+        choose("schedule.warmup_seconds", round(min(WARMUP_SECONDS, WARMUP_SHARE * train_s), 2),
+               f"rule: min({WARMUP_SECONDS:g}s, {WARMUP_SHARE:.0%} of training)")
+        choose("schedule.cooldown_fraction", COOLDOWN_FRACTION, "rule: the last 30% (speedrun)")
+        choose("schedule.min_lr_ratio", 0.0, "rule: decay to 0 (speedrun)")
+    choose("train.precision", throughput.precision, throughput.precision_why)
+    choose("train.max_time", round(train_s, 2), "what is left of the budget (re-set after preparing)")
+    choose("train.max_steps", 1_000_000_000, "the clock ends the run")
+    choose("train.eval_every", 0, "one evaluation, at the end")
+    eval_batches = max(1, int(eval_s * EVAL_SPEEDUP * tps / (micro * seq)))
+    choose("train.eval_batches", eval_batches, f"rule: {EVAL_SHARE:.0%} of the budget at {EVAL_SPEEDUP:g}x "
+           "the training speed")
+    if "data.val_sources" not in user:
+        val_tokens = 1.5 * eval_batches * micro * (seq + 1)
+        frac = min(max(val_tokens / max(1.0, chars / cpt), VAL_FRACTION_RANGE[0]), VAL_FRACTION_RANGE[1])
+        choose("data.val_fraction", round(frac, 4), "rule: enough held-out text for the evaluation")
+    choose("checkpoint.every", 0, "one checkpoint, at the end")
+    if budget_s < PLOT_MIN_BUDGET_S:
+        choose("logging.plot", False, f"rule: curves.png costs 1-5 s; drawn from {PLOT_MIN_BUDGET_S:g}s "
+               "budgets")
+    predicted = {"params": n, "tokens": int(d), "tokens_per_s": tps, "loss": row["loss"]}
+    return Plan(budget_s, {k: round(v, 2) for k, v in phases.items()}, choices, rows, predicted)

@@ -1,0 +1,146 @@
+"""What the budget planner measures: the whole process's clock (`Deadline`, from the process's start) and
+the machine's training speed for a few candidate shapes (`probe`), bounded to a small share of the budget.
+
+The probe trains each shape a step or two with the engine's own step (engine.step.train_step, AdamW, the
+planned micro-batch and context, random tokens) and times the steps after the first; shapes go from the
+smallest eligible up until the probe's time is spent, so a larger budget measures (and may choose) larger
+shapes. Precision: the existing `resolve_precision("auto", ...)` path, at the largest shape measured, where
+its cost fits what is left of the probe's time (on a CPU it times bf16 steps, which are up to 7x slower
+where there are no bf16 units)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lmforge.tools.planner import (
+    Measured,
+    Shape,
+    Throughput,
+    batch_shape,
+    candidate_shapes,
+    model_config,
+    vocab_for,
+)
+
+PROBE_SHARE = 0.05  # of the budget, at most (the first shape is always measured)
+PROBE_MIN_S, PROBE_MAX_S = 0.5, 60.0  # a minute measures every shape of the ladder a budget can afford
+PRECISION_COST = 16  # resolve_precision's steps (fp32 + bf16, warm-up and timed) at up to 7x in bf16
+
+
+def process_elapsed() -> float:
+    """Seconds since this process started (Linux: /proc), so the interpreter's start-up and imports count
+    against the budget; 0 where the start time cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = float(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+@dataclass
+class Deadline:
+    """The whole process's budget: `elapsed` counts from the process's start, `left` is what remains."""
+
+    budget_s: float
+    now: Callable[[], float] = field(default=time.perf_counter, repr=False)
+    _zero: float = 0.0
+
+    @classmethod
+    def from_process(cls, budget_s: float) -> Deadline:
+        d = cls(budget_s)
+        d._zero = d.now() - process_elapsed()
+        return d
+
+    @property
+    def elapsed(self) -> float:
+        return self.now() - self._zero
+
+    @property
+    def left(self) -> float:
+        return self.budget_s - self.elapsed
+
+
+def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precision: str,
+                  until: float) -> tuple[float, Any]:
+    """Seconds of one training step of `shape` and the model (for the precision probe): the fastest of two
+    steps (the first allocates, the optimizer's state included) and, if time allows before `until`, a
+    third."""
+    import torch
+
+    from lmforge.data.batch import TokenBatch
+    from lmforge.engine.precision import Precision
+    from lmforge.engine.step import train_step
+    from lmforge.models import build_model
+
+    with torch.random.fork_rng(devices=[]):  # measuring never changes the run's random stream
+        torch.manual_seed(0)
+        model = build_model(model_config(shape, vocab, seq), device=device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        prec = Precision(precision, device)
+        x = torch.randint(0, vocab, (micro, seq + 1), device=device)
+        batch = TokenBatch(x[:, :-1], x[:, 1:])
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            train_step(model, [batch], opt, prec).loss  # noqa: B018  (reading the loss synchronises)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            if len(times) >= 2 and time.perf_counter() + times[-1] > until:
+                break  # the first step allocates (the optimizer's state too): always time a second
+    return min(times), model
+
+
+def probe(budget_s: float, user: dict[str, Any], deadline: Deadline, device_name: str = "auto",
+          say: Callable[[str], object] = print) -> Throughput:
+    """Tokens/s of the candidate shapes this budget may choose, measured in at most PROBE_SHARE of it."""
+    import torch
+
+    from lmforge.engine.precision import resolve_precision
+    from lmforge.models.flops import flops_per_token
+    from lmforge.parallel.world import World, resolve_device
+
+    device = resolve_device(device_name, World.from_env())
+    micro, seq = batch_shape(device.type, user)
+    vocab = vocab_for(budget_s, user)[0]
+    asked = user.get("train.precision", "auto")
+    precision = resolve_precision(asked, device)  # no model: fp32 on a CPU, bf16 on a GPU that has it
+    # smallest first: the cheapest to measure, and what a tiny budget needs (the planner takes shapes below
+    # its rule's range only when none in it gets its steps)
+    shapes = candidate_shapes(user)
+    allot = min(max(PROBE_MIN_S, PROBE_SHARE * budget_s), PROBE_MAX_S)
+    until = time.perf_counter() + allot
+    say(f"planning: measuring training speed of up to {len(shapes)} shapes ({micro} x {seq} tokens, "
+        f"{precision}) for at most {allot:.1f}s")
+    # one tiny step first: the process's first step pays one-time costs (thread pools, allocator, lazy
+    # imports) of a second or more that would otherwise be charged to the first shape measured
+    _step_seconds(Shape(32, 1, 1, 1), vocab, 1, 16, device, precision, 0.0)
+    points, model, last = [], None, 0.0
+    for shape in shapes:
+        if points and time.perf_counter() + 3 * last * 1.5 > until:
+            break  # the next (larger) shape would not finish its steps in the probe's time
+        try:
+            seconds, model = _step_seconds(shape, vocab, micro, seq, device, precision, until)
+        except torch.OutOfMemoryError:
+            break
+        last = seconds
+        mc = model_config(shape, vocab, seq)
+        points.append(Measured(shape, micro, seq, vocab, flops_per_token(mc, seq), micro * seq / seconds))
+        say(f"  {shape.name}: {points[-1].tokens_per_s:,.0f} tok/s")
+    why = f"{precision} (set)" if asked != "auto" else f"{precision} (auto on {device.type})"
+    if asked == "auto" and device.type == "cpu" and model is not None:
+        cost = PRECISION_COST * last
+        if time.perf_counter() + cost <= until:
+            precision = resolve_precision("auto", device, model, micro, seq, vocab)
+            why = f"measured: resolve_precision(auto) at {points[-1].shape.name}"
+        else:
+            why = f"fp32 (bf16 not measured: ~{cost:.1f}s, more than the probe's time left)"
+    del model
+    return Throughput(device.type, tuple(points), precision, why, spent_s=round(deadline.elapsed, 2))

@@ -1,0 +1,134 @@
+"""The budget planner's pure choice (tools/planner.py) on fake throughput tables."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from lmforge.errors import ConfigError
+from lmforge.models.flops import flops_per_token
+from lmforge.tools import planner as P
+
+REPO = Path(__file__).resolve().parents[2]
+# tokens/s the speedrun measured on 2 cores (bench/results/speedrun_search.json), and two guesses below
+CPU = {(96, 3): 15000, (128, 4): 11300, (192, 4): 8700, (256, 4): 6700, (256, 6): 4600, (320, 5): 4600}
+
+
+def table(speeds=CPU, spent=1.0, device="cpu", seq=256) -> P.Throughput:
+    pts = []
+    for s in P.LADDER:
+        if (s.d_model, s.n_layers) in speeds:
+            mc = P.model_config(s, 4096, seq)
+            tps = speeds[(s.d_model, s.n_layers)]
+            pts.append(P.Measured(s, 16, seq, 4096, flops_per_token(mc, seq), tps))
+    return P.Throughput(device, tuple(pts), spent_s=spent)
+
+
+def test_plan_chooses_from_the_table_and_says_why():
+    p = P.plan(300, table(), P.Corpus(), {})
+    s = p.settings
+    shape = tuple(s[f"model.{k}"] for k in ("d_model", "n_layers", "n_heads", "n_kv_heads"))
+    assert shape == (128, 4, 4, 2)
+    assert s["optim.lr"] == pytest.approx(4e-3) and s["train.micro_batch_size"] == 16
+    assert s["schedule.name"] == "wsd" and s["schedule.unit"] == "time"
+    assert s["data.tokenizer.vocab_size"] == 4096 and s["train.precision"] == "fp32"
+    # the phases add up to the budget, and training gets most of it
+    assert sum(p.phases.values()) == pytest.approx(300, abs=0.1)
+    assert 0.8 * 300 < s["train.max_time"] < 300
+    why = {c.key: c.why for c in p.choices}
+    assert "measured: 11,300 tok/s" in why["model.d_model"]
+    text = p.table()
+    assert "model.d_model" in text and "rule: lowest L(N,D)" in text
+    assert "| d128-L4 |" in p.markdown()
+    json.dumps(p.to_json())  # plain data
+
+
+def test_plan_is_deterministic():
+    assert P.plan(120, table(), P.Corpus(), {}).to_json() == P.plan(120, table(), P.Corpus(), {}).to_json()
+
+
+def test_more_budget_never_chooses_a_smaller_model():
+    sizes = []
+    for budget in (20, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200):
+        s = P.plan(budget, table(), P.Corpus(), {}).settings
+        sizes.append(s["model.d_model"] ** 2 * s["model.n_layers"])
+    assert sizes == sorted(sizes)
+    assert sizes[0] < sizes[-1]  # and a long enough budget does choose a larger one
+
+
+def test_a_faster_machine_chooses_a_larger_model():
+    fast = {k: 20 * v for k, v in CPU.items()}
+    slow, quick = P.plan(300, table(), P.Corpus(), {}), P.plan(300, table(fast), P.Corpus(), {})
+    assert quick.predicted["params"] > slow.predicted["params"]
+
+
+def test_user_keys_win_and_the_rest_is_planned_around_them():
+    p = P.plan(300, table(), P.Corpus(), {"model.d_model": 256, "optim.lr": 1e-3})
+    s, why = p.settings, {c.key: c.why for c in p.choices}
+    assert s["model.d_model"] == 256 and why["model.d_model"] == "user"
+    assert s["optim.lr"] == 1e-3 and why["optim.lr"] == "user"
+    assert s["model.n_heads"] * 32 == 256  # heads follow the width
+    # without the user's lr, the width rule gives lr for their width
+    lr = P.plan(300, table(), P.Corpus(), {"model.d_model": 256}).settings["optim.lr"]
+    assert lr == pytest.approx(2e-3)
+    assert P.plan(300, table(), P.Corpus(), {"data.tokenizer.vocab_size": 2048}).settings[
+        "data.tokenizer.vocab_size"] == 2048
+
+
+def test_a_budget_too_small_names_the_smallest_that_works():
+    with pytest.raises(ConfigError, match=r"smallest budget that would work is (\d+)s") as e:
+        P.plan(8, table(), P.Corpus(), {})
+    least = float(e.value.args[0].rsplit(" ", 1)[1].rstrip("s"))
+    P.plan(least, table(), P.Corpus(), {})  # the budget it names does work
+    with pytest.raises(ConfigError, match="too small"):
+        P.plan(least - 1, table(), P.Corpus(), {})
+
+
+def test_budget_bounds_and_refused_keys():
+    with pytest.raises(ConfigError, match="at most 24h"):
+        P.plan(25 * 3600, table(), P.Corpus(), {})
+    with pytest.raises(ConfigError, match="remove train.max_time"):
+        P.plan(300, table(), P.Corpus(), {"train.max_time": 60})
+    with pytest.raises(ConfigError, match="no shape"):
+        P.plan(300, P.Throughput("cpu", ()), P.Corpus(), {})
+
+
+def test_unmeasured_shapes_are_not_chosen_and_speeds_interpolate():
+    t = table({(128, 4): 10000, (256, 4): 5000})
+    f128, f256 = (p.flops_per_token for p in t.points)
+    assert t.tokens_per_s(f128) == 10000 and t.tokens_per_s(f256) == pytest.approx(5000)
+    mid = math.sqrt(f128 * f256)
+    assert t.tokens_per_s(mid) == pytest.approx(math.sqrt(10000 * 5000))  # log-log
+    assert t.tokens_per_s(f128 / 2) == 10000 and t.tokens_per_s(f256 * 1.5) is None
+    # a noisy table never makes a bigger model faster
+    noisy = table({(128, 4): 10000, (256, 4): 12000})
+    assert noisy.tokens_per_s(noisy.points[1].flops_per_token) == 10000
+    rows = {r["shape"]: r for r in P.plan(3600, t, P.Corpus(), {}).candidates}
+    assert rows["d512-L8"]["why"] == "larger than the largest shape measured"
+
+
+def test_the_corpus_and_the_budget_bound_what_is_read():
+    p = P.plan(300, table(), P.Corpus(chars=2_000_000), {})
+    assert p.settings["data.max_chars"] == 2_000_000
+    big = P.plan(300, table(), P.Corpus(), {}).settings["data.max_chars"]
+    assert big <= P.PREPARE_SHARE * 300 * P.PREPARE_CHARS_PER_S
+    # enough held-out text for the evaluation's batches
+    s = P.plan(300, table(), P.Corpus(), {}).settings
+    val_tokens = s["data.val_fraction"] * big / P.CHARS_PER_TOKEN[4096]
+    assert val_tokens >= s["train.eval_batches"] * 16 * 257
+
+
+def test_the_rules_are_the_measured_ones():
+    rules = json.loads((REPO / "bench" / "results" / "planner_rules.json").read_text())
+    law = rules["law"]
+    for k in ("A", "B", "alpha", "beta"):
+        assert P.LAW[k] == pytest.approx(law[k], rel=1e-4), k
+    assert P.LAW_MIN_PARAMS == 0.5 * law["min_params"]
+    assert P.LR_AT_128 == rules["lr"]["lr_at_128"]
+    batch = rules["batch"]
+    assert P.BATCH_RULE == (pytest.approx(batch["coefficient"], rel=1e-3), batch["exponent"])
+    assert P.PREPARE_CHARS_PER_S == pytest.approx(rules["prepare"]["chars_per_s"], rel=1e-6)
+    assert P.CHARS_PER_TOKEN == {int(k): v for k, v in rules["prepare"]["chars_per_token"].items()}

@@ -1,0 +1,56 @@
+"""bench/planner_quality.py (planner vs a hand grid vs nanoGPT) and bench/corpora.py: the parts, and one
+`--tiny` run of the whole comparison (slow: three 20 s runs)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import corpora  # noqa: E402
+import planner_quality as pq  # noqa: E402
+
+
+def test_the_grid_has_twelve_distinct_hand_configurations():
+    assert len(pq.HAND_GRID) >= 12 and len(set(pq.HAND_GRID.values())) == len(pq.HAND_GRID)
+    assert set(pq.TINY_GRID) <= set(pq.HAND_GRID)
+
+
+def test_ratios_compare_the_planner_with_the_best_of_the_grid_and_nanogpt():
+    rows = [{"name": "planner", "bpb": 1.1}, {"name": "d64-L2-lr0.002", "bpb": 1.0},
+            {"name": "d128-L4-lr0.004", "bpb": 1.2}, {"name": "d96-L3-lr0.002", "error": "x"},
+            {"name": "nanogpt", "bpb": 2.2}]
+    out = pq.compare(rows)
+    assert out["grid_best"] == "d64-L2-lr0.002" and out["planner_vs_grid"] == pytest.approx(1.1)
+    assert out["planner_vs_nanogpt"] == pytest.approx(0.5)
+    assert "planner_vs_nanogpt" not in pq.compare(rows[:3])
+
+
+def test_the_prose_corpus_is_reproducible_and_holds_out_every_20th_story(tmp_path):
+    a = list(corpora.prose_documents(20_000, seed=0))
+    assert a == list(corpora.prose_documents(20_000, seed=0))
+    assert a != list(corpora.prose_documents(20_000, seed=1))
+    train, held = corpora.materialize("prose", tmp_path, 100_000)
+    n_train = len(list(train.glob("*.txt")))
+    stories = held.read_text().count("Story ")
+    assert stories == (n_train + stories) // corpora.HELD_OUT_EVERY and stories > 0
+
+
+@pytest.mark.slow
+def test_tiny_comparison_end_to_end(tmp_path):
+    results = pq.main(["--tiny", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "r.json")])
+    cell = results["cells"][0]
+    rows = {r["name"]: r for r in cell["rows"]}
+    assert set(rows) == {"planner", *pq.TINY_GRID}
+    for name in pq.TINY_GRID:
+        assert rows[name]["bpb"] > 0
+    if "bpb" not in rows["planner"]:  # a machine too busy for 20 s says so (the integration test holds it)
+        assert "too small" in rows["planner"]["error"]
+    else:
+        assert rows["planner"]["wall_s"] <= 21 and cell["planner_vs_grid"] > 0
+    assert json.loads((tmp_path / "r.json").read_text())["tiny"] is True
