@@ -1,8 +1,8 @@
-"""What the GGUF export tests (tests/integration/test_export_gguf*.py) share: the tokenizer their tiny models
-use (the `tokenizer_file` fixture is in conftest.py), building a random Hugging Face model of a family and
-importing it into lmforge, the export itself, and the two reloads that decide correctness: transformers'
-GGUF loader and llama.cpp (llama-cpp-python, the optional tier), each compared with lmforge's logits as
-the max relative error max |ours - theirs| / max |ours|.
+"""What the GGUF export tests (tests/integration/test_export_gguf*.py) share: the tokenizer their tiny
+models use (the `tokenizer_file` fixture is in tests/conftest.py), building a random Hugging Face model of
+a family and importing it into lmforge, the export itself, and the two reloads that decide correctness:
+transformers' GGUF loader and llama.cpp (llama-cpp-python, the optional tier), each compared with lmforge's
+logits as the max relative error max |ours - theirs| / max |ours|.
 
 A family's test file keeps what is its own: the configs, and any weights set away from a random init."""
 
