@@ -87,3 +87,18 @@ def code_sandbox() -> str:
         return check_isolation()
     except SandboxUnavailable as e:
         pytest.skip(f"no code sandbox on this machine: {e}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_file(tmp_path_factory) -> Path:
+    """A 300-token byte-level BPE with the chat template's two specials: the tokenizer of the GGUF export
+    tests' tiny models (tests/integration/test_export_gguf*.py; their helpers: gguf_models.py)."""
+    from lmforge.data.tokenizer import Tokenizer
+
+    root = tmp_path_factory.mktemp("tok")
+    text = ("the quick brown fox jumps over the lazy dog; hello world, 12345 times. " * 40
+            + "pack my box with five dozen liquor jugs! ")
+    tok = Tokenizer.train([text], 300, 2)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    tok.save(root / "tok.json")
+    return root / "tok.json"

@@ -28,7 +28,7 @@ TINY = REPO / "configs" / "debug" / "tiny.yaml"
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> Path:
-    """The tiny recipe on this Python's stdlib with room for eight lines of code: 200 steps (~30 s)."""
+    """The tiny recipe on this Python's stdlib with room for eight lines of code: 120 steps."""
     root = tmp_path_factory.mktemp("evaltasks")
     cfg = load_config(
         TINY,
@@ -36,9 +36,9 @@ def trained(tmp_path_factory) -> Path:
             f"run.dir={root / 'run'}",
             f"data.dir={root / 'data'}",
             "logging.progress=none",
-            "train.max_steps=200",
-            "train.eval_every=200",
-            "checkpoint.every=100",
+            "train.max_steps=120",
+            "train.eval_every=120",
+            "checkpoint.every=60",
             "model.max_seq_len=256",
             "data.tokenizer.vocab_size=1024",
             "train.threads=2",
@@ -58,7 +58,9 @@ def test_trained_model_above_chance_untrained_at_chance(trained, tmp_path):
     base = run_task(task, Scorer(untrained, run.tokenizer))
     assert ours.n_docs == base.n_docs == 200
     assert ours.chance["acc"] == 0.25
-    # Trained: far above chance (measured 0.74); untrained: within three standard errors of it.
+    # Trained: far above chance (measured 0.665, the bound ~0.42; 0.74 after 200 steps); untrained: within
+    # three standard errors of it (measured 0.270).
+    print(f"acc trained {ours.metrics['acc']:.3f}, untrained {base.metrics['acc']:.3f}")
     assert ours.metrics["acc"] > 0.25 + 5 * ours.stderr["acc"]
     assert abs(base.metrics["acc"] - 0.25) < 3 * base.stderr["acc"]
 
@@ -67,7 +69,7 @@ def test_cli_writes_results_samples_and_report(trained, capsys, code_sandbox):
     assert main(["eval", str(trained), "--tasks", "builtin:code", "--limit", "12"]) == 0
     out = capsys.readouterr().out
     assert "code_word_order" in out and "bits_per_byte" in out
-    res = json.loads((trained / "eval_harness_step_00000200.json").read_text())
+    res = json.loads((trained / "eval_harness_step_00000120.json").read_text())
     assert set(res["tasks"]) == {
         "code_next_line",
         "code_word_order",
@@ -78,11 +80,11 @@ def test_cli_writes_results_samples_and_report(trained, capsys, code_sandbox):
     assert set(res["tasks"]["code_functions"]["metrics"]) == {"pass@1", "pass@5"}
     assert res["tasks"]["code_word_order"]["n_docs"] == 12
     assert 0.0 <= res["tasks"]["code_word_order"]["calibration"]["ece"] <= 1.0
-    samples = (trained / "eval_harness_step_00000200.samples.jsonl").read_text().splitlines()
+    samples = (trained / "eval_harness_step_00000120.samples.jsonl").read_text().splitlines()
     assert len(samples) == 12 * 5  # five tasks of 12 documents (code_bpb: chunks)
-    report = (trained / "eval_report_step_00000200.md").read_text()
+    report = (trained / "eval_report_step_00000120.md").read_text()
     assert "| code_word_order | multiple_choice | 0 | 12 | acc |" in report
-    png = trained / "eval_report_step_00000200" / "code_word_order_reliability.png"
+    png = trained / "eval_report_step_00000120" / "code_word_order_reliability.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -174,12 +176,12 @@ def test_cli_prints_the_path_of_every_file_it_writes(trained, tmp_path, capsys):
     )
     assert main(["eval", str(trained), "--tasks", str(task), "--limit", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    stem = trained / "eval_harness_step_00000200"
-    report = trained / "eval_report_step_00000200.md"
+    stem = trained / "eval_harness_step_00000120"
+    report = trained / "eval_report_step_00000120.md"
     assert f"results: {stem}.json" in lines
     assert f"samples: {stem}.samples.jsonl" in lines
-    assert f"report:  {report} (reliability diagrams in {trained / 'eval_report_step_00000200'}/)" in lines
-    assert (trained / "eval_report_step_00000200" / "task_reliability.png").is_file()
+    assert f"report:  {report} (reliability diagrams in {trained / 'eval_report_step_00000120'}/)" in lines
+    assert (trained / "eval_report_step_00000120" / "task_reliability.png").is_file()
     assert "Few-shot seed 1234, first 3 documents per task." in report.read_text()  # not "3.0"
 
 
@@ -191,15 +193,15 @@ def test_all_checkpoints_give_curves_and_two_runs_a_comparison(trained, tmp_path
     )
     assert main(["eval", str(trained), "--tasks", str(task), "--all-checkpoints"]) == 0
     curves = (trained / "eval_curves.md").read_text()
-    assert "| task | metric | step 100 | step 200 |" in curves
+    assert "| task | metric | step 60 | step 120 |" in curves
     assert (trained / "eval_curves.png").read_bytes()[:4] == b"\x89PNG"
-    older = trained / "checkpoints" / "step_00000100"
+    older = trained / "checkpoints" / "step_00000060"
     out = tmp_path / "cmp.md"
     assert main(["eval", str(trained), str(older), "--tasks", str(task), "--compare-out", str(out)]) == 0
     table = out.read_text()
     assert "B - A" in table
-    a = json.loads((trained / "eval_harness_step_00000200.json").read_text())["tasks"]["task"]["metrics"]
-    b = json.loads((trained / "eval_harness_step_00000100.json").read_text())["tasks"]["task"]["metrics"]
+    a = json.loads((trained / "eval_harness_step_00000120.json").read_text())["tasks"]["task"]["metrics"]
+    b = json.loads((trained / "eval_harness_step_00000060.json").read_text())["tasks"]["task"]["metrics"]
     row = next(line for line in table.splitlines() if line.startswith("| task | acc |"))
     assert row.split(" | ")[4] == f"{100 * (b['acc'] - a['acc']):.2f}%"
     capsys.readouterr()
@@ -244,11 +246,11 @@ def test_eval_data_strided_perplexity_cli(trained, tmp_path, capsys):
         "".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n" * 30}) + "\n" for i in range(3))
     )
     assert main(["eval", str(trained), "--data", str(text), "--max-length", "128", "--stride", "64"]) == 0
-    out = json.loads((trained / "eval_data_held.jsonl_step_00000200.json").read_text())
+    out = json.loads((trained / "eval_data_held.jsonl_step_00000120.json").read_text())
     assert out["documents"] == 3 and out["max_length"] == 128 and out["stride"] == 64
     assert 0 <= out["top1"] <= out["top5"] <= 1 and out["bpb"] > 0
     assert out["ppl"] == pytest.approx(math.exp(out["loss"]))
-    assert (trained / "eval_data_held.jsonl_step_00000200_reliability.png").is_file()
+    assert (trained / "eval_data_held.jsonl_step_00000120_reliability.png").is_file()
     assert "top-5" in capsys.readouterr().out
     assert main(["eval", str(trained), "--data", str(text), "--stride", "999"]) == 2
     assert "stride must be between 1 and max_length" in capsys.readouterr().err
@@ -280,12 +282,12 @@ def test_report_flags_documents_copied_from_the_training_data(trained, tmp_path)
         rows,
     )
     assert main(["eval", str(trained), "--tasks", str(task)]) == 0
-    res = json.loads((trained / "eval_harness_step_00000200.json").read_text())
+    res = json.loads((trained / "eval_harness_step_00000120.json").read_text())
     leak = res["contamination"]["tasks"]["leak"]
     assert (leak["checked"], leak["contaminated"], leak["contaminated_docs"]) == (4, 1, [0])
-    assert "| leak | 4 | 1 | 25.0% |" in (trained / "eval_report_step_00000200.md").read_text()
+    assert "| leak | 4 | 1 | 25.0% |" in (trained / "eval_report_step_00000120.md").read_text()
     assert main(["eval", str(trained), "--tasks", str(task), "--no-contamination"]) == 0
-    assert json.loads((trained / "eval_harness_step_00000200.json").read_text())["contamination"] is None
+    assert json.loads((trained / "eval_harness_step_00000120.json").read_text())["contamination"] is None
 
 
 def test_pass_at_k_runs_sampled_completions_in_the_sandbox(trained, tmp_path, code_sandbox):

@@ -12,25 +12,35 @@ checked by f16's bound, which leaving out the Q permutation alone breaks (9e-2);
 
 from __future__ import annotations
 
-import json
 import struct
 
 import numpy as np
 import pytest
 import torch
+from gguf_models import (
+    TEMPLATE,
+    TEXT,
+    TOLERANCE,
+    export,
+    gguf,
+    gguf_fields,
+    hf_tokenizer,
+    llama_cpp,
+    llama_cpp_error,
+    llama_cpp_model,
+    model_cache,
+    perturb_vectors,
+    random_ids,
+    rel_error,
+    save_and_import,
+    spm_tokenizer,
+    transformers,
+)
 
 from lmforge.cli import main
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import LmforgeError
 
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
-
-TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 BASE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=256, max_position_embeddings=128, tie_word_embeddings=False)
 FAMILIES = {
@@ -41,69 +51,23 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=128)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, tie_word_embeddings=True)),
 }
-# max relative logit error per weight type (see the module doc for the measured values)
-TOLERANCE = {"f16": 1e-2, "q8_0": 3e-2, "q4_0": 0.4, "q4_k_m": 0.4}
-TEXT = "Hello world! The quick brown fox, 12345 times.\n  Tabs\tand   spaces ünïcödé 🙂 it's"
 CHAT = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tok")
-    text = ("the quick brown fox jumps over the lazy dog; hello world, 12345 times. " * 40
-            + "pack my box with five dozen liquor jugs! ")
-    tok = Tokenizer.train([text], 300, 2)
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok.save(root / "tok.json")
-    return root / "tok.json"
 
 
 def _imported(name: str, tokenizer_file, root, specials=None, **more):
     config_cls, model_cls, extra = FAMILIES[name]
-    extra = {**extra, **more}
-    specials = specials or {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **specials)
-    hf_tok.chat_template = TEMPLATE
+    hf_tok = hf_tokenizer(tokenizer_file, specials)
     torch.manual_seed(0)
-    cfg = getattr(transformers, config_cls)(vocab_size=len(hf_tok), **{**BASE, **extra})
+    cfg = getattr(transformers, config_cls)(vocab_size=len(hf_tok), **{**BASE, **extra, **more})
     model = getattr(transformers, model_cls)(cfg)
-    with torch.no_grad():  # norms away from 1 and biases away from 0, so a mix-up of them shows
-        for n, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
-    model.save_pretrained(root / "hf")
-    hf_tok.save_pretrained(root / "hf")
-    assert main(["import", str(root / "hf"), str(root / "imported")]) == 0
-    return root / "imported"
+    perturb_vectors(model)
+    return save_and_import(model, hf_tok, root)
 
 
 @pytest.fixture(scope="module")
 def families(tokenizer_file, tmp_path_factory):
     """name -> (imported dir, lmforge's model of it), each family imported once, on first use."""
-    from lmforge.checkpoint.runs import load_model, run_config
-
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            imported = _imported(name, tokenizer_file, tmp_path_factory.mktemp(name))
-            cfg, ckpt = run_config(imported)
-            cache[name] = imported, load_model(cfg, ckpt)[0]
-        return cache[name]
-
-    return get
-
-
-def _export(src, out, quant) -> None:
-    assert main(["export", str(src), str(out), "--format", "gguf", "--quant", quant]) == 0
-
-
-def _rel_error(ours, gguf_path, ids) -> float:
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                               dtype=torch.float32).eval()
-    with torch.no_grad():
-        a, b = ours(ids), theirs(ids).logits
-    return float((a - b).abs().max() / a.abs().max())
+    return model_cache(tmp_path_factory, lambda root, name: _imported(name, tokenizer_file, root))
 
 
 # every family in f16 and the k-quant mix (its layout); the 8- and 4-bit block types on llama
@@ -115,9 +79,9 @@ RELOADS += [("llama", "q8_0"), ("llama", "q4_0")]
 def test_transformers_reloads_the_gguf_with_equal_logits(families, name, quant, tmp_path):
     imported, ours = families(name)
     out = tmp_path / "model.gguf"
-    _export(imported, out, quant)
-    ids = torch.randint(0, ours.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    err = _rel_error(ours, out, ids)
+    export(imported, out, quant)
+    ids = random_ids(ours.cfg.vocab_size, (2, 40))
+    err = rel_error(ours, out, ids)
     print(f"{name} {quant}: max relative logit error {err:.2e}")
     assert err < TOLERANCE[quant], (name, quant, err)
 
@@ -125,7 +89,7 @@ def test_transformers_reloads_the_gguf_with_equal_logits(families, name, quant, 
 def test_tokenizer_and_template_round_trip(families, tmp_path):
     imported, _ = families("qwen2")
     out = tmp_path / "model.gguf"
-    _export(imported, out, "q8_0")
+    export(imported, out, "q8_0")
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=out.name)
     ours = Tokenizer.load(imported / "tokenizer.json")
     assert theirs.encode(TEXT, add_special_tokens=True) == ours.encode(TEXT)
@@ -245,8 +209,8 @@ def test_a_qwen2_split_tokenizer_round_trips_and_an_unknown_split_is_refused(tmp
 
     _split_tokenizer(tmp_path / "tok.json", PRETOKENIZE_REGEX)
     imported = _imported("qwen2", tmp_path / "tok.json", tmp_path)
-    _export(imported, tmp_path / "m.gguf", "f16")
-    fields = {f.name: f for f in gguf.GGUFReader(tmp_path / "m.gguf").fields.values()}
+    export(imported, tmp_path / "m.gguf", "f16")
+    fields = gguf_fields(tmp_path / "m.gguf")
     assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == "qwen2"
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
     ours = Tokenizer.load(imported / "tokenizer.json")
@@ -267,8 +231,8 @@ def test_a_llama3_split_tokenizer_round_trips_and_needs_ignore_merges(tmp_path, 
 
     _split_tokenizer(tmp_path / "tok.json", _LLAMA3_SPLIT, ignore_merges=True)
     imported = _imported("llama", tmp_path / "tok.json", tmp_path)
-    _export(imported, tmp_path / "m.gguf", "q8_0")
-    fields = {f.name: f for f in gguf.GGUFReader(tmp_path / "m.gguf").fields.values()}
+    export(imported, tmp_path / "m.gguf", "q8_0")
+    fields = gguf_fields(tmp_path / "m.gguf")
     assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == "llama-bpe"
     theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="m.gguf")
     text = TEXT + " 1234567"
@@ -292,13 +256,11 @@ def test_o200k_exports_as_gpt_4o_with_a_note_and_llama_cpp_tokenizes_it(tmp_path
     _split_tokenizer(tmp_path / "tok.json", o200k)
     imported = _imported("llama", tmp_path / "tok.json", tmp_path)
     capsys.readouterr()
-    _export(imported, tmp_path / "m.gguf", "q8_0")
+    export(imported, tmp_path / "m.gguf", "q8_0")
     assert "llama.cpp runs as an ASCII approximation" in capsys.readouterr().out
-    fields = {f.name: f for f in gguf.GGUFReader(tmp_path / "m.gguf").fields.values()}
+    fields = gguf_fields(tmp_path / "m.gguf")
     assert bytes(fields["tokenizer.ggml.pre"].parts[-1]).decode() == "gpt-4o"
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
-                                    "llama.cpp tier: bash scripts/llama_cpp_tier.sh builds it, ~4 minutes)")
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=64, vocab_only=True, verbose=False)
+    llm = llama_cpp().Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=64, vocab_only=True, verbose=False)
     ours = Tokenizer.load(imported / "tokenizer.json")
     for text in ("The quick brown fox, it's 1234567 times!", "def f(x):\n    return x  # ok\n", "ЖЖ 你好"):
         assert llm.tokenize(text.encode(), add_bos=False, special=False) == ours.encode(text), text
@@ -320,13 +282,13 @@ def test_a_lora_sft_run_exports_merged_with_its_template(families, tmp_path):
             f"sft.data=[{tmp_path / 'chat.jsonl'}]"]
     assert main(["sft", *[a for s in sets for a in ("--set", s)]]) == 0
     out = tmp_path / "sft.gguf"
-    _export(run, out, "f16")
+    export(run, out, "f16")
     merged, _ = load_merged(*run_config(run))
-    ids = torch.randint(0, merged.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
-    err = _rel_error(merged, out, ids)
+    ids = random_ids(merged.cfg.vocab_size, (2, 24), seed=1)
+    err = rel_error(merged, out, ids)
     assert err < TOLERANCE["f16"]
-    assert err < _rel_error(base, out, ids) / 5  # the file holds the merged model, not the base
-    fields = {f.name: f for f in gguf.GGUFReader(out).fields.values()}
+    assert err < rel_error(base, out, ids) / 5  # the file holds the merged model, not the base
+    fields = gguf_fields(out)
     template = bytes(fields["tokenizer.chat_template"].parts[-1]).decode()
     assert "<|im_start|>" in template
     assert 'PARAMETER stop "<|im_end|>"' in (tmp_path / "sft.Modelfile").read_text()
@@ -337,20 +299,14 @@ def test_a_lora_sft_run_exports_merged_with_its_template(families, tmp_path):
 def test_llama_cpp_loads_the_gguf_with_equal_logits_and_tokens(families, name, quant, tmp_path):
     """The optional tier: llama.cpp itself (llama-cpp-python) reads the file; its logits equal lmforge's
     within the weight type's tolerance and it tokenizes text to lmforge's ids."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
-                                    "llama.cpp tier: bash scripts/llama_cpp_tier.sh builds it, ~4 minutes)")
+    llama_cpp()
     imported, ours = families(name)
     out = tmp_path / "model.gguf"
-    _export(imported, out, quant)
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    export(imported, out, quant)
+    llm = llama_cpp_model(out)
     tokenizer = Tokenizer.load(imported / "tokenizer.json")
     assert llm.tokenize(TEXT.encode(), add_bos=False, special=False) == tokenizer.encode(TEXT)
-    ids = torch.randint(0, ours.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
-    llm.eval(ids.tolist())
-    theirs = torch.from_numpy(np.array(llm.scores[:40], dtype=np.float32))
-    with torch.no_grad():
-        a = ours(ids[None])[0]
-    err = float((a - theirs).abs().max() / a.abs().max())
+    err = llama_cpp_error(llm, ours, random_ids(ours.cfg.vocab_size, (40,)))
     print(f"llama.cpp {name} {quant}: max relative logit error {err:.2e}")
     assert err < TOLERANCE[quant], (name, quant, err)
 
@@ -363,7 +319,7 @@ def test_llama3_rope_scaling_is_written_as_llama_cpp_frequency_factors(tokenizer
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32, "rope_theta": 10000.0}
     imported = _imported("llama", tokenizer_file, tmp_path, rope_parameters=scaling)
-    _export(imported, tmp_path / "m.gguf", "f16")
+    export(imported, tmp_path / "m.gguf", "f16")
     tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
     freqs = torch.from_numpy(np.array(tensors["rope_freqs.weight"].data, dtype=np.float32))
     config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
@@ -378,8 +334,8 @@ def test_llama3_rope_scaling_is_written_as_llama_cpp_frequency_factors(tokenizer
     for kind, params in (("linear", {"factor": 2.0}), ("yarn", yarn)):
         other = _imported("qwen2", tokenizer_file, tmp_path / kind,
                           rope_parameters={"rope_type": kind, "rope_theta": 10000.0, **params})
-        _export(other, tmp_path / f"{kind}.gguf", "f16")
-        meta = {f.name: f for f in gguf.GGUFReader(tmp_path / f"{kind}.gguf").fields.values()}
+        export(other, tmp_path / f"{kind}.gguf", "f16")
+        meta = gguf_fields(tmp_path / f"{kind}.gguf")
         assert bytes(meta["qwen2.rope.scaling.type"].parts[-1]).decode() == kind
         assert float(meta["qwen2.rope.scaling.factor"].parts[-1][0]) == params["factor"]
         if kind == "yarn":
@@ -397,13 +353,13 @@ def test_a_sliding_window_caps_the_context_length(tokenizer_file, tmp_path, caps
 
     imported = _imported("mistral", tokenizer_file, tmp_path, sliding_window=16)
     capsys.readouterr()
-    _export(imported, tmp_path / "m.gguf", "f16")
+    export(imported, tmp_path / "m.gguf", "f16")
     assert "context length is set to 16 (not 128)" in capsys.readouterr().out
-    fields = {f.name: f for f in gguf.GGUFReader(tmp_path / "m.gguf").fields.values()}
+    fields = gguf_fields(tmp_path / "m.gguf")
     assert int(fields["llama.context_length"].parts[-1][0]) == 16
     ours, _ = load_model(*run_config(imported))
-    ids = torch.randint(0, ours.cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    assert _rel_error(ours, tmp_path / "m.gguf", ids) < TOLERANCE["f16"]
+    ids = random_ids(ours.cfg.vocab_size, (2, 16))
+    assert rel_error(ours, tmp_path / "m.gguf", ids) < TOLERANCE["f16"]
 
 
 def test_every_end_of_generation_id_becomes_a_stop(tokenizer_file, tmp_path):
@@ -446,44 +402,15 @@ def _spm_encode(text: str, tokens: list[str], scores: list[float], types: list[i
     return out
 
 
-def _spm_tokenizer(path, layout: str) -> None:
-    """A sentencepiece-style BPE with byte fallback in Mistral's file layout (one Metaspace, no split) or
-    Llama 2's (Prepend + Replace normalizers), trained on words (no token crosses a space) as
-    sentencepiece trains; its <0xNN> byte tokens are vocabulary entries, not added tokens."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
-
-    tok = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=True)
-    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-    rng = np.random.default_rng(1)  # plus random words: many merges that compete for the same letters
-    words = " ".join("".join(rng.choice(list("thequickbrownfoxjumps"), size=rng.integers(2, 9)))
-                     for _ in range(4000))
-    tok.train_from_iterator([TEXT * 30, "the quick brown fox 1234567 jumps " * 30, words],
-                            trainers.BpeTrainer(vocab_size=700, special_tokens=specials, min_frequency=2))
-    if layout == "mistral":
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
-    else:
-        tok.pre_tokenizer = None
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
-                                               normalizers.Replace(" ", "\u2581")])
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    spec = json.loads(tok.to_str())
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if not t["content"].startswith("<0x")]
-    path.write_text(json.dumps(spec))
-
-
 @pytest.mark.parametrize("layout", ["mistral", "llama2"])
 def test_a_sentencepiece_style_tokenizer_round_trips(tmp_path, layout):
     """Written as llama.cpp's SPM vocabulary: scores that make its highest-score merge pick the pair BPE's
     lowest rank picks, byte and control token types, BOS added and the space prefix."""
-    _spm_tokenizer(tmp_path / "tok.json", layout)
+    spm_tokenizer(tmp_path / "tok.json", layout)
     specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     imported = _imported("mistral", tmp_path / "tok.json", tmp_path, specials=specials)
-    _export(imported, tmp_path / "m.gguf", "q8_0")
-    fields = {f.name: f for f in gguf.GGUFReader(tmp_path / "m.gguf").fields.values()}
+    export(imported, tmp_path / "m.gguf", "q8_0")
+    fields = gguf_fields(tmp_path / "m.gguf")
     assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
     assert bool(fields["tokenizer.ggml.add_bos_token"].parts[-1][0]) is True
     kinds = fields["tokenizer.ggml.token_type"]

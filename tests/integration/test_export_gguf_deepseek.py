@@ -14,12 +14,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_export_gguf import TEMPLATE, TOLERANCE, _export, tokenizer_file  # noqa: F401 (a fixture)
+from gguf_models import (
+    TOLERANCE,
+    export,
+    gguf,
+    hf_tokenizer,
+    llama_cpp,
+    llama_cpp_error,
+    llama_cpp_model,
+    model_cache,
+    perturb_vectors,
+    random_ids,
+    save_and_import,
+    transformers,
+)
 
 from lmforge.cli import main
-
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
 
 SHAPE = dict(hidden_size=256, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
@@ -52,47 +62,31 @@ VARIANTS["v3_quant"] = {**VARIANTS["v3"], "num_experts_per_tok": 4, "n_group": 1
 ATTN_GAIN = {"v3_quant": 1.0}
 
 
-def _imported(tokenizer_file, root, attn_gain=10.0, **config):  # noqa: F811
+def _imported(tokenizer_file, root, attn_gain=10.0, **config):
     """A random DeepseekV3ForCausalLM (norms and the routing bias away from 1 and 0; the q and kv_b
     projections `attn_gain` times transformers' init) imported by lmforge."""
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>",
-                                                  pad_token="<|endoftext|>")
-    hf_tok.chat_template = TEMPLATE
+    hf_tok = hf_tokenizer(tokenizer_file)
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(vocab_size=len(hf_tok), **config)
     model = transformers.DeepseekV3ForCausalLM(config)
+    perturb_vectors(model)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
-            elif n.endswith(("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight")):
+            if n.endswith(("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight")):
                 # gain 10: attention scores of a few units (not ~0.03, where every softmax is near
                 # uniform), so that a wrong softmax scale (yarn's mscale) shows in the logits
                 p.mul_(attn_gain)
         for n, b in model.named_buffers():
             if n.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn_like(b))
-    model.save_pretrained(root / "hf")
-    hf_tok.save_pretrained(root / "hf")
-    assert main(["import", str(root / "hf"), str(root / "imported")]) == 0
-    return root / "imported"
+    return save_and_import(model, hf_tok, root)
 
 
 @pytest.fixture(scope="module")
-def variants(tokenizer_file, tmp_path_factory):  # noqa: F811
+def variants(tokenizer_file, tmp_path_factory):
     """name -> (imported dir, lmforge's model of it), each imported once, on first use."""
-    from lmforge.checkpoint.runs import load_model, run_config
-
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            imported = _imported(tokenizer_file, tmp_path_factory.mktemp(name), ATTN_GAIN.get(name, 10.0),
-                                 **{**SHAPE, **VARIANTS[name]})
-            cache[name] = imported, load_model(*run_config(imported))[0].eval()
-        return cache[name]
-
-    return get
+    return model_cache(tmp_path_factory, lambda root, name: _imported(
+        tokenizer_file, root, ATTN_GAIN.get(name, 10.0), **{**SHAPE, **VARIANTS[name]}))
 
 
 def _fields(path):
@@ -104,7 +98,7 @@ def test_metadata_and_split_kv_b(variants, tmp_path):
     that put back together give the weights lmforge has."""
     imported, ours = variants("v3")
     out = tmp_path / "m.gguf"
-    _export(imported, out, "f16")
+    export(imported, out, "f16")
     f = _fields(out)
     assert bytes(f["general.architecture"]).decode() == "deepseek2"
     expect = {"deepseek2.attention.head_count_kv": 1, "deepseek2.attention.key_length": 64 + 16,
@@ -136,18 +130,11 @@ def test_metadata_and_split_kv_b(variants, tmp_path):
 def test_llama_cpp_loads_the_deepseek_gguf_with_equal_logits(variants, name, quant, tmp_path):
     """llama.cpp itself (llama-cpp-python) reads the file; its logits equal lmforge's within the weight
     type's tolerance, past YaRN's original context (16)."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
-                                    "llama.cpp tier: bash scripts/llama_cpp_tier.sh builds it, ~4 minutes)")
+    llama_cpp()
     imported, ours = variants(name)
     out = tmp_path / "model.gguf"
-    _export(imported, out, quant)
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-    ids = torch.randint(0, ours.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
-    llm.eval(ids.tolist())
-    theirs = torch.from_numpy(np.array(llm.scores[:40], dtype=np.float32))
-    with torch.no_grad():
-        a = ours(ids[None])[0]
-    err = float((a - theirs).abs().max() / a.abs().max())
+    export(imported, out, quant)
+    err = llama_cpp_error(llama_cpp_model(out), ours, random_ids(ours.cfg.vocab_size, (40,)))
     print(f"llama.cpp deepseek2 {name} {quant}: max relative logit error {err:.2e}")
     assert err < TOLERANCE[quant], (name, quant, err)
 
@@ -159,8 +146,7 @@ def test_llama_cpp_loads_the_deepseek_gguf_with_equal_logits(variants, name, qua
     # llama.cpp normalises the q/kv latents with rms_norm_eps; transformers with 1e-6
     (dict(rms_norm_eps=1e-5), "rms_norm_eps"),
 ])
-def test_what_deepseek2_cannot_express_is_refused_by_name(tokenizer_file, tmp_path, capsys, change,  # noqa: F811
-                                                          named):
+def test_what_deepseek2_cannot_express_is_refused_by_name(tokenizer_file, tmp_path, capsys, change, named):
     imported = _imported(tokenizer_file, tmp_path, **{**SHAPE, **VARIANTS["v3"], **change})
     capsys.readouterr()
     assert main(["export", str(imported), str(tmp_path / "m.gguf"), "--format", "gguf"]) == 2

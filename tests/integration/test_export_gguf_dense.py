@@ -17,12 +17,24 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_export_gguf import TEMPLATE, TOLERANCE, _export, _rel_error, tokenizer_file  # noqa: F401
+from gguf_models import (
+    TOLERANCE,
+    export,
+    gguf,
+    gguf_fields,
+    hf_tokenizer,
+    llama_cpp,
+    llama_cpp_error,
+    llama_cpp_model,
+    model_cache,
+    perturb_vectors,
+    random_ids,
+    rel_error,
+    save_and_import,
+    transformers,
+)
 
 from lmforge.cli import main
-
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
 
 BASE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=256, max_position_embeddings=128, tie_word_embeddings=False)
@@ -53,51 +65,31 @@ CONFIGS = {
 }
 
 
-def _imported(name: str, tokenizer_file, root, base=BASE, gain=1.0, **more):  # noqa: F811
+def _imported(name: str, tokenizer_file, root, base=BASE, gain=1.0, **more):
     config_cls, model_cls, extra = CONFIGS[name]
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>",
-                                                  pad_token="<|endoftext|>")
-    hf_tok.chat_template = TEMPLATE
+    hf_tok = hf_tokenizer(tokenizer_file)
     torch.manual_seed(0)
     # the special ids of LlamaConfig, which test_export_gguf's models have (OLMo 2's default ids lie
     # past this 300-token vocabulary)
     ids = dict(bos_token_id=1, eos_token_id=2, pad_token_id=None)
     cfg = getattr(transformers, config_cls)(vocab_size=len(hf_tok), **{**ids, **base, **extra, **more})
     model = getattr(transformers, model_cls)(cfg)
-    with torch.no_grad():  # norms away from 1 and biases away from 0, so a mix-up of them shows
+    perturb_vectors(model)
+    with torch.no_grad():
         for n, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
-            elif n.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
+            if n.endswith(("q_proj.weight", "k_proj.weight", "qkv_proj.weight")):
                 p.mul_(gain)
-    model.save_pretrained(root / "hf")
-    hf_tok.save_pretrained(root / "hf")
-    assert main(["import", str(root / "hf"), str(root / "imported")]) == 0
-    return root / "imported"
+    return save_and_import(model, hf_tok, root)
 
 
 @pytest.fixture(scope="module")
-def dense(tokenizer_file, tmp_path_factory):  # noqa: F811
+def dense(tokenizer_file, tmp_path_factory):
     """(name, q/k gain) -> (imported dir, lmforge's model of it), each imported once, on first use."""
-    from lmforge.checkpoint.runs import load_model, run_config
-
-    cache = {}
-
-    def get(name: str, gain: float = 1.0):
-        if (name, gain) not in cache:
-            imported = _imported(name, tokenizer_file, tmp_path_factory.mktemp(name), gain=gain)
-            cfg, ckpt = run_config(imported)
-            cache[name, gain] = imported, load_model(cfg, ckpt)[0]
-        return cache[name, gain]
-
-    return get
+    return model_cache(tmp_path_factory, lambda root, name, gain: _imported(name, tokenizer_file, root,
+                                                                           gain=gain))
 
 
-def _fields(path):
-    return {f.name: f for f in gguf.GGUFReader(path).fields.values()}
-
-
-def test_each_family_writes_its_architecture_keys_and_tensors(tokenizer_file, tmp_path):  # noqa: F811
+def test_each_family_writes_its_architecture_keys_and_tensors(tokenizer_file, tmp_path):
     """The keys and tensors llama.cpp's loader reads, checked in the file itself (the default tier's check;
     64-wide models, head_dim 16: Phi-3 rotates 8 dims, so 4 factors)."""
     small = {**BASE, "hidden_size": 64, "intermediate_size": 64}
@@ -117,8 +109,8 @@ def test_each_family_writes_its_architecture_keys_and_tensors(tokenizer_file, tm
         more = {"sliding_window": 16} if name == "phi3" else more
         imported = _imported(name, tokenizer_file, tmp_path / name, base=small, **more)
         out = tmp_path / f"{name}.gguf"
-        _export(imported, out, "f16")
-        fields = _fields(out)
+        export(imported, out, "f16")
+        fields = gguf_fields(out)
         for key, value in keys.items():
             assert float(fields[key].parts[-1][0]) == pytest.approx(value), (name, key)
         tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
@@ -143,9 +135,8 @@ def test_transformers_reloads_a_phi3_gguf_with_equal_logits(dense, quant, tmp_pa
     plain Phi-3 only); it splits attn_qkv and ffn_up back into Phi3's fused modules."""
     imported, ours = dense("phi3", SHARP if quant == "f16" else 1.0)
     out = tmp_path / "model.gguf"
-    _export(imported, out, quant)
-    ids = torch.randint(0, ours.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    err = _rel_error(ours, out, ids)
+    export(imported, out, quant)
+    err = rel_error(ours, out, random_ids(ours.cfg.vocab_size, (2, 40)))
     print(f"transformers phi3 {quant}: max relative logit error {err:.2e}")
     assert err < TOLERANCE[quant], (quant, err)
 
@@ -159,8 +150,7 @@ REFUSALS = [
 
 
 @pytest.mark.parametrize(("name", "more", "message"), REFUSALS, ids=[r[0] for r in REFUSALS])
-def test_a_setting_gguf_cannot_hold_is_refused_by_name(name, more, message, tokenizer_file,  # noqa: F811
-                                                               tmp_path, capsys):
+def test_a_setting_gguf_cannot_hold_is_refused_by_name(name, more, message, tokenizer_file, tmp_path, capsys):
     small = {**BASE, "hidden_size": 64, "intermediate_size": 64}
     imported = _imported(name, tokenizer_file, tmp_path, base=small, **more)
     capsys.readouterr()
@@ -176,17 +166,10 @@ def test_a_setting_gguf_cannot_hold_is_refused_by_name(name, more, message, toke
 def test_llama_cpp_loads_each_dense_family_with_equal_logits(dense, name, quant, tmp_path):
     """The optional tier: llama.cpp reads the file and its logits for 40 random ids equal lmforge's (f16
     on the SHARP models, where the layout shows; the quantized types on plain ones)."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
-                                    "llama.cpp tier: bash scripts/llama_cpp_tier.sh builds it, ~4 minutes)")
+    llama_cpp()
     imported, ours = dense(name, SHARP if quant == "f16" else 1.0)
     out = tmp_path / "model.gguf"
-    _export(imported, out, quant)
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-    ids = torch.randint(0, ours.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
-    llm.eval(ids.tolist())
-    theirs = torch.from_numpy(np.array(llm.scores[:40], dtype=np.float32))
-    with torch.no_grad():
-        a = ours(ids[None])[0]
-    err = float((a - theirs).abs().max() / a.abs().max())
+    export(imported, out, quant)
+    err = llama_cpp_error(llama_cpp_model(out), ours, random_ids(ours.cfg.vocab_size, (40,)))
     print(f"llama.cpp {name} {quant}: max relative logit error {err:.2e}")
     assert err < TOLERANCE[quant], (name, quant, err)

@@ -25,17 +25,29 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import test_export_gguf
 import torch
-from test_export_gguf import TEMPLATE, TEXT, TOLERANCE, _export, _rel_error
+from gguf_models import (
+    TEXT,
+    TOLERANCE,
+    export,
+    gguf,
+    gguf_fields,
+    hf_tokenizer,
+    llama_cpp,
+    llama_cpp_error,
+    llama_cpp_model,
+    model_cache,
+    perturb_vectors,
+    random_ids,
+    rel_error,
+    save_and_import,
+    spm_tokenizer,
+    transformers,
+)
 
 from lmforge.cli import main
 from lmforge.data.tokenizer import Tokenizer
 
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
-
-tokenizer_file = test_export_gguf.tokenizer_file  # the shared fixture
 GEMMA3_Q8_0 = 5e-2  # llama.cpp's own converter's file gives the same error (module doc)
 
 GEMMA = dict(hidden_size=256, num_hidden_layers=2, intermediate_size=256, max_position_embeddings=64,
@@ -64,9 +76,7 @@ MODELS = {
 
 def _imported(name: str, tokenizer_file, root, specials=None, **more):
     config_cls, model_cls, kwargs = MODELS[name]
-    specials = specials or {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), **specials)
-    hf_tok.chat_template = TEMPLATE
+    hf_tok = hf_tokenizer(tokenizer_file, specials)
     torch.manual_seed(0)
     # the ids of this tokenizer's specials (the configs' defaults are those of the real vocabularies)
     ids = dict(eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.bos_token_id or hf_tok.pad_token_id,
@@ -74,32 +84,14 @@ def _imported(name: str, tokenizer_file, root, specials=None, **more):
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(
         vocab_size=len(hf_tok), **{**ids, **kwargs, **more}))
     # norms away from their neutral value (Gemma's weights w act as 1 + w: neutral at 0), biases from 0
-    neutral = 0.0 if name.startswith("gemma") else 1.0
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.ndim == 1:
-                p.copy_((neutral + 0.2 * torch.randn_like(p)) if "norm" in n or "ln_" in n
-                        else 0.1 * torch.randn_like(p))
-    model.save_pretrained(root / "hf")
-    hf_tok.save_pretrained(root / "hf")
-    assert main(["import", str(root / "hf"), str(root / "imported")]) == 0
-    return root / "imported"
+    perturb_vectors(model, neutral=0.0 if name.startswith("gemma") else 1.0)
+    return save_and_import(model, hf_tok, root)
 
 
 @pytest.fixture(scope="module")
 def models(tokenizer_file, tmp_path_factory):
     """name -> (imported dir, lmforge's model of it), each imported once, on first use."""
-    from lmforge.checkpoint.runs import load_model, run_config
-
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            imported = _imported(name, tokenizer_file, tmp_path_factory.mktemp(name))
-            cache[name] = imported, load_model(*run_config(imported))[0].eval()
-        return cache[name]
-
-    return get
+    return model_cache(tmp_path_factory, lambda root, name: _imported(name, tokenizer_file, root))
 
 
 # q4_k_m in the slow tier: the default tier's time (its layout is f16's; llama.cpp's tier checks it too)
@@ -108,22 +100,17 @@ def models(tokenizer_file, tmp_path_factory):
 def test_transformers_reloads_the_gguf_with_equal_logits(models, name, quant, tmp_path):
     imported, ours = models(name)
     out = tmp_path / "model.gguf"
-    _export(imported, out, quant)
-    ids = torch.randint(0, ours.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0))
-    err = _rel_error(ours, out, ids)
+    export(imported, out, quant)
+    err = rel_error(ours, out, random_ids(ours.cfg.vocab_size, (2, 40)))
     print(f"transformers {name} {quant}: max relative logit error {err:.2e}")
     assert err < TOLERANCE[quant], (name, quant, err)
-
-
-def _fields(path):
-    return {f.name: f for f in gguf.GGUFReader(path).fields.values()}
 
 
 def test_the_gemma_metadata_keys(models, tmp_path):
     """What llama.cpp reads and transformers does not: caps, window, per-layer pattern, local RoPE base."""
     imported, _ = models("gemma3")
-    _export(imported, tmp_path / "g3.gguf", "f16")
-    f = _fields(tmp_path / "g3.gguf")
+    export(imported, tmp_path / "g3.gguf", "f16")
+    f = gguf_fields(tmp_path / "g3.gguf")
     assert list(f["gemma3.attention.sliding_window_pattern"].contents()) == [True, False]
     assert f["gemma3.attention.sliding_window"].contents() == 8
     assert f["gemma3.rope.freq_base"].contents() == 1000.0
@@ -167,20 +154,14 @@ def test_a_setting_the_gguf_cannot_express_is_refused_by_name(tokenizer_file, tm
 def test_llama_cpp_loads_the_gguf_with_equal_logits(models, name, quant, tmp_path):
     """The deciding tier: llama.cpp's own logits equal lmforge's within the weight type's tolerance
     (GEMMA3_Q8_0 for Gemma 3 at q8_0) and it tokenizes text to lmforge's ids."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
-                                    "llama.cpp tier: bash scripts/llama_cpp_tier.sh builds it, ~4 minutes)")
+    llama_cpp()
     imported, ours = models(name)
     out = tmp_path / "model.gguf"
-    _export(imported, out, quant)
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    export(imported, out, quant)
+    llm = llama_cpp_model(out)
     assert llm.tokenize(TEXT.encode(), add_bos=False, special=False) == Tokenizer.load(
         imported / "tokenizer.json").encode(TEXT)
-    ids = torch.randint(0, ours.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
-    llm.eval(ids.tolist())
-    theirs = torch.from_numpy(np.array(llm.scores[:40], dtype=np.float32))
-    with torch.no_grad():
-        a = ours(ids[None])[0]
-    err = float((a - theirs).abs().max() / a.abs().max())
+    err = llama_cpp_error(llm, ours, random_ids(ours.cfg.vocab_size, (40,)))
     print(f"llama.cpp {name} {quant}: max relative logit error {err:.2e}")
     bound = GEMMA3_Q8_0 if (name, quant) == ("gemma3", "q8_0") else TOLERANCE[quant]
     assert err < bound, (name, quant, err)
@@ -191,21 +172,19 @@ def test_llama_cpp_tokenizes_a_gemma_sentencepiece_vocabulary_as_lmforge(tokeniz
     spaces into U+2581, with no space in front (llama.cpp's add_space_prefix false) and a BOS added."""
     import json
 
-    from test_export_gguf import _spm_tokenizer
-
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    _spm_tokenizer(tmp_path / "tok.json", "llama2")
+    llama_cpp()
+    spm_tokenizer(tmp_path / "tok.json", "llama2")
     spec = json.loads((tmp_path / "tok.json").read_text())
     spec["normalizer"] = {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}
     spec["decoder"]["decoders"] = spec["decoder"]["decoders"][:3]  # no leading space to strip
     (tmp_path / "tok.json").write_text(json.dumps(spec))
     specials = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<unk>"}
     imported = _imported("gemma2", tmp_path / "tok.json", tmp_path, specials=specials, **SMALL["gemma2"])
-    _export(imported, tmp_path / "m.gguf", "q8_0")
-    fields = _fields(tmp_path / "m.gguf")
+    export(imported, tmp_path / "m.gguf", "q8_0")
+    fields = gguf_fields(tmp_path / "m.gguf")
     assert bytes(fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
     assert fields["tokenizer.ggml.add_space_prefix"].contents() is False
-    llm = llama_cpp.Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=64, verbose=False, n_threads=2,
+    llm = llama_cpp().Llama(model_path=str(tmp_path / "m.gguf"), n_ctx=64, verbose=False, n_threads=2,
                           vocab_only=True)
     ours = Tokenizer.load(imported / "tokenizer.json")
     assert ours.encode("the fox")[0] != ours.encode(" the fox")[0]  # no space prefix in lmforge either

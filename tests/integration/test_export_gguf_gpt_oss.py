@@ -17,12 +17,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_export_gguf import TEMPLATE, TOLERANCE, _export
+from gguf_models import (
+    TOLERANCE,
+    export,
+    gguf,
+    gguf_fields,
+    hf_tokenizer,
+    llama_cpp,
+    llama_cpp_error,
+    llama_cpp_model,
+    model_cache,
+    random_ids,
+    rel_error,
+    save_and_import,
+    transformers,
+)
 
 from lmforge.cli import main
-
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
         "beta_slow": 1.0, "truncate": True, "rope_theta": 10000.0}
@@ -33,9 +44,7 @@ CONFIG = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_k
 
 def _imported(tokenizer_file, root, **over):
     """A random transformers GptOssForCausalLM with a 300-token tokenizer, imported by lmforge."""
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>",
-                                                  pad_token="<|endoftext|>")
-    hf_tok.chat_template = TEMPLATE
+    hf_tok = hf_tokenizer(tokenizer_file)
     torch.manual_seed(0)
     cfg = transformers.GptOssConfig(vocab_size=len(hf_tok), **{**CONFIG, **over})
     model = transformers.GptOssForCausalLM(cfg)
@@ -51,30 +60,12 @@ def _imported(tokenizer_file, root, **over):
                 p.copy_(0.3 * noise)  # pre-activations of a few units: the limit (7) clamps some
             elif p.ndim == 1 or n.endswith("_bias"):
                 p.copy_(0.1 * noise)
-    model.save_pretrained(root / "hf")
-    hf_tok.save_pretrained(root / "hf")
-    assert main(["import", str(root / "hf"), str(root / "imported")]) == 0
-    return root / "imported"
-
-
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory):
-    from lmforge.data.tokenizer import Tokenizer
-
-    root = tmp_path_factory.mktemp("tok")
-    text = ("the quick brown fox jumps over the lazy dog; hello world, 12345 times. " * 40
-            + "pack my box with five dozen liquor jugs! ")
-    tok = Tokenizer.train([text], 300, 2)
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok.save(root / "tok.json")
-    return root / "tok.json"
+    return save_and_import(model, hf_tok, root)
 
 
 @pytest.fixture(scope="module")
 def models(tokenizer_file, tmp_path_factory):
     """name -> (imported dir, lmforge's model of it), each built once, on first use."""
-    from lmforge.checkpoint.runs import load_model, run_config
-
     variants = {
         "gpt_oss": {},
         # every layer full attention, tied head, no attention biases, plain RoPE
@@ -89,28 +80,15 @@ def models(tokenizer_file, tmp_path_factory):
         # as the released models: YaRN without rounding its correction range (llama.cpp rounds it)
         "gpt_oss_untruncated": dict(rope_parameters={**YARN, "truncate": False}),
     }
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            imported = _imported(tokenizer_file, tmp_path_factory.mktemp(name), **variants[name])
-            cfg, ckpt = run_config(imported)
-            cache[name] = imported, load_model(cfg, ckpt)[0]
-        return cache[name]
-
-    return get
-
-
-def _fields(path):
-    return {f.name: f for f in gguf.GGUFReader(path).fields.values()}
+    return model_cache(tmp_path_factory, lambda root, name: _imported(tokenizer_file, root, **variants[name]))
 
 
 def test_the_file_has_the_converters_gpt_oss_layout(models, tmp_path, capsys):
     """Names, shapes and types as llama.cpp's converter writes gpt-oss: split gate/up experts with biases,
     sinks and router F32, the window and (where not llama.cpp's default) the per-layer pattern."""
     imported, _ = models("gpt_oss")
-    _export(imported, tmp_path / "m.gguf", "q8_0")
-    fields = _fields(tmp_path / "m.gguf")
+    export(imported, tmp_path / "m.gguf", "q8_0")
+    fields = gguf_fields(tmp_path / "m.gguf")
     assert bytes(fields["general.architecture"].parts[-1]).decode() == "gpt-oss"
     assert int(fields["gpt-oss.attention.sliding_window"].parts[-1][0]) == 16
     assert "gpt-oss.attention.sliding_window_pattern" not in fields  # even layers slide: the default
@@ -133,9 +111,9 @@ def test_the_file_has_the_converters_gpt_oss_layout(models, tmp_path, capsys):
     assert torch.equal(up, hf["model.layers.0.mlp.experts.gate_up_proj_bias"][:, 1::2])
 
     full, _ = models("gpt_oss_full_tied")
-    _export(full, tmp_path / "full.gguf", "f16")
+    export(full, tmp_path / "full.gguf", "f16")
     assert "slide over a window of the whole context (128 tokens)" in capsys.readouterr().out
-    fields = _fields(tmp_path / "full.gguf")
+    fields = gguf_fields(tmp_path / "full.gguf")
     pattern = fields["gpt-oss.attention.sliding_window_pattern"]
     assert [bool(pattern.parts[i][0]) for i in pattern.data] == [True, True]
     assert int(fields["gpt-oss.attention.sliding_window"].parts[-1][0]) == 128
@@ -168,17 +146,12 @@ def test_transformers_gguf_loader_cannot_read_it(models, tmp_path):
     sinks newly initialised and its logits are not the model's. llama.cpp is the reference here. If this
     starts failing, transformers has learnt the layout: turn it into a reload test."""
     imported, ours = models("gpt_oss")
-    _export(imported, tmp_path / "yarn.gguf", "f16")
+    export(imported, tmp_path / "yarn.gguf", "f16")
     with pytest.raises(TypeError):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="yarn.gguf")
     imported, ours = models("gpt_oss_full_tied")
-    _export(imported, tmp_path / "m.gguf", "f16")
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf",
-                                                               dtype=torch.float32).eval()
-    ids = torch.randint(0, ours.cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        a, b = ours(ids), theirs(ids).logits
-    assert float((a - b).abs().max() / a.abs().max()) > 0.5
+    export(imported, tmp_path / "m.gguf", "f16")
+    assert rel_error(ours, tmp_path / "m.gguf", random_ids(ours.cfg.vocab_size, (1, 40))) > 0.5
 
 
 @pytest.mark.parametrize(("name", "quant"), [
@@ -194,17 +167,10 @@ def test_llama_cpp_gpt_oss_gives_equal_logits(models, name, quant, tmp_path):
     expert for that token (measured on the top-2-of-4 model in q8_0: 39 positions of 40 at <= 2.6e-2,
     one whose second and third router logits differ by 0.005 at 0.41). Selection itself is checked in
     f16, whose error is far below every gap."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
-                                    "llama.cpp tier: bash scripts/llama_cpp_tier.sh builds it, ~4 minutes)")
+    llama_cpp()
     imported, ours = models(name)
     out = tmp_path / "model.gguf"
-    _export(imported, out, quant)
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-    ids = torch.randint(0, ours.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(0))
-    llm.eval(ids.tolist())
-    theirs = torch.from_numpy(np.array(llm.scores[:40], dtype=np.float32))
-    with torch.no_grad():
-        a = ours(ids[None])[0]
-    err = float((a - theirs).abs().max() / a.abs().max())
+    export(imported, out, quant)
+    err = llama_cpp_error(llama_cpp_model(out), ours, random_ids(ours.cfg.vocab_size, (40,)))
     print(f"llama.cpp {name} {quant}: max relative logit error {err:.2e}")
     assert err < TOLERANCE[quant], (name, quant, err)

@@ -14,13 +14,25 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_export_gguf import TEMPLATE, TEXT, TOLERANCE, _export, _rel_error
+from gguf_models import (
+    TEXT,
+    TOLERANCE,
+    export,
+    gguf,
+    hf_tokenizer,
+    llama_cpp,
+    llama_cpp_error,
+    llama_cpp_model,
+    model_cache,
+    perturb_vectors,
+    random_ids,
+    rel_error,
+    save_and_import,
+    transformers,
+)
 
 from lmforge.cli import main
 from lmforge.data.tokenizer import Tokenizer
-
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
 
 BASE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=128, tie_word_embeddings=False, num_experts_per_tok=2)
@@ -41,22 +53,9 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer_file(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tok")
-    text = ("the quick brown fox jumps over the lazy dog; hello world, 12345 times. " * 40
-            + "pack my box with five dozen liquor jugs! ")
-    tok = Tokenizer.train([text], 300, 2)
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
-    tok.save(root / "tok.json")
-    return root / "tok.json"
-
-
 def _imported(name: str, tokenizer_file, root, **more):
     config_cls, model_cls, extra = FAMILIES[name]
-    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file), eos_token="<|im_end|>",
-                                                  pad_token="<|endoftext|>")
-    hf_tok.chat_template = TEMPLATE
+    hf_tok = hf_tokenizer(tokenizer_file)
     torch.manual_seed(0)
     # OLMoE's config defaults name token ids of its own 50k vocabulary: ours instead
     ids = dict(eos_token_id=hf_tok.eos_token_id, pad_token_id=hf_tok.pad_token_id, bos_token_id=None)
@@ -69,40 +68,21 @@ def _imported(name: str, tokenizer_file, root, **more):
     g = torch.Generator().manual_seed(1)
     u = torch.randn(cfg.hidden_size, generator=g)
     u /= u.norm()
+    perturb_vectors(model)  # (torch's generator; what follows draws from g only)
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if p.ndim == 1:  # norms away from 1 and biases away from 0, so a mix-up of them shows
-                p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in n else 0.1 * torch.randn_like(p))
-            elif n.endswith("embed_tokens.weight"):
+            if n.endswith("embed_tokens.weight"):
                 p.add_((torch.randint(0, 2, (p.shape[0], 1), generator=g) * 2 - 1) * u)
             elif n.endswith(".gate.weight"):  # a router: experts of the first half read +u, the others -u
                 side = (torch.arange(p.shape[0]) < p.shape[0] // 2).float() * 2 - 1
                 p.copy_(0.05 * torch.randn(p.shape, generator=g) + 0.5 * side[:, None] * u)
-    model.save_pretrained(root / "hf")
-    hf_tok.save_pretrained(root / "hf")
-    assert main(["import", str(root / "hf"), str(root / "imported")]) == 0
-    return root / "imported"
+    return save_and_import(model, hf_tok, root)
 
 
 @pytest.fixture(scope="module")
 def families(tokenizer_file, tmp_path_factory):
     """name -> (imported dir, lmforge's model of it), each imported once, on first use."""
-    from lmforge.checkpoint.runs import load_model, run_config
-
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            imported = _imported(name, tokenizer_file, tmp_path_factory.mktemp(name))
-            cfg, ckpt = run_config(imported)
-            cache[name] = imported, load_model(cfg, ckpt)[0].eval()
-        return cache[name]
-
-    return get
-
-
-def _ids(vocab: int, shape) -> torch.Tensor:
-    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(0))
+    return model_cache(tmp_path_factory, lambda root, name: _imported(name, tokenizer_file, root))
 
 
 def _types(path) -> dict[str, str]:
@@ -114,21 +94,16 @@ def _types(path) -> dict[str, str]:
 def test_transformers_reloads_the_moe_gguf_with_equal_logits(families, name, quant, tmp_path):
     imported, ours = families(name)
     out = tmp_path / "model.gguf"
-    _export(imported, out, quant)
+    export(imported, out, quant)
     if name == "qwen2_moe":
         # transformers' GGUF loader reads neither expert width of qwen2_moe (no expert_feed_forward_length
         # nor expert_shared_feed_forward_length in its GGUF_CONFIG_MAPPING: it would build 1408/5632-wide
         # experts); give it the exported config, so that the file's tensors are what it checks here
         # (llama.cpp, which reads both keys, checks the metadata: test_llama_cpp_... below)
         config = transformers.AutoConfig.from_pretrained(imported.parent / "hf")  # what it was imported from
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(
-            tmp_path, gguf_file=out.name, config=config, dtype=torch.float32).eval()
-        ids = _ids(ours.cfg.vocab_size, (2, 40))
-        with torch.no_grad():
-            a, b = ours(ids), theirs(ids).logits
-        err = float((a - b).abs().max() / a.abs().max())
+        err = rel_error(ours, out, random_ids(ours.cfg.vocab_size, (2, 40)), config=config)
     else:
-        err = _rel_error(ours, out, _ids(ours.cfg.vocab_size, (2, 40)))
+        err = rel_error(ours, out, random_ids(ours.cfg.vocab_size, (2, 40)))
     print(f"transformers {name} {quant}: max relative logit error {err:.2e}")
     assert err < TOLERANCE[quant], (name, quant, err)
     types = _types(out)
@@ -141,20 +116,14 @@ def test_transformers_reloads_the_moe_gguf_with_equal_logits(families, name, qua
 def test_llama_cpp_loads_the_moe_gguf_with_equal_logits(families, name, quant, tmp_path):
     """The optional tier: llama.cpp itself reads the file; its logits equal lmforge's within the weight
     type's tolerance and it tokenizes text to lmforge's ids."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the optional "
-                                    "llama.cpp tier: bash scripts/llama_cpp_tier.sh builds it, ~4 minutes)")
+    llama_cpp()
     imported, ours = families(name)
     out = tmp_path / "model.gguf"
-    _export(imported, out, quant)
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
+    export(imported, out, quant)
+    llm = llama_cpp_model(out)
     tokenizer = Tokenizer.load(imported / "tokenizer.json")
     assert llm.tokenize(TEXT.encode(), add_bos=False, special=False) == tokenizer.encode(TEXT)
-    ids = _ids(ours.cfg.vocab_size, (40,))
-    llm.eval(ids.tolist())
-    theirs = torch.from_numpy(np.array(llm.scores[:40], dtype=np.float32))
-    with torch.no_grad():
-        a = ours(ids[None])[0]
-    err = float((a - theirs).abs().max() / a.abs().max())
+    err = llama_cpp_error(llm, ours, random_ids(ours.cfg.vocab_size, (40,)))
     print(f"llama.cpp {name} {quant}: max relative logit error {err:.2e}")
     assert err < TOLERANCE[quant], (name, quant, err)
 
@@ -185,7 +154,7 @@ def test_an_eight_expert_model_keeps_attn_k_and_v_at_8_bits(tokenizer_file, tmp_
     imported = _imported("mixtral", tokenizer_file, tmp_path, num_local_experts=8, intermediate_size=32,
                          sliding_window=16)
     capsys.readouterr()
-    _export(imported, tmp_path / "m.gguf", "q4_k_m")
+    export(imported, tmp_path / "m.gguf", "q4_k_m")
     assert "context length is set to 16 (not 128)" in capsys.readouterr().out
     types = _types(tmp_path / "m.gguf")
     assert types["blk.0.attn_k.weight"] == types["blk.1.attn_v.weight"] == "Q8_0"
@@ -209,19 +178,13 @@ def test_a_tied_model_gets_the_output_llama_cpp_requires(tokenizer_file, tmp_pat
 
     imported = _imported(name, tokenizer_file, tmp_path, tie_word_embeddings=True)
     out = tmp_path / "m.gguf"
-    _export(imported, out, "f16")
+    export(imported, out, "f16")
     tensors = {t.name: np.array(t.data) for t in gguf.GGUFReader(out).tensors}
     assert np.array_equal(tensors["output.weight"], tensors["token_embd.weight"])
     if name == "qwen2_moe":
         assert "blk.0.attn_q.bias" in tensors  # Qwen2-MoE's q/k/v biases are written
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    llama_cpp()
     ours = load_model(*run_config(imported))[0].eval()
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, logits_all=True, verbose=False, n_threads=2)
-    ids = _ids(ours.cfg.vocab_size, (40,))
-    llm.eval(ids.tolist())
-    theirs = torch.from_numpy(np.array(llm.scores[:40], dtype=np.float32))
-    with torch.no_grad():
-        a = ours(ids[None])[0]
-    err = float((a - theirs).abs().max() / a.abs().max())
+    err = llama_cpp_error(llama_cpp_model(out), ours, random_ids(ours.cfg.vocab_size, (40,)))
     print(f"llama.cpp {name} tied f16: max relative logit error {err:.2e}")
     assert err < TOLERANCE["f16"], (name, err)

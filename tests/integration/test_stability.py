@@ -124,7 +124,9 @@ def curve(run_dir):
             if "event" not in r]
 
 
-@pytest.mark.parametrize("unit", ["steps", "tokens"])
+# tokens in the slow tier: the same resume end to end again, with the schedule counted in tokens (which
+# tests/unit/test_schedule.py and test_cli_schedule.py check in the default tier)
+@pytest.mark.parametrize("unit", ["steps", pytest.param("tokens", marks=pytest.mark.slow)])
 def test_resume_mid_batch_ramp_and_mid_schedule_is_exact(tiny_cfg, tmp_path, unit):
     ramp = ["train.max_steps=30", "train.grad_accum_steps=4", "train.batch_warmup_tokens=20000",
             "checkpoint.every=6", "train.eval_every=10", "stability.spike_detection=true",

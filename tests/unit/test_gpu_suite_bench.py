@@ -24,6 +24,10 @@ def _suite(out: Path, *args: str) -> tuple[int, dict]:
     return proc.returncode, json.loads((out / "suite.json").read_text())
 
 
+# slow tier: the llama row's bench runs end to end in the default tier already
+# (test_gpu_throughput_bench.py::test_tiny_rows_run_and_both_sides_compute_the_same_function), and the
+# suite's own logic (gpu_suite.sh, rows, budget, failures) in the two tests below
+@pytest.mark.slow
 def test_a_row_runs_its_bench_and_cuda_rows_are_skipped_with_the_reason(tmp_path):
     rc, report = _suite(tmp_path, "--only", "llama,packed")
     assert rc == 0
@@ -39,6 +43,17 @@ def test_a_row_runs_its_bench_and_cuda_rows_are_skipped_with_the_reason(tmp_path
     rc, again = _suite(tmp_path, "--only", "packed", "--update")
     assert rc == 0 and list(again["rows"]) == ["llama", "packed"]
     assert again["rows"]["llama"]["result"] == llama["result"]
+
+
+def test_cuda_rows_are_skipped_with_the_reason_and_update_keeps_the_others(tmp_path):
+    """The default tier's check of what the slow test above also checks, without running a bench."""
+    assert gpu_suite.main(["--tiny", "--only", "packed", "--out", str(tmp_path)]) == 0
+    packed = json.loads((tmp_path / "suite.json").read_text())["rows"]["packed"]
+    assert packed == {**packed, "status": "skipped", "why": "needs CUDA"}
+    assert "| packed |" in (tmp_path / "suite.md").read_text()
+    assert gpu_suite.main(["--tiny", "--only", "qlora", "--update", "--out", str(tmp_path)]) == 0
+    again = json.loads((tmp_path / "suite.json").read_text())["rows"]
+    assert list(again) == ["packed", "qlora"] and again["packed"] == packed
 
 
 def test_the_budget_skips_rows_that_do_not_fit(tmp_path):
