@@ -19,12 +19,16 @@ def _resume_arg(p: argparse.ArgumentParser) -> None:
 def _train_args(p: argparse.ArgumentParser) -> None:
     config_args(p)
     _resume_arg(p)
+    p.add_argument("--deepspeed", metavar="DS_CONFIG", help="train with a DeepSpeed ds_config.json "
+                   "translated under the config (lmforge config --from-deepspeed shows it): a warning per "
+                   "key that does not map; a key that contradicts -c or --set is an error")
 
 
 def _train(args: argparse.Namespace) -> int:
+    from lmforge.cli.verbs.translation import translated_config
     from lmforge.train.trainer import train
 
-    train(load_config(args), resume=args.resume)
+    train(translated_config(args, warn=True)[0], resume=args.resume)
     return 0
 
 
