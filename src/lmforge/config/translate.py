@@ -128,6 +128,8 @@ def check_values(t: Translation) -> None:
             dotted = ".".join(_untag(loc)[0])
             hits = [k for k in t.values if k == dotted or k.startswith(dotted + ".")] or [
                 k for k in t.values if dotted.startswith(k + ".")]
+            # A section's own check (loc = the section) names its key in the message: keep that one.
+            hits = [k for k in hits if k in err["msg"]] or hits
             src = ", ".join(t.values[k][1] for k in hits) or "(derived)"
             shown = ", ".join(f"{k}={t.values[k][0]!r}" for k in hits) or dotted
             msgs.append(f"{t.source}: {src} -> lmforge {shown}: {err['msg'].removeprefix('Value error, ')}")

@@ -264,9 +264,12 @@ def _intervals(t: Translation, d: dict, take, total: int | None) -> None:
     elif log is not None:
         t.skip("logging_steps", log, f"logging_strategy={log_strategy}: lmforge logs every train.log_every "
                "steps")
-    ev = take("eval_strategy") or take("evaluation_strategy") or "no"
+    ev = take("eval_strategy") or take("evaluation_strategy")
     eval_steps = take("eval_steps")
-    if ev == "steps":
+    if ev is None:  # HF's default "no": eval_steps alone does nothing
+        if eval_steps is not None:
+            t.skip("eval_steps", eval_steps, "eval_strategy is not steps, so the Trainer does not use it")
+    elif ev == "steps":
         every = eval_steps if eval_steps is not None else log
         if every is not None:
             _ratio_steps(t, "eval_steps" if eval_steps is not None else "logging_steps", every, total,

@@ -74,6 +74,6 @@ def print_unmapped(t) -> None:
     table = unmapped_table(t)
     mapped = len(t.values)
     console.print(f"{t.source}: {mapped} lmforge keys set, {len(t.unmapped)} keys not translated",
-                  markup=False)
+                  markup=False, soft_wrap=True)
     if table is not None:
         console.print(table)
