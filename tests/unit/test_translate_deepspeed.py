@@ -191,3 +191,14 @@ def test_applied_under_a_config_a_contradiction_is_an_error_and_agreement_is_not
     with pytest.raises(ConfigError,
                        match=r"--set train.micro_batch_size: train.micro_batch_size=4 contradicts"):
         apply_translation(t, str(cfg_file), ["train.micro_batch_size=4"])
+
+
+def test_empty_sections_and_whole_sections_given_with_set_are_judged_key_by_key(tmp_path):
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("logging: {}\noptim: null\n")
+    t = ds({"tensorboard": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    cfg = apply_translation(t, str(cfg_file), ["optim={lr: 0.001, weight_decay: 0.0}"])
+    assert (cfg.logging.tensorboard, cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay) == (
+        True, "adamw", 1e-3, 0.0)
+    with pytest.raises(ConfigError, match=r"--set optim: optim.lr=0.002 contradicts"):
+        apply_translation(t, str(cfg_file), ["optim={lr: 0.002}"])

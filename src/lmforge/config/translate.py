@@ -97,7 +97,9 @@ def _nested(values: dict[str, Any]) -> dict[str, Any]:
         node = out
         *parents, last = dotted.split(".")
         for k in parents:
-            node = node.setdefault(k, {})
+            if not isinstance(node.get(k), dict):  # absent, or a `section: null` the value replaces
+                node[k] = {}
+            node = node[k]
         node[last] = value
     return out
 
@@ -152,9 +154,13 @@ def apply_translation(t: Translation, config_path: str | None, overrides: list[s
     explicit = {k: (v, f"{source}:{lines.get(tuple(k.split('.')), '?')}") for k, v in _flat(data).items()}
     for item in overrides:
         key, value = parse_override(item)
-        explicit[key] = (value, f"--set {key}")
+        flat = _flat(value, key + ".") if isinstance(value, dict) else {key: value}
+        explicit.update({k: (v, f"--set {key}") for k, v in flat.items()})
+    explicit = {k: v for k, v in explicit.items() if v[0] != {}}  # an empty section sets nothing
     for key, (value, src) in t.values.items():
         for mine in (key, *(k for k in explicit if k.startswith(key + ".") or key.startswith(k + "."))):
+            if mine != key and key.startswith(mine + ".") and explicit[mine][0] is None:
+                continue  # `section: null` holds no key of its own
             if mine in explicit and explicit[mine][0] != value:
                 where, had = explicit[mine][1], explicit[mine][0]
                 raise ConfigError(f"{where}: {mine}={had!r} contradicts {t.source}: {src} (lmforge "
