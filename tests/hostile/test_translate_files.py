@@ -61,3 +61,63 @@ def test_odd_values_inside_an_object_are_listed_or_refused_never_crash(tmp_path,
     assert main(["config", "--from-deepspeed", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+WEIRD = ["x", [1], {"a": 1}, -1, True, 0.5, None, float("inf"), "auto", 0]
+HF_KEYS = ["per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "weight_decay",
+           "adam_beta1", "adam_epsilon", "max_grad_norm", "num_train_epochs", "max_steps",
+           "lr_scheduler_type",
+           "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "logging_steps", "logging_strategy",
+           "eval_strategy", "eval_steps", "save_strategy", "save_steps", "save_total_limit", "seed", "bf16",
+           "fp16", "tf32", "gradient_checkpointing", "torch_compile", "optim", "output_dir", "run_name",
+           "report_to", "ddp_timeout", "deepspeed", "push_to_hub"]
+DS_BASE = {"train_batch_size": 32, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
+           "gradient_clipping": 1.0, "steps_per_print": 10,
+           "fp16": {"enabled": True, "loss_scale_window": 10},
+           "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "overlap_comm": True},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8}},
+           "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3, "warmup_min_lr": 0,
+                                                             "warmup_num_steps": 10, "total_num_steps": 100}},
+           "tensorboard": {"enabled": True}, "communication_data_type": "bf16"}
+
+
+def _paths(d, pre=()):
+    for k, v in d.items():
+        yield pre + (k,)
+        if isinstance(v, dict):
+            yield from _paths(v, pre + (k,))
+
+
+def test_a_wrong_type_anywhere_is_an_error_or_listed_never_a_crash():
+    import copy
+
+    from lmforge.config.translate import check_values
+    from lmforge.config.translate_deepspeed import translate_deepspeed
+    from lmforge.config.translate_hf import translate_hf_args
+    from lmforge.errors import ConfigError
+
+    accepted = []
+
+    def judge(fn, data):
+        try:
+            check_values(fn(data))
+            accepted.append(data)
+        except ConfigError:
+            pass  # any other exception fails the test
+
+    base = {"learning_rate": 1e-3, "max_steps": 100, "lr_scheduler_type": "polynomial",
+            "lr_scheduler_kwargs": {"lr_end": 1e-5}, "eval_strategy": "steps",
+            "deepspeed": {k: v for k, v in DS_BASE.items() if k != "scheduler"}}
+    for key in HF_KEYS:
+        for w in WEIRD:
+            judge(lambda d: translate_hf_args(d, "a.json", 1, 100), {**base, key: w})
+    assert len(accepted) > 100  # the base is valid: each key's odd values were judged on their own
+    for path in _paths(DS_BASE):
+        for w in WEIRD:
+            data = copy.deepcopy(DS_BASE)
+            node = data
+            for k in path[:-1]:
+                node = node[k]
+            node[path[-1]] = w
+            judge(lambda d: translate_deepspeed(d, "d.json", 1), data)
+    assert len(accepted) > 200

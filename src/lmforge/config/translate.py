@@ -14,6 +14,7 @@ validated by lmforge's own schema, and a bad one is reported with the source key
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,11 @@ class Translation:
             if key not in self.values:
                 self.values[key] = (value, f"{src} ({other.source})")
         self.unmapped.extend((f"{k} ({other.source})", v, why) for k, v, why in other.unmapped)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float (not a bool): what a numeric source key must hold."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def read_mapping(path: str | Path, what: str) -> dict[str, Any]:

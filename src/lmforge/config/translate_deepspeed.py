@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lmforge.config.translate import Translation
+from lmforge.config.translate import Translation, is_number
 from lmforge.errors import ConfigError
 
 # Keys that tune DeepSpeed's own machinery and have no lmforge counterpart: key -> why.
@@ -97,7 +97,7 @@ def _num(t: Translation, key: str, value: Any, target: str, kind: type = float) 
     if value == "auto":
         t.skip(key, value, AUTO.format(key=target))
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         raise ConfigError(f"{t.source}: {key}={value!r} is not a number (lmforge {target}); give a number "
                           "or \"auto\"")
     if kind is int:
@@ -389,7 +389,7 @@ def _scheduler(t: Translation, sch: dict) -> None:
         lo, hi = params.get("warmup_min_lr", 0.0), params.get("warmup_max_lr", 0.001)
         if "warmup_max_lr" not in params:
             t.set("optim.lr", 0.001, "scheduler.type")  # DeepSpeed's default warmup_max_lr
-        if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) and hi > 0 and lo:
+        if is_number(lo) and is_number(hi) and hi > 0 and lo:
             t.set("schedule.min_lr_ratio", lo / hi, "scheduler.params.warmup_min_lr")
     if kind == "WarmupLR" and "warmup_max_lr" not in params:
         t.set("optim.lr", 0.001, "scheduler.type")  # DeepSpeed's default warmup_max_lr

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lmforge.config.translate import Translation, read_mapping
+from lmforge.config.translate import Translation, is_number, read_mapping
 from lmforge.config.translate_deepspeed import translate_deepspeed
 from lmforge.errors import ConfigError
 
@@ -61,7 +61,7 @@ DEFAULT_REASON = "no lmforge counterpart (a Trainer setting)"
 
 def _ratio_steps(t: Translation, key: str, value: Any, total: int | None, target: str, *,
                  zero_ok: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    if not is_number(value) or value < 0:
         raise ConfigError(f"{t.source}: {key}={value!r} must be a number >= 0 (lmforge {target})")
     if 0 < value < 1:  # a fraction of the total steps, rounded up (TrainingArguments' rule)
         if total is None:
@@ -90,8 +90,9 @@ def translate_hf_args(data: dict[str, Any], source: str, world_size: int | None 
         v = take(key)
         if v is None:
             return
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{source}: {key}={v!r} is not a number (lmforge {target})")
+        if not is_number(v) or (kind is int and v != int(v)):
+            raise ConfigError(f"{source}: {key}={v!r} is not a {'whole ' if kind is int else ''}number "
+                              f"(lmforge {target})")
         t.set(target, int(v) if kind is int else v, key)
 
     number("per_device_train_batch_size", "train.micro_batch_size", int)
@@ -101,7 +102,10 @@ def translate_hf_args(data: dict[str, Any], source: str, world_size: int | None 
     number("seed", "run.seed", int)
     steps = take("max_steps")
     total = max_steps
-    if isinstance(steps, int) and not isinstance(steps, bool) and steps > 0:
+    if steps is not None and not (is_number(steps) and steps == int(steps)):
+        raise ConfigError(f"{source}: max_steps={steps!r} is not a whole number (lmforge train.max_steps)")
+    if steps is not None and steps > 0:
+        steps = int(steps)
         t.set("train.max_steps", steps, "max_steps")
         total = steps
     elif steps is not None:
@@ -190,12 +194,15 @@ def _schedule(t: Translation, d: dict, take, total: int | None) -> None:
     if warm:
         _ratio_steps(t, "warmup_steps", warm, total, "schedule.warmup_steps", zero_ok=True)
     elif ratio:
-        _ratio_steps(t, "warmup_ratio", ratio if ratio < 1 else 0, total, "schedule.warmup_steps",
-                     zero_ok=True)
+        if is_number(ratio) and ratio >= 1:
+            raise ConfigError(f"{t.source}: warmup_ratio={ratio!r} must be below 1 (a fraction of the run)")
+        _ratio_steps(t, "warmup_ratio", ratio, total, "schedule.warmup_steps", zero_ok=True)
     elif kind is not None or warm is not None:
         t.set("schedule.warmup_steps", 0, "warmup_steps")  # HF's default is none; lmforge's is 100
     if kind is None:
         return
+    if not isinstance(kind, str):
+        raise ConfigError(f"{t.source}: lr_scheduler_type={kind!r} is not a scheduler name")
     if kind not in SCHEDULES:
         t.skip("lr_scheduler_type", kind, NO_SCHEDULE.get(kind, f"lmforge has no {kind} schedule"))
         for k, v in kwargs.items():
@@ -208,8 +215,12 @@ def _schedule(t: Translation, d: dict, take, total: int | None) -> None:
     if floor is not None:
         t.set("schedule.min_lr_ratio", floor, "lr_scheduler_type")
     lr = d.get("learning_rate", 5e-5)
+    if not (is_number(lr) and lr > 0):  # HF's absolute lr floors become ratios of it
+        raise ConfigError(f"{t.source}: learning_rate={lr!r} must be a number above 0 (lmforge optim.lr)")
     for k, v in kwargs.items():
         key = f"lr_scheduler_kwargs.{k}"
+        if not (is_number(v) or (k == "decay_type" and isinstance(v, str))):
+            raise ConfigError(f"{t.source}: {key}={v!r} is not a number")
         if kind == "polynomial" and k == "power":
             t.set("schedule.power", v, key)
         elif kind == "polynomial" and k == "lr_end":
@@ -290,8 +301,8 @@ def _intervals(t: Translation, d: dict, take, total: int | None) -> None:
         t.skip("save_strategy", save, "lmforge saves every checkpoint.every steps (checkpoint.keep_best "
                "keeps the best)")
     limit = take("save_total_limit")
-    if isinstance(limit, int) and limit >= 1:
-        t.set("checkpoint.keep_last", limit, "save_total_limit")
+    if is_number(limit) and limit >= 1 and limit == int(limit):
+        t.set("checkpoint.keep_last", int(limit), "save_total_limit")
     elif limit is not None:
         t.skip("save_total_limit", limit, "lmforge keeps the last checkpoint.keep_last (>= 1)")
 
@@ -299,7 +310,9 @@ def _intervals(t: Translation, d: dict, take, total: int | None) -> None:
 def _report_to(t: Translation, value: Any) -> None:
     targets = {"tensorboard": "logging.tensorboard", "wandb": "logging.wandb.enabled",
                "mlflow": "logging.mlflow.enabled"}
-    names = [value] if isinstance(value, str) else list(value or [])
+    names = [value] if isinstance(value, str) else value if isinstance(value, list) else []
+    if value is not None and not isinstance(value, (str, list)):
+        t.skip("report_to", value, "not a reporter name or a list of them")
     for n in names:
         if n in targets:
             t.set(targets[n], True, "report_to")
