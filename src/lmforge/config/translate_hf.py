@@ -10,6 +10,8 @@ Semantics are TrainingArguments' documented ones (transformers/training_args.py,
 - "adamw_torch" / "adamw_torch_fused" are torch's AdamW, "sgd" torch's SGD (no momentum), "adafactor" HF's
   Adafactor with relative_step=False, scale_parameter=False, warmup_init=False (lmforge's defaults too).
 - weight_decay: HF skips biases and LayerNorm weights; lmforge also skips embeddings.
+- A field absent from the file keeps lmforge's default, not TrainingArguments' (to_json_string() writes
+  every field, so a dump is translated whole).
 - deepspeed (a path or an object) is translated too (translate_deepspeed.py); its "auto" values are the
   ones set here, and a DeepSpeed value that differs from the one here is a contradiction, as in HF's Trainer.
 """
