@@ -193,7 +193,7 @@ def unmapped_table(t: Translation):
     table.add_column("why")
     empty = []
     for key, value, why in t.unmapped:
-        if is_empty(value) and not isinstance(value, float):
+        if is_empty(value):
             empty.append(key)
             continue
         shown = json.dumps(value, default=str)

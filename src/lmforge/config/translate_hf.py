@@ -58,6 +58,12 @@ NO_COUNTERPART_PREFIX = {
     "(checkpoint.*)", "torch_compile_": "lmforge compiles with torch.compile's defaults (train.compile)",
     "use_": "a Trainer device or kernel switch lmforge chooses itself", "label_": "model-side label settings",
 }
+NO_COUNTERPART = {
+    "label_smoothing_factor": "lmforge's cross-entropy has no label smoothing",
+    "neftune_noise_alpha": "lmforge has no NEFTune embedding noise",
+    "data_seed": "lmforge's data order follows run.seed",
+    "use_cpu": "set train.device: cpu",
+}
 DEFAULT_REASON = "no lmforge counterpart (a Trainer setting)"
 
 
@@ -138,7 +144,8 @@ def translate_hf_args(data: dict[str, Any], source: str, world_size: int | None 
     for key, value in d.items():
         if key in handled:
             continue
-        why = next((w for p, w in NO_COUNTERPART_PREFIX.items() if key.startswith(p)), DEFAULT_REASON)
+        why = NO_COUNTERPART.get(key) or next(
+            (w for p, w in NO_COUNTERPART_PREFIX.items() if key.startswith(p)), DEFAULT_REASON)
         t.skip(key, value, why)
     if ds:
         if isinstance(ds, str):

@@ -57,7 +57,7 @@ def translated_config(args: argparse.Namespace, *, warn: bool):
         from lmforge.config.translate import is_empty
 
         for key, value, why in t.unmapped:
-            if is_empty(value) and not isinstance(value, float):
+            if is_empty(value):
                 continue  # null / false / empty: asks for nothing (`lmforge config` still lists it)
             print(f"lmforge {args.verb}: warning: {t.source}: {key}={value!r} not translated: {why}",
                   file=sys.stderr)
