@@ -24,7 +24,6 @@ from lmforge.errors import ConfigError
 
 # Keys that tune DeepSpeed's own machinery and have no lmforge counterpart: key -> why.
 NO_COUNTERPART: dict[str, str] = {
-    "steps_per_print": "lmforge logs every train.log_every steps (mapped when it is a number)",
     "wall_clock_breakdown": "DeepSpeed's timers; lmforge logs step time and throughput always",
     "dump_state": "DeepSpeed debug output",
     "prescale_gradients": "lmforge averages gradients in the reduce (FSDP2/DDP's own scaling)",
@@ -120,7 +119,7 @@ def translate_deepspeed(data: dict[str, Any], source: str, world_size: int | Non
     t = Translation(source)
     world = _world(world_size)
     for key, value in data.items():
-        if key in NO_COUNTERPART and key != "steps_per_print":
+        if key in NO_COUNTERPART:
             t.skip(key, value, NO_COUNTERPART[key])
         elif key not in HANDLED:
             t.skip(key, value, "not a DeepSpeed key lmforge knows")
