@@ -90,3 +90,16 @@ def test_train_deepspeed_contradiction_is_refused_before_any_work(tmp_path, caps
     assert err.startswith("lmforge train: error: ") and err.count("\n") == 1
     assert "train.grad_clip=1.0 contradicts" in err and "gradient_clipping" in err
     assert not run.exists()
+
+
+def test_train_deepspeed_with_a_budget_is_refused():
+    import argparse
+
+    import pytest
+
+    from lmforge.cli.verbs.training import _train_translated
+    from lmforge.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--budget plans the whole run itself"):
+        _train_translated(argparse.Namespace(deepspeed="ds.json", budget="5m", config=None, set=[],
+                                             resume=False, verb="train"))
