@@ -12,14 +12,28 @@ from lmforge.errors import LmforgeError
 from lmforge.utils.io import check_new_file
 
 
+def _config_args(p: argparse.ArgumentParser) -> None:
+    config_args(p)
+    p.add_argument("--from-deepspeed", metavar="DS_CONFIG", help="translate a DeepSpeed ds_config.json: "
+                   "print the lmforge config it maps to (under -c and --set) and, on stderr, a table of the "
+                   "keys that do not map and why")
+    p.add_argument("--from-hf-args", metavar="ARGS", help="the same for Hugging Face TrainingArguments (a "
+                   "JSON as TrainingArguments.to_json_string() writes it, or a YAML of its fields)")
+
+
 def _config(args: argparse.Namespace) -> int:
+    from lmforge.cli.verbs.translation import print_unmapped, translated_config
     from lmforge.config.load import dump_config
 
-    sys.stdout.write(dump_config(load_config(args)))
+    cfg, translation = translated_config(args, warn=False)
+    sys.stdout.write(dump_config(cfg))
+    if translation is not None:
+        print_unmapped(translation)
     return 0
 
 
-CONFIG = Verb("config", "print the resolved config (defaults + file + --set)", config_args, _config)
+CONFIG = Verb("config", "print the resolved config (defaults + file + --set, or a translated DeepSpeed / "
+              "TrainingArguments file)", _config_args, _config)
 
 
 def _plot_schedule_args(p: argparse.ArgumentParser) -> None:

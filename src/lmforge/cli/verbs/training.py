@@ -93,5 +93,27 @@ def _method(name: str, spec: MethodVerb) -> Verb:
     return Verb(name, spec.help, arguments, run)
 
 
-TRAIN = Verb("train", "pretrain a model (prepares data on first use)", _train_args, _train)
+def _train_translated_args(p: argparse.ArgumentParser) -> None:
+    _train_args(p)
+    p.add_argument("--deepspeed", metavar="DS_CONFIG", help="train with a DeepSpeed ds_config.json "
+                   "translated under the config (lmforge config --from-deepspeed shows it): a warning per "
+                   "key that does not map; a key that contradicts -c or --set is an error")
+
+
+def _train_translated(args: argparse.Namespace) -> int:
+    """`lmforge train --deepspeed FILE`: the translation under -c and --set (cli/verbs/translation.py)."""
+    if not args.deepspeed:
+        return _train(args)
+    if getattr(args, "budget", None) is not None:
+        raise ConfigError("--budget plans the whole run itself; --deepspeed brings settings of your own: "
+                          "drop one of them (or save `lmforge config --from-deepspeed FILE` as -c)")
+    from lmforge.cli.verbs.translation import translated_config
+    from lmforge.train.trainer import train
+
+    train(translated_config(args, warn=True)[0], resume=args.resume)
+    return 0
+
+
+TRAIN = Verb("train", "pretrain a model (prepares data on first use)", _train_translated_args,
+             _train_translated)
 METHODS = [_method(name, spec) for name, spec in METHOD_VERBS.items()]  # lmforge dpo, reward, rl, sft, ...
