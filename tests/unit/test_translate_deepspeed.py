@@ -202,3 +202,17 @@ def test_empty_sections_and_whole_sections_given_with_set_are_judged_key_by_key(
         True, "adamw", 1e-3, 0.0)
     with pytest.raises(ConfigError, match=r"--set optim: optim.lr=0.002 contradicts"):
         apply_translation(t, str(cfg_file), ["optim={lr: 0.002}"])
+
+
+def test_defaults_as_deepspeeds_lr_schedules_has_them():
+    """deepspeed/runtime/lr_schedules.py: every Warmup* scheduler's warmup_type defaults to log, and WarmupLR
+    without warmup_max_lr warms up to the optimizer's lr (not to 0.001, as WarmupDecayLR's default is)."""
+    t = ds({"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 100}}})
+    assert "log" in why(t, "scheduler.params.warmup_type")
+    assert values(t)["schedule.min_lr_ratio"] == 0.0001  # cos_min_ratio's default
+    t = ds({"optimizer": {"type": "AdamW", "params": {"lr": 5e-4}},
+            "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}}})
+    assert values(t)["optim.lr"] == 5e-4
+    assert values(ds({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 50}}}))[
+        "optim.lr"] == 0.001

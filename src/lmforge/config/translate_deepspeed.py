@@ -381,7 +381,7 @@ def _scheduler(t: Translation, sch: dict) -> None:
             t.skip(key, v, "lmforge resumes the schedule from its checkpoint")
         else:
             t.skip(key, v, f"{kind} takes no {k}")
-    if kind == "WarmupLR" and "warmup_type" not in params:
+    if "warmup_type" not in params:  # the default of all three (deepspeed/runtime/lr_schedules.py)
         t.skip("scheduler.params.warmup_type", "log", "DeepSpeed's default log warm-up; lmforge warms up "
                "linearly")
     if kind == "WarmupDecayLR":
@@ -390,5 +390,5 @@ def _scheduler(t: Translation, sch: dict) -> None:
             t.set("optim.lr", 0.001, "scheduler.type")  # DeepSpeed's default warmup_max_lr
         if is_number(lo) and is_number(hi) and hi > 0 and lo:
             t.set("schedule.min_lr_ratio", lo / hi, "scheduler.params.warmup_min_lr")
-    if kind == "WarmupLR" and "warmup_max_lr" not in params:
-        t.set("optim.lr", 0.001, "scheduler.type")  # DeepSpeed's default warmup_max_lr
+    # WarmupLR without warmup_max_lr warms up to the optimizer's lr (DeepSpeed's lr_schedules.py today):
+    # optim.lr stays what the optimizer section says
