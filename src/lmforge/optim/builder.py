@@ -11,7 +11,9 @@ memory estimator, benchmarks) ask the spec; nothing outside this package names a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import fnmatch
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -26,10 +28,12 @@ from lmforge.config.optim import (
     LionConfig,
     MuonConfig,
     OptimConfig,
+    ParamGroupRule,
     SGDConfig,
     SophiaConfig,
 )
 from lmforge.engine.step import StepHook
+from lmforge.errors import CheckpointMismatchError, ConfigError
 from lmforge.optim.adafactor import Adafactor
 from lmforge.optim.adamw8bit import AdamW8bit, bitsandbytes_adamw8bit, use_bitsandbytes
 from lmforge.optim.lion import Lion
@@ -60,27 +64,81 @@ class OptimizerSpec:
     hooks: Callable[[torch.optim.Optimizer], list[StepHook]] = field(default=lambda optimizer: [])
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, rules: Sequence[ParamGroupRule] = ()) -> list[dict]:
     """Split parameters into a decayed group (matrices of linear layers) and an undecayed one.
 
     Norm weights, biases and embedding tables are not decayed: decay there only shrinks scales
     and lookup rows without regularising a linear map (the GPT-3 / Llama recipe).
+
+    `rules` (optim.param_groups) then take the parameters whose name they match, the first rule that
+    matches winning (an order the user reads top to bottom, as in a .gitignore read backwards): each
+    rule's parameters form their own groups, "rule<i>_decay" / "rule<i>_no_decay", split as above,
+    with the rule's weight decay (if it sets one) and an "lr_scale" key that `build_optimizer` applies.
+    A rule that matches no trainable parameter is a ConfigError naming it.
     """
     embedding_params = {
         id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)
     }
     decay, no_decay = [], []
-    for _, p in model.named_parameters():
+    by_rule: list[tuple[list, list]] = [([], []) for _ in rules]
+    names = []
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        if p.ndim < 2 or id(p) in embedding_params:
-            no_decay.append(p)
-        else:
-            decay.append(p)
+        undecayed = p.ndim < 2 or id(p) in embedding_params
+        clean = param_name(name)
+        names.append(clean)
+        rule = next((i for i, r in enumerate(rules) if fnmatch.fnmatchcase(clean, r.match)), None)
+        target = (decay, no_decay) if rule is None else by_rule[rule]
+        target[undecayed].append(p)
     groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"}]
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0, "name": "no_decay"})
+    for i, (rule, (rd, rn)) in enumerate(zip(rules, by_rule)):
+        if not rd and not rn:
+            raise ConfigError(
+                f"optim.param_groups[{i}].match={rule.match!r} matches no trainable parameter (or only "
+                f"ones an earlier rule took); parameter names look like: {', '.join(names[:6])}")
+        for kind, params, wd in (("decay", rd, weight_decay), ("no_decay", rn, 0.0)):
+            if params:
+                groups.append({"params": params, "name": f"rule{i}_{kind}", "lr_scale": rule.lr_scale,
+                               "weight_decay": wd if rule.weight_decay is None else rule.weight_decay})
+    if rules and not decay:  # every matrix went to a rule: no empty group to carry through the run
+        groups.pop(0)
     return [part for g in groups for part in _by_mesh(g)]
+
+
+# What wrappers put into parameter names: DDP's leading module., torch.compile's _orig_mod., activation
+# checkpointing's and FSDP1's wrapper modules; patterns are written against the model's own names.
+_WRAPPER_PARTS = re.compile(
+    r"(?:^module\.|(?<![^.])(?:_orig_mod|_checkpoint_wrapped_module|_fsdp_wrapped_module)\.)")
+
+
+def param_name(name: str) -> str:
+    """`name` as the user's model has it, without the parts wrappers insert."""
+    return _WRAPPER_PARTS.sub("", name)
+
+
+class GroupLayout:
+    """Stateful: the optimizer's param groups by name and parameter count, saved with a checkpoint and
+    checked on resume. The optimizer state loads per parameter name whatever the groups, so a run
+    resumed with other optim.param_groups would silently mix the saved groups' settings into the new
+    ones; this refuses that instead."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = optimizer.param_groups
+        self.groups = [[str(g.get("name", i)), len(g["params"])] for i, g in enumerate(groups)]
+
+    def state_dict(self) -> dict:
+        return {"groups": self.groups}
+
+    def load_state_dict(self, sd: dict) -> None:
+        saved = [[str(n), int(c)] for n, c in sd["groups"]]
+        if saved != self.groups:
+            raise CheckpointMismatchError(
+                f"the checkpoint's optimizer has param groups {saved} (name, parameters) but this run builds "
+                f"{self.groups}: optim.param_groups (or which parameters train) changed since it was saved. "
+                "Resume with the config the run was saved with, or start a new run (another run.dir)")
 
 
 def _by_mesh(group: dict) -> list[dict]:
@@ -207,8 +265,18 @@ assert all(spec.memory is MEMORY[name] for name, spec in SPECS.items()), "one me
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """The optimizer `cfg.name` over `param_groups` (weight decay per group)."""
-    return SPECS[cfg.name].build(model, param_groups(model, cfg.weight_decay), cfg)
+    """The optimizer `cfg.name` over `param_groups` (weight decay per group; optim.param_groups' lr
+    scales multiply the groups' lrs as built, which the schedule then scales as it does every lr)."""
+    optimizer = SPECS[cfg.name].build(model, param_groups(model, cfg.weight_decay, cfg.param_groups), cfg)
+    for group in optimizer.param_groups:
+        scale = group.pop("lr_scale", 1.0)  # not kept: checkpoints hold the optimizer's own keys only
+        if scale != 1.0 and group["lr"] is None:
+            raise ConfigError("optim.param_groups: lr_scale needs an lr to scale, but "
+                              "optim.adafactor.relative_step=true computes its own; set relative_step=false "
+                              "or leave lr_scale out")
+        if scale != 1.0:
+            group["lr"] *= scale
+    return optimizer
 
 
 def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:

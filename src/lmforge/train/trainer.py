@@ -29,6 +29,7 @@ from lmforge.assembly import build_run
 from lmforge.assembly.build import Documents
 from lmforge.checkpoint.manager import CheckpointManager, list_checkpoints
 from lmforge.config.load import config_from_dict, load_config, save_config
+from lmforge.config.methods import method_facts
 from lmforge.config.schema import Config
 from lmforge.engine.evaluate import evaluate_loss
 from lmforge.engine.objectives import Objective
@@ -38,12 +39,14 @@ from lmforge.metrics.console import Console
 from lmforge.metrics.throughput import peak_flops
 from lmforge.metrics.trackers import check_trackers
 from lmforge.models.flops import adapter_flops_per_token, flops_per_token
+from lmforge.optim.builder import GroupLayout
 from lmforge.parallel.coord import any_rank, max_over_ranks, on_rank0
 from lmforge.parallel.process_group import abandon, shutdown
 from lmforge.parallel.world import World
 from lmforge.train.averaging import build_averages
 from lmforge.train.callbacks import Callback, EarlyStopping, MetricsLogging, state_key
 from lmforge.train.clock import Clock
+from lmforge.train.sanity import overfit_one_batch
 from lmforge.train.stability import NonFiniteGuard, Spike, SpikeDetector
 from lmforge.train.state import Control, Progress
 from lmforge.utils.host_memory import keep_freed_memory
@@ -140,6 +143,10 @@ class Trainer:
             raise ConfigError("train.eval_tasks needs the run's tokenizer and a model whose forward gives "
                               "logits on every rank (not pipeline parallelism): unset train.eval_tasks and "
                               "run lmforge eval tasks --tasks on the checkpoints")
+        if self.cfg.train.sanity_check != "none" and method_facts(self.cfg).data == "prompts":
+            raise ConfigError(f"train.sanity_check={self.cfg.train.sanity_check} needs a loss that falls as "
+                              f"a batch is learned; {self.cfg.objective.name}'s policy loss on sampled "
+                              "rollouts does not: set train.sanity_check=none")
         self.callbacks: list[Callback] = [MetricsLogging(), self.early, *callbacks]
         self.states: dict[str, Any] = {
             "progress": self.progress,
@@ -150,6 +157,7 @@ class Trainer:
             "precision": self.precision,
             "guard": self.guard,
             "averages": self.averages,
+            "param_groups": GroupLayout(self.optimizer),
         }
         if self.spikes is not None:
             self.states["spikes"] = self.spikes
@@ -218,6 +226,7 @@ class Trainer:
         old_handlers = self._install_signal_handlers()
         self._emit("on_train_start")
         try:
+            self._sanity_check()
             with keep_freed_memory(self.cfg.train.keep_host_memory):
                 self._loop()
             if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
@@ -262,6 +271,17 @@ class Trainer:
                     self._event(event, **fields)
                 break
         self._settle()
+
+    def _sanity_check(self) -> None:
+        """train.sanity_check before a fresh run's first step (train/sanity.py); a resumed run was checked
+        when it started."""
+        if self.cfg.train.sanity_check == "none" or self.step > 0:
+            return
+        report = overfit_one_batch(self)
+        self._event("sanity_check", check="overfit_one_batch", steps=len(report.losses),
+                    first_loss=report.losses[0], last_loss=report.losses[-1], ratio=report.ratio)
+        self.console(f"sanity check passed: {len(report.losses)} steps on one batch took the loss from "
+                     f"{report.losses[0]:.4g} to {report.losses[-1]:.4g}")
 
     def _release(self) -> None:
         """The run dir is free for another process (the loop is over)."""
