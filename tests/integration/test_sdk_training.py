@@ -131,3 +131,63 @@ def test_param_group_rules_train_resume_and_refuse_other_groups(tmp_path):
     assert sorted(p.name for p in (tmp_path / "c" / "checkpoints").iterdir()) == before
     trainer(tmp_path / "c", resume=True, optim={"param_groups": RULES}).fit()
     assert losses(tmp_path / "c")[-3:] == losses(tmp_path / "s")[-3:]
+
+
+# -- Trainer.train_epochs and Trainer.adjust_learning_rate --------------------------------------
+
+def small_trainer(run_dir: Path, resume: bool = False, **kw) -> lmforge.Trainer:
+    """Three batches per pass over the data: epochs of three steps."""
+    torch.manual_seed(0)
+    cfg = config(run_dir, **{"max_steps": 10, **kw})
+    return lmforge.Trainer(model=GRULM(), train_data=[byte_docs(1)[0][:400]], config=cfg, resume=resume)
+
+
+def test_train_epochs_yields_each_pass_and_takes_fits_steps(tmp_path):
+    t = small_trainer(tmp_path / "e")
+    per_epoch = t.run.train_loader.batches_per_epoch
+    assert per_epoch == 3
+    summaries = list(t.train_epochs())
+    assert [(s["epoch"], s["steps"], s["step"], s["complete"]) for s in summaries] == [
+        (1, 3, 3, True), (2, 3, 6, True), (3, 3, 9, True), (4, 1, 10, False)]
+    assert all(s["tokens"] == s["steps"] * 4 * 32 for s in summaries)
+    logged = losses(tmp_path / "e")
+    for s in summaries:
+        in_epoch = [loss for step, loss, _ in logged if s["step"] - s["steps"] < step <= s["step"]]
+        assert s["loss"] == pytest.approx(sum(in_epoch) / len(in_epoch), rel=1e-12)
+    small_trainer(tmp_path / "f").fit()
+    assert logged == losses(tmp_path / "f")
+    assert (tmp_path / "e" / "checkpoints" / "step_00000010").is_dir()  # ended as fit ends
+
+
+def test_stopping_between_epochs_checkpoints_and_resume_continues_exactly(tmp_path):
+    """A caller that breaks after epoch 2 leaves a checkpoint at that step; resumed, the run takes the
+    uninterrupted run's steps; an lr adjustment made between epochs is saved with it and kept."""
+    t = small_trainer(tmp_path / "s")
+    for summary in t.train_epochs():
+        t.adjust_learning_rate(0.5)
+        if summary["epoch"] == 2:
+            break
+    assert (tmp_path / "s" / "checkpoints" / "step_00000006").is_dir()
+    resumed = small_trainer(tmp_path / "s", resume=True)
+    assert resumed.step == 6 and resumed.lr_scale == 0.25
+    resumed.fit()
+
+    ref = small_trainer(tmp_path / "r")
+    for summary in ref.train_epochs():
+        ref.adjust_learning_rate(0.5 if summary["epoch"] <= 2 else 1.0)
+    assert losses(tmp_path / "s") == losses(tmp_path / "r")
+    plain = small_trainer(tmp_path / "p")
+    plain.fit()
+    scaled = {step: lr for step, _, lr in losses(tmp_path / "r")}
+    for step, _, lr in losses(tmp_path / "p"):
+        factor = 1.0 if step <= 3 else 0.5 if step <= 6 else 0.25
+        assert scaled[step] == pytest.approx(lr * factor, rel=1e-12), step
+
+
+@pytest.mark.parametrize("factor", [0, -1.0, float("nan"), float("inf"), True, "0.5"])
+def test_adjust_learning_rate_refuses_what_is_not_a_positive_number(tmp_path, factor):
+    t = small_trainer(tmp_path / "x")
+    with pytest.raises(ValueError, match="factor must be a positive finite number"):
+        t.adjust_learning_rate(factor)
+    assert t.lr_scale == 1.0
+    t.run.release()

@@ -21,10 +21,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from lmforge.errors import LmforgeError
+from lmforge.config.methods import method_facts
+from lmforge.errors import ConfigError, LmforgeError
 from lmforge.optim.schedule import set_lrs
 
 if TYPE_CHECKING:
+    from lmforge.config.schema import Config
     from lmforge.train.trainer import Trainer
 
 
@@ -37,6 +39,25 @@ class SanityReport:
     losses: list[float]
     ratio: float  # last loss / first loss
     target_tokens: int  # targets that carried a loss in the batch (the whole job)
+
+
+def check_sanity_supported(cfg: Config) -> None:
+    """Refuse, before the run starts, a check that cannot judge the run's loss."""
+    if cfg.train.sanity_check != "none" and method_facts(cfg).data == "prompts":
+        raise ConfigError(f"train.sanity_check={cfg.train.sanity_check} needs a loss that falls as a batch "
+                          f"is learned; {cfg.objective.name}'s policy loss on sampled rollouts does not: set "
+                          "train.sanity_check=none")
+
+
+def sanity_check(trainer: Trainer) -> SanityReport:
+    """Run train.sanity_check, record its verdict in metrics.jsonl and say it on the console."""
+    report = overfit_one_batch(trainer)
+    first, last = report.losses[0], report.losses[-1]
+    trainer._event("sanity_check", check="overfit_one_batch", steps=len(report.losses), first_loss=first,
+                   last_loss=last, ratio=report.ratio)
+    trainer.console(f"sanity check passed: {len(report.losses)} steps on one batch took the loss from "
+                    f"{first:.4g} to {last:.4g}")
+    return report
 
 
 def overfit_one_batch(trainer: Trainer) -> SanityReport:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ from lmforge.assembly import build_run
 from lmforge.assembly.build import Documents
 from lmforge.checkpoint.manager import CheckpointManager, list_checkpoints
 from lmforge.config.load import config_from_dict, load_config, save_config
-from lmforge.config.methods import method_facts
 from lmforge.config.schema import Config
 from lmforge.engine.evaluate import evaluate_loss
 from lmforge.engine.objectives import Objective
@@ -46,7 +45,8 @@ from lmforge.parallel.world import World
 from lmforge.train.averaging import build_averages
 from lmforge.train.callbacks import Callback, EarlyStopping, MetricsLogging, state_key
 from lmforge.train.clock import Clock
-from lmforge.train.sanity import overfit_one_batch
+from lmforge.train.epochs import train_epochs
+from lmforge.train.sanity import check_sanity_supported, sanity_check
 from lmforge.train.stability import NonFiniteGuard, Spike, SpikeDetector
 from lmforge.train.state import Control, Progress
 from lmforge.utils.host_memory import keep_freed_memory
@@ -143,10 +143,7 @@ class Trainer:
             raise ConfigError("train.eval_tasks needs the run's tokenizer and a model whose forward gives "
                               "logits on every rank (not pipeline parallelism): unset train.eval_tasks and "
                               "run lmforge eval tasks --tasks on the checkpoints")
-        if self.cfg.train.sanity_check != "none" and method_facts(self.cfg).data == "prompts":
-            raise ConfigError(f"train.sanity_check={self.cfg.train.sanity_check} needs a loss that falls as "
-                              f"a batch is learned; {self.cfg.objective.name}'s policy loss on sampled "
-                              "rollouts does not: set train.sanity_check=none")
+        check_sanity_supported(self.cfg)
         self.callbacks: list[Callback] = [MetricsLogging(), self.early, *callbacks]
         self.states: dict[str, Any] = {
             "progress": self.progress,
@@ -174,6 +171,7 @@ class Trainer:
         self._unsettled: list[tuple[int, StepResult]] = []  # steps whose loss is still on the device
         self._last_val: tuple[int, dict[str, float]] | None = None
         self._last_saved_step = -1
+        self._epoch_results: list[StepResult] | None = None  # the current epoch's steps, in train_epochs
         self._signal: int | None = None
         self._first_compiled_step = True
         if run.resumed:
@@ -229,12 +227,7 @@ class Trainer:
             self._sanity_check()
             with keep_freed_memory(self.cfg.train.keep_host_memory):
                 self._loop()
-            if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
-                self.save()  # before the final evaluation: a failure there loses no training
-            evaluated_now = self._last_val is not None and self._last_val[0] == self.step
-            final = {"step": self.step,
-                     "train_loss": self._last_result.loss if self._last_result is not None else math.nan,
-                     **(self._last_val[1] if evaluated_now else self.validate())}
+            final = self._finish()
         finally:
             self._restore_signal_handlers(old_handlers)
             try:
@@ -243,8 +236,33 @@ class Trainer:
                 self._release()
         return final
 
-    def _loop(self) -> None:
-        """Steps until train.max_steps, the end of train.max_time or a stop request."""
+    def train_epochs(self) -> Iterator[dict[str, Any]]:
+        """`fit`, one pass over the training data at a time: a generator of epoch summaries that the
+        caller may stop between epochs (a checkpoint is saved there); see train/epochs.py."""
+        return train_epochs(self)
+
+    def adjust_learning_rate(self, factor: float) -> float:
+        """Multiply the lr by `factor` from the next step on, on top of the schedule and of earlier
+        adjustments (and of the stability machinery's own lowering); the scale is saved with every
+        checkpoint, so a resumed run keeps it. Returns the lr scale now in force."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                math.isfinite(factor) and factor > 0):
+            raise ValueError(f"adjust_learning_rate: factor must be a positive finite number, got {factor!r}")
+        self.lr_scale = self.lr_scale * factor
+        return self.lr_scale
+
+    def _finish(self) -> dict[str, Any]:
+        """The end of a run: the final checkpoint, then the final validation; returns fit's metrics."""
+        if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
+            self.save()  # before the final evaluation: a failure there loses no training
+        evaluated_now = self._last_val is not None and self._last_val[0] == self.step
+        return {"step": self.step,
+                "train_loss": self._last_result.loss if self._last_result is not None else math.nan,
+                **(self._last_val[1] if evaluated_now else self.validate())}
+
+    def _loop(self, until: Callable[[], bool] | None = None) -> bool:
+        """Steps until train.max_steps, the end of train.max_time, a stop request or, when given, `until()`
+        after a step; True when `until` ended it."""
         tc = self.cfg.train
         while self.step < tc.max_steps:
             if self._out_of_time():
@@ -270,18 +288,15 @@ class Trainer:
                 if event:
                     self._event(event, **fields)
                 break
+            if until is not None and until():
+                self._settle()
+                return True
         self._settle()
+        return False
 
     def _sanity_check(self) -> None:
-        """train.sanity_check before a fresh run's first step (train/sanity.py); a resumed run was checked
-        when it started."""
-        if self.cfg.train.sanity_check == "none" or self.step > 0:
-            return
-        report = overfit_one_batch(self)
-        self._event("sanity_check", check="overfit_one_batch", steps=len(report.losses),
-                    first_loss=report.losses[0], last_loss=report.losses[-1], ratio=report.ratio)
-        self.console(f"sanity check passed: {len(report.losses)} steps on one batch took the loss from "
-                     f"{report.losses[0]:.4g} to {report.losses[-1]:.4g}")
+        if self.cfg.train.sanity_check != "none" and self.step == 0:  # a resumed run was checked at its start
+            sanity_check(self)
 
     def _release(self) -> None:
         """The run dir is free for another process (the loop is over)."""
@@ -394,6 +409,8 @@ class Trainer:
         self.progress.step += 1
         self.progress.tokens_seen += result.tokens
         self._unsettled.append((self.step, result))
+        if self._epoch_results is not None:
+            self._epoch_results.append(result)
         if result.settled:
             self._settle()
 
