@@ -37,10 +37,10 @@ def byte_docs(n: int = 40) -> list[list[int]]:
     return [list(t.encode()) for t in rows]
 
 
-def config(run_dir: Path, lr: float = 1e-2, optim: dict | None = None, **train) -> dict:
+def config(run_dir: Path, lr: float | None = 1e-2, optim: dict | None = None, **train) -> dict:
     return {
         "run": {"dir": str(run_dir)},
-        "optim": {"lr": lr, **(optim or {})},
+        "optim": {**({"lr": lr} if lr is not None else {}), **(optim or {})},
         "schedule": {"name": "cosine", "warmup_steps": 2},
         "train": {"max_steps": 6, "seq_len": 32, "micro_batch_size": 4, "precision": "fp32", "log_every": 1,
                   "eval_every": 0, "threads": 1, **train},
@@ -49,10 +49,10 @@ def config(run_dir: Path, lr: float = 1e-2, optim: dict | None = None, **train) 
     }
 
 
-def trainer(run_dir: Path, resume: bool = False, callbacks=(), **kw) -> lmforge.Trainer:
+def trainer(run_dir: Path, resume: bool = False, callbacks=(), optimizer=None, **kw) -> lmforge.Trainer:
     torch.manual_seed(0)
     return lmforge.Trainer(model=GRULM(), train_data=byte_docs(), config=config(run_dir, **kw), resume=resume,
-                           callbacks=callbacks)
+                           callbacks=callbacks, optimizer=optimizer)
 
 
 def losses(run_dir: Path) -> list[tuple[int, float, float]]:
@@ -191,3 +191,105 @@ def test_adjust_learning_rate_refuses_what_is_not_a_positive_number(tmp_path, fa
         t.adjust_learning_rate(factor)
     assert t.lr_scale == 1.0
     t.run.release()
+
+
+# -- Trainer(optimizer=..., param_groups=...) ---------------------------------------------------
+
+def test_a_factory_gets_lmforges_groups_and_equals_lmforges_own_optimizer(tmp_path):
+    """optimizer=<factory> is called with the param groups lmforge would use: AdamW built by the user over
+    them takes exactly the steps of the configured AdamW."""
+    def adamw(groups):
+        return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+    user = trainer(tmp_path / "u", optimizer=adamw, lr=None)
+    assert [g["name"] for g in user.optimizer.param_groups] == ["decay", "no_decay"]
+    user.fit()
+    trainer(tmp_path / "o").fit()
+    assert losses(tmp_path / "u") == losses(tmp_path / "o")
+
+
+def test_an_optimizer_instance_trains_checkpoints_and_resumes_exactly(tmp_path):
+    """A torch optimizer of the user's (RMSprop: nothing lmforge has) is the one that steps; its state goes
+    through the checkpoint, so a crashed run resumed with a fresh instance takes the uninterrupted steps."""
+    def run(run_dir: Path, resume: bool = False, callbacks=()) -> lmforge.Trainer:
+        torch.manual_seed(0)
+        model = GRULM()
+        opt = torch.optim.RMSprop(model.parameters(), lr=3e-3, momentum=0.5)
+        t = lmforge.Trainer(model=model, train_data=byte_docs(), config=config(run_dir, lr=None),
+                            resume=resume, callbacks=callbacks, optimizer=opt)
+        assert t.optimizer is opt
+        return t
+
+    run(tmp_path / "s").fit()
+
+    class Stop(Exception):
+        pass
+
+    class CrashAt3(lmforge.Callback):
+        def on_step_end(self, trainer, step, result):
+            if step == 3:
+                trainer.save()
+                raise Stop
+
+    with pytest.raises(Stop):
+        run(tmp_path / "c", callbacks=[CrashAt3()]).fit()
+    resumed = run(tmp_path / "c", resume=True)
+    assert resumed.optimizer.state  # the momentum buffers came back
+    resumed.fit()
+    assert losses(tmp_path / "c") == losses(tmp_path / "s")
+    # the logged lr is the optimizer's, warming up
+    assert [lr for _, _, lr in losses(tmp_path / "s")][:3] == [0.0, 3e-3 / 2, 3e-3]
+
+
+def test_param_groups_of_the_user_equal_the_same_groups_by_rule(tmp_path):
+    torch.manual_seed(0)
+    model = GRULM()
+    rest = [p for n, p in model.named_parameters() if not n.startswith("emb.")]
+    decay = [p for p in rest if p.ndim >= 2]
+    groups = [{"params": decay, "name": "decay"},
+              {"params": [p for p in rest if p.ndim < 2], "weight_decay": 0.0},
+              {"params": [model.emb.weight], "weight_decay": 0.0, "lr_scale": 0.1}]
+    mine = lmforge.Trainer(model=model, train_data=byte_docs(), config=config(tmp_path / "m"),
+                           param_groups=groups)
+    assert [g["name"] for g in mine.optimizer.param_groups] == ["decay", "group1", "group2"]
+    assert mine.optimizer.param_groups[0]["weight_decay"] == 0.1  # optim.weight_decay's default
+    mine.fit()
+    trainer(tmp_path / "r", optim={"param_groups": [{"match": "emb.*", "lr_scale": 0.1}]}).fit()
+    assert losses(tmp_path / "m") == losses(tmp_path / "r")
+
+
+def test_user_optimizers_are_refused_where_they_cannot_be_honoured(tmp_path):
+    from types import SimpleNamespace
+
+    from lmforge.assembly.build import _check_user_optimizer
+    from lmforge.errors import ConfigError
+    from lmforge.optim.builder import UserOptimizer
+
+    def refused(match: str, **kw) -> None:
+        torch.manual_seed(0)
+        model = kw.pop("model", GRULM())
+        cfg = kw.pop("cfg", config(tmp_path / "x", lr=None))
+        with pytest.raises(ConfigError, match=match):
+            lmforge.Trainer(model=model, train_data=byte_docs(), config=cfg, **kw)
+        assert not (tmp_path / "x" / "checkpoints").exists()
+
+    model, other = GRULM(), GRULM()
+    refused("not the trained model's", model=model, optimizer=torch.optim.SGD(other.parameters(), lr=0.1))
+    refused(r"in no group would never train: head.weight, head.bias", model=model,
+            optimizer=torch.optim.SGD([*model.emb.parameters(), *model.rnn.parameters()], lr=0.1))
+    refused(r"optim.lr would do nothing", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            cfg=config(tmp_path / "x"))
+    refused("not both", model=model, optimizer=lambda g: torch.optim.SGD(g, lr=0.1),
+            param_groups=[{"params": list(model.parameters())}])
+    refused("returned list", optimizer=lambda g: [])
+    refused("expected a list of dicts", param_groups=[list(model.parameters())], model=model)
+    refused("optim.param_groups both", model=model, param_groups=[{"params": list(model.parameters())}],
+            cfg=config(tmp_path / "x", optim={"param_groups": [{"match": "emb.*", "lr_scale": 2.0}]}))
+    dims = SimpleNamespace(zero1=True)
+    with pytest.raises(ConfigError, match="parallel.zero=1"):
+        _check_user_optimizer(UserOptimizer(optimizer=lambda g: torch.optim.SGD(g, lr=0.1)), dims, True)
+    with pytest.raises(ConfigError, match="model you pass as model="):
+        _check_user_optimizer(UserOptimizer(param_groups=[]), SimpleNamespace(zero1=False), False)
+    with pytest.raises(ConfigError, match="give a factory"):
+        _check_user_optimizer(UserOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
+                              SimpleNamespace(zero1=False), False)

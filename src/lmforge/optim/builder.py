@@ -264,10 +264,37 @@ assert SPECS.keys() == OPTIMIZER_CONFIGS.keys(), "every optimizer in the config 
 assert all(spec.memory is MEMORY[name] for name, spec in SPECS.items()), "one memory fact per optimizer"
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+OptimizerFactory = Callable[[list[dict]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class UserOptimizer:
+    """What `Trainer(optimizer=..., param_groups=...)` hands over: a torch optimizer built over the model's
+    parameters, or a factory that lmforge calls with the param groups it would use (the no-decay split
+    and optim.param_groups' rules, each group a dict with "params", "weight_decay", "name" and, for a rule,
+    "lr_scale", which lmforge applies to the built optimizer's lrs); or param groups of the user's own
+    (dicts of "params" and any of the optimizer's options, plus "name" and "lr_scale" if wanted; without
+    "weight_decay", optim.weight_decay) for the optimizer the config names. Either must hold exactly the
+    model's trainable parameters."""
+
+    optimizer: torch.optim.Optimizer | OptimizerFactory | None = None
+    param_groups: list[dict] | None = None
+
+    @property
+    def brings_optimizer(self) -> bool:
+        return self.optimizer is not None
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig,
+                    user: UserOptimizer | None = None) -> torch.optim.Optimizer:
     """The optimizer `cfg.name` over `param_groups` (weight decay per group; optim.param_groups' lr
-    scales multiply the groups' lrs as built, which the schedule then scales as it does every lr)."""
-    optimizer = SPECS[cfg.name].build(model, param_groups(model, cfg.weight_decay, cfg.param_groups), cfg)
+    scales multiply the groups' lrs as built, which the schedule then scales as it does every lr); or
+    the user's (see `UserOptimizer`)."""
+    if user is None:
+        groups = param_groups(model, cfg.weight_decay, cfg.param_groups)
+        optimizer = SPECS[cfg.name].build(model, groups, cfg)
+    else:
+        optimizer = _user_optimizer(model, cfg, user)
     for group in optimizer.param_groups:
         scale = group.pop("lr_scale", 1.0)  # not kept: checkpoints hold the optimizer's own keys only
         if scale != 1.0 and group["lr"] is None:
@@ -277,6 +304,63 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
         if scale != 1.0:
             group["lr"] *= scale
     return optimizer
+
+
+def _user_optimizer(model: nn.Module, cfg: OptimConfig, user: UserOptimizer) -> torch.optim.Optimizer:
+    if user.optimizer is not None and user.param_groups is not None:
+        raise ConfigError("Trainer: give optimizer= or param_groups=, not both (a factory given as "
+                          "optimizer= receives the param groups)")
+    if user.param_groups is not None:
+        # a group without a weight decay takes optim.weight_decay, not the optimizer class's default
+        groups = [{"weight_decay": cfg.weight_decay, **g}
+                  for g in _checked_groups(model, user.param_groups, "Trainer(param_groups=...)")]
+        if cfg.param_groups:
+            raise ConfigError("Trainer(param_groups=...) and optim.param_groups both say how to group the "
+                              "parameters: keep one (an \"lr_scale\" key in your groups does what a rule's "
+                              "does)")
+        return SPECS[cfg.name].build(model, groups, cfg)
+    instance = isinstance(user.optimizer, torch.optim.Optimizer)
+    # optim.* keys configure lmforge's optimizer; beside the user's they would do nothing: refused
+    allowed = {"name"} if instance else {"name", "weight_decay", "param_groups"}
+    ignored = sorted(cfg.model_fields_set - allowed) + (["name"] if cfg.name != "adamw" else [])
+    if ignored:
+        raise ConfigError("Trainer(optimizer=...) brings its own optimizer, so "
+                          f"optim.{', optim.'.join(ignored)} would do nothing: set them on your optimizer "
+                          "and leave them out of the config")
+    if instance:
+        optimizer = user.optimizer
+    elif callable(user.optimizer):
+        optimizer = user.optimizer(param_groups(model, cfg.weight_decay, cfg.param_groups))
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"Trainer(optimizer=<factory>): the factory returned "
+                              f"{type(optimizer).__name__}, not a torch.optim.Optimizer")
+    else:
+        raise ConfigError(f"Trainer(optimizer=...): expected a torch.optim.Optimizer or a callable taking "
+                          f"the param groups, got {type(user.optimizer).__name__}")
+    _checked_groups(model, optimizer.param_groups, "Trainer(optimizer=...)")
+    return optimizer
+
+
+def _checked_groups(model: nn.Module, groups: list[dict], what: str) -> list[dict]:
+    """`groups` (dicts with "params"), named where unnamed; refused unless they hold exactly the model's
+    trainable parameters (a parameter left out would silently never train)."""
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, dict) and "params" in g
+                                                        for g in groups):
+        raise ConfigError(f"{what}: expected a list of dicts, each with a \"params\" list")
+    groups = [{**g, "params": list(g["params"]), "name": g.get("name", f"group{i}")}
+              for i, g in enumerate(groups)]
+    names = {id(p): param_name(n) for n, p in model.named_parameters()}
+    held = {id(p) for g in groups for p in g["params"]}
+    if foreign := len(held - names.keys()):
+        raise ConfigError(f"{what}: {foreign} parameter(s) are not the trained model's: build the groups "
+                          "from the model you pass as model= (or give a factory: it gets the groups of the "
+                          "model lmforge builds)")
+    missing = [names[id(p)] for p in model.parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        raise ConfigError(f"{what}: trainable parameters in no group would never train: "
+                          f"{', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}; add them to a "
+                          "group, or set their requires_grad=False")
+    return groups
 
 
 def state_bytes_per_param(optimizer: torch.optim.Optimizer) -> float:

@@ -12,6 +12,10 @@ killed at any point resumes onto the exact same loss curve.
                               tokenizer="tokenizer.json", config={"train": {"max_steps": 100}},
                               callbacks=[MyCallback()])
     final = trainer.fit()
+    for epoch in trainer.train_epochs(): ...   # fit, one pass over the data at a time (train/epochs.py)
+
+`optimizer=` takes a torch optimizer built over `model`'s parameters, or a factory lmforge calls with its
+param groups; `param_groups=` takes the user's groups for the configured optimizer (optim/builder.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from lmforge.assembly import build_run
@@ -38,7 +43,7 @@ from lmforge.metrics.console import Console
 from lmforge.metrics.throughput import peak_flops
 from lmforge.metrics.trackers import check_trackers
 from lmforge.models.flops import adapter_flops_per_token, flops_per_token
-from lmforge.optim.builder import GroupLayout
+from lmforge.optim.builder import GroupLayout, OptimizerFactory
 from lmforge.parallel.coord import any_rank, max_over_ranks, on_rank0
 from lmforge.parallel.process_group import abandon, shutdown
 from lmforge.parallel.world import World
@@ -102,6 +107,8 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         resume: bool = False,
         console: Console | None = None,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+        param_groups: list[dict] | None = None,
     ) -> None:
         cfg = as_config(config)
         self.console = console or Console(cfg.logging.progress, enabled=World.from_env().is_main)
@@ -116,7 +123,8 @@ class Trainer:
                                  "take these tasks out of train.eval_tasks and, if you trust the code, run "
                                  "`lmforge eval tasks RUN --tasks ... --unsafe-code-exec` on the trained run")
         self.run = build_run(cfg, "train", model=model, train_data=train_data, eval_data=eval_data,
-                             tokenizer=tokenizer, objective=objective, resume=resume, say=self.console)
+                             tokenizer=tokenizer, objective=objective, resume=resume, say=self.console,
+                             optimizer=optimizer, param_groups=param_groups)
         try:
             self._setup(callbacks)
         except BaseException:
