@@ -127,13 +127,14 @@ def test_each_optimizer_takes_its_own_keys_only(tmp_path):
     cfg = load_config(overrides=["optim.name=muon", "optim.muon.lr=0.05", "optim.betas=[0.8, 0.9]"])
     assert cfg.optim.muon.lr == 0.05 and cfg.optim.betas == (0.8, 0.9) and cfg.optim.lr == 3e-4
     with pytest.raises(
-        ConfigError, match=r"--set optim.betas: unknown key 'optim.betas'; valid keys: lr, name, sgd"
+        ConfigError,
+        match=r"--set optim.betas: unknown key 'optim.betas'; valid keys: lr, name, param_groups, sgd"
     ):
         load_config(overrides=["optim.name=sgd", "optim.betas=[0.9, 0.9]"])
     p = write(tmp_path, "optim:\n  name: sophia\n  muon:\n    lr: 0.1\n")
     with pytest.raises(
         ConfigError,
-        match=rf"{p}:3: unknown key 'optim.muon'; valid keys: betas, eps, lr, name, "
+        match=rf"{p}:3: unknown key 'optim.muon'; valid keys: betas, eps, lr, name, param_groups, "
         "sophia, weight_decay",
     ):
         load_config(p)

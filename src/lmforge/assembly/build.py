@@ -47,7 +47,7 @@ from lmforge.engine.step import StepHook
 from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.finetune.setup import apply_finetune, load_finetuned
 from lmforge.optim.batch_ramp import BatchRamp
-from lmforge.optim.builder import SPECS, build_optimizer
+from lmforge.optim.builder import SPECS, OptimizerFactory, UserOptimizer, build_optimizer
 from lmforge.optim.schedule import LRSchedule
 from lmforge.parallel.api import ParallelModel, parallelize
 from lmforge.parallel.coord import on_rank0, rank0_first
@@ -114,8 +114,11 @@ def build_run(
     weights_from: str | Path | None = None,
     weights: str = "model",
     say: Callable[[str], object] = print,
+    optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+    param_groups: list[dict] | None = None,
 ) -> Run:
-    """Build the parts `purpose` needs from `cfg` (see the module docstring)."""
+    """Build the parts `purpose` needs from `cfg` (see the module docstring). `optimizer` / `param_groups`:
+    the user's optimizer or param groups (optim/builder.py UserOptimizer)."""
     world = World.from_env()
     threads = _threads(cfg, world, say if purpose in ("train", "experiment") else _stderr)
     if threads:
@@ -127,8 +130,10 @@ def build_run(
                 f"build_run(purpose={purpose!r}) needs weights_from (a run, checkpoint or HF dir)"
             )
         return _build_inference(cfg, purpose, world, device, Path(weights_from), weights, objective)
+    given = optimizer is not None or param_groups is not None
+    user = UserOptimizer(optimizer, param_groups) if given else None
     return _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective,
-                           resume, say)
+                           resume, say, user)
 
 
 def resolve_vocab_size(cfg: Config, tokenizer_vocab: int) -> int:
@@ -205,7 +210,7 @@ def _threads(cfg: Config, world: World, say: Callable[[str], object]) -> int | N
 
 # -- training and experiments -----------------------------------------------------------------------
 def _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, resume,
-                    say) -> Run:
+                    say, user: UserOptimizer | None = None) -> Run:
     # A distributed job: join it (collective timeouts set); check the layout before any work.
     init_distributed(cfg.parallel.timeout_s, device,
                      cfg.train.threads if isinstance(cfg.train.threads, int) else None)
@@ -229,6 +234,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
     dims = ParallelDims.resolve(cfg.parallel, world.world_size, None if custom else cfg.model,
                                 cfg.train.grad_accum_steps)
     check_layout(cfg, dims, objective, custom)
+    _check_user_optimizer(user, dims, custom)
     if world.world_size > 1:
         dims.build_mesh(device.type)
     resumed, lock = False, None
@@ -286,11 +292,30 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
             lock,
             say,
             stated_vocab=stated.get("vocab_size"),
+            user=user,
         )
     except BaseException:
         if lock is not None:  # a run that could not be assembled leaves its run dir as it found it
             lock.discard()
         raise
+
+
+def _check_user_optimizer(user: UserOptimizer | None, dims: ParallelDims, custom: bool) -> None:
+    """Refuse, before any work, a user's optimizer or param groups where lmforge must build them."""
+    if user is None:
+        return
+    if user.param_groups is not None and not custom:
+        raise ConfigError("Trainer(param_groups=...) holds parameters of a model you pass as model=; for "
+                          "lmforge's own model give optimizer=<factory> (it gets the param groups) or set "
+                          "optim.param_groups")
+    if user.optimizer is not None and dims.zero1:
+        raise ConfigError("Trainer(optimizer=...) with parallel.zero=1: the sharded optimizer is rebuilt by "
+                          "lmforge from its class on each rank's share of the parameters; set the optimizer "
+                          "in the config (optim.*), or use DDP without zero (parallel.zero=0)")
+    if isinstance(user.optimizer, torch.optim.Optimizer) and not custom:
+        raise ConfigError("Trainer(optimizer=<an optimizer>) must be built over the parameters of the model "
+                          "you pass as model=; for lmforge's own model (built, and sharded, inside) give a "
+                          "factory: optimizer=lambda groups: torch.optim.SGD(groups, lr=0.1)")
 
 
 def _check_stated_heads(cfg: Config, stated: dict) -> None:
@@ -315,7 +340,8 @@ def _check_stated_vocab(stated: int | None, derived: int, source: int | None) ->
 
 
 def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, dims,
-                    resumed, lock, say, stated_vocab: int | None = None) -> Run:
+                    resumed, lock, say, stated_vocab: int | None = None,
+                    user: UserOptimizer | None = None) -> Run:
     custom = model is not None
     sft = method_facts(cfg).chat  # chat data, a template, fine-tuning a given model
     if sft:
@@ -363,11 +389,13 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         deadline_s=probe_deadline(cfg.train.max_time))), device)
     # TP -> activation checkpointing -> compile -> FSDP/DDP, from outside the model.
     parallel = parallelize(model, cfg, dims, precision.name, objective)
-    optimizer = parallel.wrap_optimizer(build_optimizer(parallel.model, cfg.optim))
+    optimizer = parallel.wrap_optimizer(build_optimizer(parallel.model, cfg.optim, user))
+    own = user is not None and user.brings_optimizer  # the logged lr is then its first group's
     ramp = BatchRamp(cfg, dims.dp_size)
     tc = cfg.train
+    base_lr = optimizer.param_groups[0]["lr"] if own else cfg.optim.lr
     schedule = LRSchedule(
-        cfg.schedule, optimizer, cfg.optim.lr, tc.max_steps, ramp.total_tokens(tc.max_steps), tc.max_time
+        cfg.schedule, optimizer, base_lr, tc.max_steps, ramp.total_tokens(tc.max_steps), tc.max_time
     )
     # Every rank must run the same number of evaluation batches (their forwards are collective);
     # a pipeline splits each one into its micro-batches.
@@ -394,7 +422,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         dims=dims,
         parallel=parallel,
         optimizer=optimizer,
-        hooks=SPECS[cfg.optim.name].hooks(optimizer),
+        hooks=[] if own else SPECS[cfg.optim.name].hooks(optimizer),
         schedule=schedule,
         ramp=ramp,
         train_loader=train_loader,

@@ -24,6 +24,36 @@ from lmforge.errors import LmforgeDeprecationWarning
 Betas = tuple[float, float]
 
 
+MAX_GROUP_RULES = 64  # optim.param_groups: more rules than any model's modules need
+MAX_PATTERN_CHARS = 256
+
+
+class ParamGroupRule(Section):
+    """One rule of optim.param_groups: the parameters whose name matches `match` take these settings."""
+
+    match: str = Field(
+        description="Glob over parameter names as model.named_parameters() gives them "
+        "(layers.0.attn.wq.weight), wrapper prefixes (DDP's module., compile's _orig_mod.) removed: * any "
+        "run of characters (dots included), ? one, [ab] a set. The first rule that matches a parameter "
+        "takes it.",
+        min_length=1, max_length=MAX_PATTERN_CHARS,
+    )
+    weight_decay: float | None = Field(
+        None, ge=0.0, description="Weight decay of the matched parameters (None: as optim.weight_decay and "
+        "the no-decay split give them)."
+    )
+    lr_scale: float = Field(
+        1.0, gt=0.0, description="Multiplier of the matched parameters' lr (it scales the scheduled lr)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.weight_decay is None and self.lr_scale == 1.0:
+            raise ValueError(f"optim.param_groups rule match={self.match!r} changes nothing: give it "
+                             "weight_decay and/or lr_scale")
+        return self
+
+
 class _Base(Section):
     name: str = Field(
         description="Optimizer: adamw, adam (L2 decay), sgd, lion, adafactor, adamw8bit (block-wise "
@@ -33,6 +63,12 @@ class _Base(Section):
     lr: float = Field(3e-4, gt=0.0, description="Peak learning rate (adafactor relative_step: ignored).")
     weight_decay: float = Field(
         0.1, ge=0.0, description="Weight decay (never applied to norms, biases, embeddings); L2 for adam/sgd."
+    )
+    param_groups: list[ParamGroupRule] = Field(
+        default_factory=list, max_length=MAX_GROUP_RULES,
+        description="Per-module settings by parameter-name glob, first match wins, e.g. [{match: "
+        "'*norm*', weight_decay: 0}, {match: 'tok_embeddings.*', lr_scale: 0.1}]; a rule that matches no "
+        "trainable parameter is an error."
     )
 
 

@@ -222,6 +222,18 @@ class TrainConfig(Section):
         "never holding all (tokens x vocab) logits (0: off; e.g. 4096 saves memory at large vocabularies)."
     )
 
+    sanity_check: Literal["none", "overfit_one_batch"] = Field(
+        "none", description="overfit_one_batch: before a fresh run's first step, train "
+        "train.sanity_steps steps on its first batch at the peak lr and stop with a diagnosis unless the "
+        "loss falls below train.sanity_loss_ratio of its start; then the weights, optimizer, data position "
+        "and RNG go back to where they were, so the run itself is the one it would be without the check."
+    )
+    sanity_steps: int = Field(50, ge=2, le=10000, description="Steps of train.sanity_check.")
+    sanity_loss_ratio: float = Field(
+        0.5, gt=0.0, lt=1.0, description="train.sanity_check passes when the last step's loss is below this "
+        "fraction of the first step's."
+    )
+
     @field_validator("max_time", mode="before")
     @classmethod
     def _parse_duration(cls, value: Any) -> Any:

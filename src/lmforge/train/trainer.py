@@ -12,6 +12,10 @@ killed at any point resumes onto the exact same loss curve.
                               tokenizer="tokenizer.json", config={"train": {"max_steps": 100}},
                               callbacks=[MyCallback()])
     final = trainer.fit()
+    for epoch in trainer.train_epochs(): ...   # fit, one pass over the data at a time (train/epochs.py)
+
+`optimizer=` takes a torch optimizer built over `model`'s parameters, or a factory lmforge calls with its
+param groups; `param_groups=` takes the user's groups for the configured optimizer (optim/builder.py).
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from lmforge.assembly import build_run
@@ -38,12 +43,15 @@ from lmforge.metrics.console import Console
 from lmforge.metrics.throughput import peak_flops
 from lmforge.metrics.trackers import check_trackers
 from lmforge.models.flops import adapter_flops_per_token, flops_per_token
+from lmforge.optim.builder import GroupLayout, OptimizerFactory
 from lmforge.parallel.coord import any_rank, max_over_ranks, on_rank0
 from lmforge.parallel.process_group import abandon, shutdown
 from lmforge.parallel.world import World
 from lmforge.train.averaging import build_averages
 from lmforge.train.callbacks import Callback, EarlyStopping, MetricsLogging, state_key
 from lmforge.train.clock import Clock
+from lmforge.train.epochs import train_epochs
+from lmforge.train.sanity import check_sanity_supported, sanity_check
 from lmforge.train.stability import NonFiniteGuard, Spike, SpikeDetector
 from lmforge.train.state import Control, Progress
 from lmforge.utils.host_memory import keep_freed_memory
@@ -99,6 +107,8 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         resume: bool = False,
         console: Console | None = None,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+        param_groups: list[dict] | None = None,
     ) -> None:
         cfg = as_config(config)
         self.console = console or Console(cfg.logging.progress, enabled=World.from_env().is_main)
@@ -113,7 +123,8 @@ class Trainer:
                                  "take these tasks out of train.eval_tasks and, if you trust the code, run "
                                  "`lmforge eval tasks RUN --tasks ... --unsafe-code-exec` on the trained run")
         self.run = build_run(cfg, "train", model=model, train_data=train_data, eval_data=eval_data,
-                             tokenizer=tokenizer, objective=objective, resume=resume, say=self.console)
+                             tokenizer=tokenizer, objective=objective, resume=resume, say=self.console,
+                             optimizer=optimizer, param_groups=param_groups)
         try:
             self._setup(callbacks)
         except BaseException:
@@ -140,6 +151,7 @@ class Trainer:
             raise ConfigError("train.eval_tasks needs the run's tokenizer and a model whose forward gives "
                               "logits on every rank (not pipeline parallelism): unset train.eval_tasks and "
                               "run lmforge eval tasks --tasks on the checkpoints")
+        check_sanity_supported(self.cfg)
         self.callbacks: list[Callback] = [MetricsLogging(), self.early, *callbacks]
         self.states: dict[str, Any] = {
             "progress": self.progress,
@@ -150,6 +162,7 @@ class Trainer:
             "precision": self.precision,
             "guard": self.guard,
             "averages": self.averages,
+            "param_groups": GroupLayout(self.optimizer),
         }
         if self.spikes is not None:
             self.states["spikes"] = self.spikes
@@ -166,6 +179,7 @@ class Trainer:
         self._unsettled: list[tuple[int, StepResult]] = []  # steps whose loss is still on the device
         self._last_val: tuple[int, dict[str, float]] | None = None
         self._last_saved_step = -1
+        self._epoch_results: list[StepResult] | None = None  # the current epoch's steps, in train_epochs
         self._signal: int | None = None
         self._first_compiled_step = True
         if run.resumed:
@@ -218,14 +232,10 @@ class Trainer:
         old_handlers = self._install_signal_handlers()
         self._emit("on_train_start")
         try:
+            self._sanity_check()
             with keep_freed_memory(self.cfg.train.keep_host_memory):
                 self._loop()
-            if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
-                self.save()  # before the final evaluation: a failure there loses no training
-            evaluated_now = self._last_val is not None and self._last_val[0] == self.step
-            final = {"step": self.step,
-                     "train_loss": self._last_result.loss if self._last_result is not None else math.nan,
-                     **(self._last_val[1] if evaluated_now else self.validate())}
+            final = self._finish()
         finally:
             self._restore_signal_handlers(old_handlers)
             try:
@@ -234,8 +244,33 @@ class Trainer:
                 self._release()
         return final
 
-    def _loop(self) -> None:
-        """Steps until train.max_steps, the end of train.max_time or a stop request."""
+    def train_epochs(self) -> Iterator[dict[str, Any]]:
+        """`fit`, one pass over the training data at a time: a generator of epoch summaries that the
+        caller may stop between epochs (a checkpoint is saved there); see train/epochs.py."""
+        return train_epochs(self)
+
+    def adjust_learning_rate(self, factor: float) -> float:
+        """Multiply the lr by `factor` from the next step on, on top of the schedule and of earlier
+        adjustments (and of the stability machinery's own lowering); the scale is saved with every
+        checkpoint, so a resumed run keeps it. Returns the lr scale now in force."""
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (
+                math.isfinite(factor) and factor > 0):
+            raise ValueError(f"adjust_learning_rate: factor must be a positive finite number, got {factor!r}")
+        self.lr_scale = self.lr_scale * factor
+        return self.lr_scale
+
+    def _finish(self) -> dict[str, Any]:
+        """The end of a run: the final checkpoint, then the final validation; returns fit's metrics."""
+        if self.cfg.checkpoint.save_final and self._last_saved_step != self.step:
+            self.save()  # before the final evaluation: a failure there loses no training
+        evaluated_now = self._last_val is not None and self._last_val[0] == self.step
+        return {"step": self.step,
+                "train_loss": self._last_result.loss if self._last_result is not None else math.nan,
+                **(self._last_val[1] if evaluated_now else self.validate())}
+
+    def _loop(self, until: Callable[[], bool] | None = None) -> bool:
+        """Steps until train.max_steps, the end of train.max_time, a stop request or, when given, `until()`
+        after a step; True when `until` ended it."""
         tc = self.cfg.train
         while self.step < tc.max_steps:
             if self._out_of_time():
@@ -261,7 +296,15 @@ class Trainer:
                 if event:
                     self._event(event, **fields)
                 break
+            if until is not None and until():
+                self._settle()
+                return True
         self._settle()
+        return False
+
+    def _sanity_check(self) -> None:
+        if self.cfg.train.sanity_check != "none" and self.step == 0:  # a resumed run was checked at its start
+            sanity_check(self)
 
     def _release(self) -> None:
         """The run dir is free for another process (the loop is over)."""
@@ -374,6 +417,8 @@ class Trainer:
         self.progress.step += 1
         self.progress.tokens_seen += result.tokens
         self._unsettled.append((self.step, result))
+        if self._epoch_results is not None:
+            self._epoch_results.append(result)
         if result.settled:
             self._settle()
 
