@@ -267,3 +267,14 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
     from lmforge.utils.io import atomic_write_text
 
     atomic_write_text(path, dump_config(cfg))
+
+
+def as_config(config: Config | str | Path | dict | None) -> Config:
+    """A Config from a Config, a YAML path, a dict of sections, or None (the defaults)."""
+    if config is None or isinstance(config, Config):
+        return config or Config()
+    if isinstance(config, (str, Path)):
+        return load_config(config)
+    if isinstance(config, dict):
+        return config_from_dict(config, source="<config dict>")
+    raise ConfigError(f"config: expected a Config, a YAML path or a dict, got {type(config).__name__}")

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from lmforge.errors import ConfigError
+from lmforge.train.signals import restore_handlers
 from lmforge.utils.host_memory import keep_freed_memory
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ def _epochs(t: Trainer, loader: Any) -> Iterator[dict[str, Any]]:
         raise
     finally:
         t._epoch_results = None
-        t._restore_signal_handlers(old_handlers)
+        restore_handlers(old_handlers)
         try:
             t._emit("on_train_end", final)
         finally:

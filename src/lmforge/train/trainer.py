@@ -33,7 +33,7 @@ from torch import nn
 from lmforge.assembly import build_run
 from lmforge.assembly.build import Documents
 from lmforge.checkpoint.manager import CheckpointManager, list_checkpoints
-from lmforge.config.load import config_from_dict, load_config, save_config
+from lmforge.config.load import as_config, save_config
 from lmforge.config.schema import Config
 from lmforge.engine.evaluate import evaluate_loss
 from lmforge.engine.objectives import Objective
@@ -52,6 +52,7 @@ from lmforge.train.callbacks import Callback, EarlyStopping, MetricsLogging, sta
 from lmforge.train.clock import Clock
 from lmforge.train.epochs import train_epochs
 from lmforge.train.sanity import check_sanity_supported, sanity_check
+from lmforge.train.signals import TrainingInterrupted, install_handlers, restore_handlers
 from lmforge.train.stability import NonFiniteGuard, Spike, SpikeDetector
 from lmforge.train.state import Control, Progress
 from lmforge.utils.host_memory import keep_freed_memory
@@ -65,29 +66,10 @@ class TrainingDiverged(LmforgeError):
     exit_code = 3
 
 
-class TrainingInterrupted(LmforgeError):
-    """SIGINT/SIGTERM arrived; a checkpoint was saved at a step boundary."""
-
-    def __init__(self, msg: str, signum: int) -> None:
-        super().__init__(msg)
-        self.exit_code = 128 + signum
-
-
 # What a loss-spike rollback restores from the checkpoint; the data position, RNG, stability state and
 # lr scale stay, so the data since the checkpoint is skipped and the recovery count survives. An
 # objective's replay goes back too: the batches it keeps belong with the weights that sampled them.
 _ROLLBACK_PARTS = ("progress", "precision", "averages", "replay")
-
-
-def as_config(config: Config | str | Path | dict | None) -> Config:
-    """A Config from a Config, a YAML path, a dict of sections, or None (the defaults)."""
-    if config is None or isinstance(config, Config):
-        return config or Config()
-    if isinstance(config, (str, Path)):
-        return load_config(config)
-    if isinstance(config, dict):
-        return config_from_dict(config, source="<config dict>")
-    raise ConfigError(f"config: expected a Config, a YAML path or a dict, got {type(config).__name__}")
 
 
 class Trainer:
@@ -237,7 +219,7 @@ class Trainer:
                 self._loop()
             final = self._finish()
         finally:
-            self._restore_signal_handlers(old_handlers)
+            restore_handlers(old_handlers)
             try:
                 self._emit("on_train_end", final)
             finally:
@@ -589,22 +571,9 @@ class Trainer:
                 avg.reset(self.model)
         self._last_saved_step = self.step
 
-    # -- signals: a preempted job (SIGTERM) or Ctrl-C saves at the next step boundary ----------
+    # -- signals: a preempted job (SIGTERM) or Ctrl-C saves at the next step boundary (train/signals.py) --
     def _install_signal_handlers(self) -> dict[int, Any]:
-        def handler(signum, frame):  # noqa: ARG001
-            self._signal = signum
-
-        old = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                old[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return old
-
-    def _restore_signal_handlers(self, old: dict[int, Any]) -> None:
-        for sig, h in old.items():
-            signal.signal(sig, h)
+        return install_handlers(lambda signum: setattr(self, "_signal", signum))
 
     def _stop_on_signal(self) -> None:
         signum = self._signal or signal.SIGTERM  # the signal may have reached another rank only
