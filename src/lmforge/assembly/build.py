@@ -48,6 +48,7 @@ from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.finetune.setup import apply_finetune, load_finetuned
 from lmforge.optim.batch_ramp import BatchRamp
 from lmforge.optim.builder import SPECS, build_optimizer
+from lmforge.optim.master import keep_masters, start_master_weights
 from lmforge.optim.schedule import LRSchedule
 from lmforge.parallel.api import ParallelModel, parallelize
 from lmforge.parallel.coord import on_rank0, rank0_first
@@ -361,9 +362,12 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     precision = Precision(on_rank0(lambda: resolve_precision(
         cfg.train.precision, device, model, cfg.train.micro_batch_size, cfg.seq_len, vocab, say=say,
         deadline_s=probe_deadline(cfg.train.max_time))), device)
+    masters = start_master_weights(cfg, dims, precision.name, model)  # bf16 weights before DDP wraps them
     # TP -> activation checkpointing -> compile -> FSDP/DDP, from outside the model.
     parallel = parallelize(model, cfg, dims, precision.name, objective)
     optimizer = parallel.wrap_optimizer(build_optimizer(parallel.model, cfg.optim))
+    if masters is not None:
+        keep_masters(optimizer, masters)
     ramp = BatchRamp(cfg, dims.dp_size)
     tc = cfg.train
     schedule = LRSchedule(
