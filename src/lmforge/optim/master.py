@@ -6,9 +6,11 @@ the weight, its gradient and DDP's bucket take 2 bytes instead of 4 and autocast
 disappears. The optimizer keeps an fp32 master of each such weight as optimizer state ("master", so
 DCP saves and loads it with the moments under the parameter's name) and around each step:
 
-  pre-hook:  the parameter's data becomes its fp32 master and its bf16 gradient an fp32 one, so the
-             optimizer (any of lmforge's, fused or not) creates fp32 moments and updates the master;
-  post-hook: the updated master goes back into state and the parameter is its bf16 rounding again.
+  pre-hook:  the fp32 master takes the bf16 parameter's place in its param group (with the parameter's
+             state and an fp32 copy of its gradient), so the optimizer (any of lmforge's, fused or not)
+             creates fp32 moments and updates the master;
+  post-hook: parameter and state go back, the master into the state, and the parameter is set to the
+             master's bf16 rounding in place.
 
 Weights that are not matmul weights (norms, embeddings, biases) stay fp32 and are untouched.
 """
@@ -47,53 +49,55 @@ def lower_weights(model: nn.Module) -> dict[int, torch.Tensor]:
 
 
 def keep_masters(optimizer: torch.optim.Optimizer, masters: dict[int, torch.Tensor]) -> None:
-    """Make `optimizer` step fp32 masters of the bf16 weights in `masters` (from `lower_weights`)."""
-    lowered = [p for g in optimizer.param_groups for p in g["params"] if id(p) in masters]
-    swapped: list[tuple[nn.Parameter, torch.Tensor]] = []
+    """Make `optimizer` step fp32 masters of the bf16 weights in `masters` (from `lower_weights`).
 
-    def before(opt, args, kwargs) -> None:
-        for p in lowered:
-            if p.grad is None:
-                continue
-            st = opt.state.get(p, {})
-            # Out of the state while stepping: an optimizer creates its moments when a parameter's
-            # state is empty (its first step), and the master must not look like one of them.
-            master = st.pop(MASTER, None)
-            if master is None:
-                master = masters.get(id(p))
-                master = master if master is not None else p.detach().float()  # e.g. DCP's lr=0 warm-up
-            grad = p.grad
-            p.grad = None
-            p.data = master
-            p.grad = grad.float()
-            swapped.append((p, master))
+    A parameter's dtype never changes (a change would reset its gradient accumulator, and with it the
+    hooks DDP hangs on it): for a step, and for loading state, the optimizer's param groups hold the
+    fp32 masters in the bf16 parameters' places, and the parameters' state moves with them."""
+    lowered = {id(p): p for g in optimizer.param_groups for p in g["params"] if id(p) in masters}
+    swapped: list[tuple[dict, int, nn.Parameter, torch.Tensor]] = []  # (group, index, param, master)
 
-    def after(opt, args, kwargs) -> None:
-        for p, _ in swapped:
-            master = p.data
-            opt.state[p][MASTER] = master
-            p.grad = None  # the fp32 gradient is a step-time copy; zero_grad follows anyway
-            p.data = master.to(torch.bfloat16)
+    def master_of(opt, p: nn.Parameter) -> torch.Tensor:
+        master = opt.state.get(p, {}).get(MASTER)
+        if master is None:
+            master = masters.get(id(p))
+        return master if master is not None else p.detach().float()  # e.g. a weight loaded later
+
+    def swap_in(opt, with_grads: bool) -> None:
+        for group in opt.param_groups:
+            for i, p in enumerate(group["params"]):
+                if id(p) not in lowered or (with_grads and p.grad is None):
+                    continue
+                master = master_of(opt, p)
+                st = opt.state.pop(p, {})
+                # Out of the state while stepping: an optimizer creates its moments when a parameter's
+                # state is empty (its first step), and the master must not look like one of them.
+                st.pop(MASTER, None)
+                if st:
+                    opt.state[master] = st
+                if with_grads:
+                    master.grad = p.grad.float()
+                group["params"][i] = master
+                swapped.append((group, i, p, master))
+
+    def swap_out(opt) -> None:
+        for group, i, p, master in swapped:
+            group["params"][i] = p
+            st = opt.state.pop(master, {})
+            master = st.pop(MASTER, master)  # a loaded state brings its own master
+            master.grad = None  # a step-time copy; the bf16 gradient is zeroed by the step's caller
+            opt.state[p] = {**st, MASTER: master}
+            with torch.no_grad():
+                p.copy_(master)  # rounds to bf16 in place
             masters.pop(id(p), None)  # the state holds it now (and a resumed run loads it there)
         swapped.clear()
 
-    def before_load(opt, state_dict) -> None:
-        # Optimizer.load_state_dict casts each floating state tensor to its parameter's dtype: with
-        # bf16 parameters the masters and moments of a resumed run would come back rounded to bf16.
-        for p in lowered:
-            p.data = p.data.float()
-
-    def after_load(opt) -> None:
-        for p in lowered:
-            master = opt.state.get(p, {}).get(MASTER)
-            p.data = (master if master is not None else p.data).to(torch.bfloat16)
-            if master is not None:
-                masters.pop(id(p), None)
-
-    optimizer.register_step_pre_hook(before)
-    optimizer.register_step_post_hook(after)
-    optimizer.register_load_state_dict_pre_hook(before_load)
-    optimizer.register_load_state_dict_post_hook(after_load)
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: swap_in(opt, with_grads=True))
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: swap_out(opt))
+    # Optimizer.load_state_dict casts each floating state tensor to its parameter's dtype: against the
+    # bf16 parameters, a resumed run's masters and moments would come back rounded to bf16.
+    optimizer.register_load_state_dict_pre_hook(lambda opt, sd: swap_in(opt, with_grads=False))
+    optimizer.register_load_state_dict_post_hook(swap_out)
 
 
 def master_bytes(optimizer: torch.optim.Optimizer) -> int:
