@@ -48,6 +48,7 @@ from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.finetune.setup import apply_finetune, load_finetuned
 from lmforge.optim.batch_ramp import BatchRamp
 from lmforge.optim.builder import SPECS, OptimizerFactory, UserOptimizer, build_optimizer
+from lmforge.optim.master import keep_masters, start_master_weights
 from lmforge.optim.schedule import LRSchedule
 from lmforge.parallel.api import ParallelModel, parallelize
 from lmforge.parallel.coord import on_rank0, rank0_first
@@ -277,23 +278,9 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         if world.is_main:
             mark_job(run_dir)
     try:
-        return _training_parts(
-            cfg,
-            purpose,
-            world,
-            device,
-            model,
-            train_data,
-            eval_data,
-            tokenizer,
-            objective,
-            dims,
-            resumed,
-            lock,
-            say,
-            stated_vocab=stated.get("vocab_size"),
-            user=user,
-        )
+        return _training_parts(cfg, purpose, world, device, model, train_data, eval_data, tokenizer,
+                               objective, dims, resumed, lock, say, stated_vocab=stated.get("vocab_size"),
+                               user=user)
     except BaseException:
         if lock is not None:  # a run that could not be assembled leaves its run dir as it found it
             lock.discard()
@@ -387,10 +374,16 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     precision = Precision(on_rank0(lambda: resolve_precision(
         cfg.train.precision, device, model, cfg.train.micro_batch_size, cfg.seq_len, vocab, say=say,
         deadline_s=probe_deadline(cfg.train.max_time))), device)
+    masters = start_master_weights(cfg, dims, precision.name, model)  # bf16 weights before DDP wraps them
     # TP -> activation checkpointing -> compile -> FSDP/DDP, from outside the model.
     parallel = parallelize(model, cfg, dims, precision.name, objective)
     optimizer = parallel.wrap_optimizer(build_optimizer(parallel.model, cfg.optim, user))
     own = user is not None and user.brings_optimizer  # the logged lr is then its first group's
+    if masters is not None:
+        if user is not None:
+            raise ConfigError("train.master_weights=fp32 keeps its fp32 masters in lmforge's own optimizer: "
+                              "pass no optimizer= / param_groups=, or set train.master_weights=off")
+        keep_masters(optimizer, masters)
     ramp = BatchRamp(cfg, dims.dp_size)
     tc = cfg.train
     base_lr = optimizer.param_groups[0]["lr"] if own else cfg.optim.lr

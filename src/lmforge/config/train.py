@@ -183,6 +183,11 @@ class TrainConfig(Section):
         "once without bf16 matrix units (AVX512-BF16, AMX, Arm BF16), else a bf16 and an fp32 step timed "
         "within 5 s (or 3% of train.max_time), the verdict cached per machine and shape in ~/.cache/lmforge."
     )
+    master_weights: Literal["off", "fp32"] = Field(
+        "off", description="fp32: store the matmul weights (Linear weights no embedding shares) in bf16 and "
+        "keep fp32 master copies in the optimizer state, which steps them and copies them back as bf16 "
+        "(needs precision bf16; one process or DDP: FSDP does this with parallel.param_dtype=bf16)."
+    )
     activation_checkpointing: Literal["none", "full", "every_k", "selective"] = Field(
         "none", description="Recompute activations in backward: in no block, every block, every k-th; "
         "selective: in every block, only the cheap ops (matmul and attention outputs are kept)."
@@ -233,6 +238,14 @@ class TrainConfig(Section):
         0.5, gt=0.0, lt=1.0, description="train.sanity_check passes when the last step's loss is below this "
         "fraction of the first step's."
     )
+
+    @model_validator(mode="after")
+    def _check_master_weights(self) -> TrainConfig:
+        if self.master_weights == "fp32" and self.precision in ("fp32", "fp16"):
+            raise ValueError(f"train.master_weights=fp32 stores the weights in bf16 and computes under bf16 "
+                             f"autocast; train.precision={self.precision} cannot run it - set "
+                             f"train.precision=bf16 (or auto), or train.master_weights=off")
+        return self
 
     @field_validator("max_time", mode="before")
     @classmethod

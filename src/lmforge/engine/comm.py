@@ -41,5 +41,10 @@ class Comm:
         the global target count), so the shares are summed."""
         return loss
 
+    def any_overflow(self, found: torch.Tensor) -> torch.Tensor:
+        """A loss scaler's found-inf flag (> 0: a gradient this rank holds is not finite) as the whole
+        job sees it: the largest over every rank, so all ranks skip the same steps and keep one scale."""
+        return found
+
 
 LOCAL = Comm()

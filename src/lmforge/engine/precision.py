@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lmforge.engine.comm import LOCAL, Comm
 from lmforge.engine.loss import logits_of
 from lmforge.utils.machine import CpuFacts, ProbeCache, cpu_facts
 
@@ -190,6 +191,36 @@ def _times(bf16_s, fp32_s) -> str:
         return "times not recorded"
 
 
+class LossScaler(torch.amp.GradScaler):
+    """torch's dynamic loss scaler, whose overflow verdict is the whole job's.
+
+    Each rank checks only the gradients it holds (an FSDP shard, a tensor-parallel slice, or, under DDP,
+    a replica a rank-local fault can still spoil after the all-reduce), so left alone one rank would skip a
+    step and lower its scale while another applied it: replicas drift apart for good. `unscale_` therefore
+    replaces the found-inf flags with their maximum over all ranks (`Comm.any_overflow`); `step` and
+    `update` then make the same decision everywhere. With one process it is torch's GradScaler exactly.
+    """
+
+    def unscale_(self, optimizer: torch.optim.Optimizer, comm: Comm = LOCAL) -> None:
+        super().unscale_(optimizer)
+        if comm is LOCAL:
+            return
+        # torch keeps the flags per device in this (private, stable since torch 1.6) per-optimizer state;
+        # its step() and update() read them from there, so agreeing here is enough.
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        device = self._scale.device if self._scale is not None else torch.device(self._device)
+        local = (torch.stack([f.to(device) for f in found.values()]).sum() if found
+                 else torch.zeros((), device=device))
+        agreed = comm.any_overflow(local)  # every rank calls it, even one without gradients
+        for dev in found or [device]:
+            found[dev] = agreed.to(dev)
+
+    def overflowed(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the step being unscaled found a non-finite gradient (on any rank, after `unscale_`)."""
+        found = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        return any(float(f) > 0 for f in found.values())
+
+
 @dataclass
 class Precision:
     """Autocast context and gradient scaler for one resolved precision."""
@@ -200,7 +231,7 @@ class Precision:
     def __post_init__(self) -> None:
         self.dtype = _DTYPES[self.name]
         # fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range and needs none.
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.name == "fp16" else None
+        self.scaler = LossScaler(self.device.type) if self.name == "fp16" else None
 
     def autocast(self):
         if self.name == "fp32":

@@ -250,7 +250,7 @@ def apply_update(
     """
     scaler = precision.scaler
     if scaler is not None:
-        scaler.unscale_(optimizer)
+        scaler.unscale_(optimizer, comm)  # the overflow verdict is agreed over all ranks here
     groups = [[p for p in g["params"] if p.grad is not None] for g in optimizer.param_groups]
 
     def norms() -> tuple[list[list[torch.Tensor]], torch.Tensor]:
@@ -299,9 +299,12 @@ def apply_update(
         before = [[p.detach().clone() for p in ps] for ps in groups]
     finite = math.isfinite(grad_norm) and math.isfinite(result.loss)
     if scaler is not None:
+        # The scaler's (job-wide) verdict, not this rank's norm: under DDP a rank-local fault after the
+        # all-reduce leaves one rank's norm finite and another's not, yet both skip.
+        overflow = scaler.overflowed(optimizer)
         scaler.step(optimizer)  # skips the update itself when grads overflowed, then lowers the scale
         scaler.update()
-        result.skipped = not finite
+        result.skipped = overflow or not finite
     elif finite:
         optimizer.step()
     else:

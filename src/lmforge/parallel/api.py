@@ -133,10 +133,13 @@ def parallelize(model: nn.Module, cfg: Config, dims: ParallelDims, precision: st
         # (an eager loss on a copy of all logits outside the graph costs as much as the model's blocks).
         forward = torch.compile(ObjectiveModule(model, objective)) if tc.compile else None
         return ParallelModel(model, [model], dims, LOCAL, objective, forward=forward)
-    if precision == "fp16":
+    if precision == "fp16" and dims.pp > 1:
+        # The pipeline schedule runs the backward itself, on the unscaled loss: fp16 gradients would
+        # underflow, and the scaler would then divide them by a scale they never got.
         raise ConfigError(
-            "train.precision=fp16 needs a loss scaler whose overflow check agrees across ranks, "
-            "which distributed runs here do not have; use train.precision=bf16 (no scaler) or fp32"
+            "train.precision=fp16 with parallel.pp > 1: the pipeline schedule's backward does not apply "
+            "the loss scale; fp16 works with DDP, FSDP/ZeRO and tensor parallelism (one loss scale agreed "
+            "over all ranks) - use train.precision=bf16 (no scaler) or fp32 with a pipeline"
         )
     if tc.compile and dims.tp > 1:
         raise ConfigError(

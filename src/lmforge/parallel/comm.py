@@ -115,6 +115,13 @@ class DistComm(Comm):
                 dist.all_reduce(loss, group=group)
         return loss
 
+    def any_overflow(self, found: torch.Tensor) -> torch.Tensor:
+        # Over every rank of the job, not only dp: a rank of another tensor-parallel shard, FSDP shard or
+        # expert group holds other gradients, and one overflow anywhere must skip the step everywhere.
+        found = found.detach().float().clone()
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        return found
+
 
 @contextlib.contextmanager
 def _no_sync(model: nn.Module) -> Iterator[None]:

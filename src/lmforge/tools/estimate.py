@@ -297,26 +297,33 @@ def _stage(cfg: Config, layout: Layout, rank: int) -> tuple[int, list[int], bool
     return pp_rank, stage_layers, first, last
 
 
-def _weight_rows(layout: Layout, held, trainable, rows: dict[str, int], host: dict[str, int]) -> int:
+def _weight_rows(layout: Layout, held, trainable, rows: dict[str, int], host: dict[str, int],
+                 lowered=frozenset()) -> int:
     """The parameters, gradients and DDP buckets rows of a rank holding `held` (host: what FSDP's CPU
-    offload keeps off the device); returns the gradient bytes on the device."""
+    offload keeps off the device); returns the gradient bytes on the device. `lowered`: names of the
+    weights train.master_weights=fp32 stores in bf16 (their gradients and DDP buckets are bf16 too)."""
     fsdp_n = layout.dp_shard if layout.fsdp else 1
 
     def shard_of(t) -> int:  # FSDP leaves expert-parallel experts whole on their rank
         n = 1 if (t.expert and layout.ep > 1) else fsdp_n
         return _shard(t.local_dim0, t.local // max(t.local_dim0, 1), n)
 
-    sharded_params = sum(shard_of(t) * 4 if t.stored is None else t.stored for t in held)
+    def size(t) -> int:  # bytes per element of the weight, its gradient and its DDP bucket
+        return 2 if t.name in lowered else 4
+
+    sharded_params = sum(shard_of(t) * size(t) if t.stored is None else t.stored for t in held)
     if layout.fsdp and layout.cpu_offload:
         host["parameters (sharded, fp32)"] = sharded_params
         rows["parameters (sharded, fp32)"] = 0
     else:
         nf4 = any(t.stored for t in held if not t.trainable)
-        kind = " (NF4 block linears, fp32 rest)" if nf4 else " (fp32)"
+        kind = (" (NF4 block linears, fp32 rest)" if nf4 else " (bf16 matmul weights, fp32 rest)" if lowered
+                else " (fp32)")
         rows["parameters" + (" (sharded, fp32)" if layout.fsdp else kind)] = sharded_params
     # -- gradients -------------------------------------------------------------------------------
-    grad_bytes = sum(shard_of(t) for t in trainable) * 4
-    grads_key = "gradients" + (" (sharded, fp32)" if layout.fsdp else " (fp32)")
+    grad_bytes = sum(shard_of(t) * size(t) for t in trainable)
+    grads_key = "gradients" + (" (sharded, fp32)" if layout.fsdp else " (bf16 matmul weights, fp32 rest)"
+                               if lowered else " (fp32)")
     if layout.fsdp and layout.cpu_offload:
         host[grads_key] = grad_bytes
         grad_dev = 0
@@ -326,7 +333,8 @@ def _weight_rows(layout: Layout, held, trainable, rows: dict[str, int], host: di
     if layout.ddp:
         # DDP keeps a flat bucket copy of every gradient (gradient_as_bucket_view=False).
         # (expert-parallel experts are ignored modules: no bucket)
-        rows["DDP gradient buckets"] = sum(t.local for t in trainable if not (t.expert and layout.ep > 1)) * 4
+        rows["DDP gradient buckets"] = sum(t.local * size(t) for t in trainable
+                                           if not (t.expert and layout.ep > 1))
     return grad_dev
 
 
@@ -370,13 +378,19 @@ def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTenso
     notes: list[str] = []
     # -- parameters, gradients, optimizer state (rows in that order) ------------------------------
     unit_bytes = _fsdp_unit_bytes(cfg, layout, held, precision)
-    grad_dev = _weight_rows(layout, held, trainable, rows, host)
+    lowered = _lowered(cfg, layout, trainable)
+    grad_dev = _weight_rows(layout, held, trainable, rows, host, lowered)
     opt_tensors = _optimizer_rows(cfg, layout, device_type, trainable, rank, rows, host, notes)
+    if lowered:
+        # Optimizer state (optim/master.py). At the step each master's gradient is an fp32 copy while its
+        # bf16 weight and gradient are freed: 4 bytes out for 4 in, so the step moment needs no term.
+        rows["optimizer fp32 master weights"] = sum(t.local for t in trainable if t.name in lowered) * 4
     # -- low-precision copies / FSDP unsharded parameters ------------------------------------------
     copies = 0
     if low and not (layout.fsdp and _fsdp_param_dtype(cfg, precision) != "fp32"):
-        # autocast casts each matmul weight once per forward and backward keeps the copy.
-        copies = sum(t.local for t in held if t.matmul) * 2
+        # autocast casts each matmul weight once per forward and backward keeps the copy (a weight
+        # already stored in bf16 is used as it is).
+        copies = sum(t.local for t in held if t.matmul and t.name not in lowered) * 2
         rows["bf16/fp16 weight copies (autocast)"] = copies
     # -- activations ------------------------------------------------------------------------------
     rows["temporaries (largest)"] = 0  # filled from the moments below
@@ -403,7 +417,8 @@ def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTenso
                               adapters=method.adapters, head=method.head,
                               trainable=trainable_elements(held, stage_layers, method))
     if copies:
-        copies = rows["bf16/fp16 weight copies (autocast)"] = weight_copies(held, prof)
+        copies = rows["bf16/fp16 weight copies (autocast)"] = weight_copies(
+            [t for t in held if t.name not in lowered], prof)
     rows["activations (saved for backward)"] = prof.saved
     # -- the moments of a step -------------------------------------------------------------------
     accum_grads = grad_dev if tc.grad_accum_steps > 1 else 0
@@ -424,6 +439,16 @@ def _estimate_rank(cfg: Config, layout: Layout, device_type: str, mt: ModelTenso
     n_params = sum(t.numel for t in mt.tensors)
     return Estimate(cfg, layout, device_type, rows, host, moments, n_params, f"rank {rank}", notes,
                     method.label)
+
+
+def _lowered(cfg: Config, layout: Layout, trainable) -> frozenset[str]:
+    """Names of the weights train.master_weights=fp32 stores in bf16 (optim/master.py: the trainable
+    nn.Linear weights no embedding shares; in lmforge's Transformer, the 2-d tensors that are not
+    embedding tables or stacked experts). None under FSDP, where the run refuses the switch."""
+    if cfg.train.master_weights != "fp32" or layout.fsdp:
+        return frozenset()
+    return frozenset(t.name for t in trainable if len(t.shape) == 2 and not t.expert
+                     and not t.name.startswith(("tok_embeddings", "pos_embeddings")))
 
 
 def _fsdp_param_dtype(cfg: Config, precision: str) -> str:
