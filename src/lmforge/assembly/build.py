@@ -235,7 +235,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
     dims = ParallelDims.resolve(cfg.parallel, world.world_size, None if custom else cfg.model,
                                 cfg.train.grad_accum_steps)
     check_layout(cfg, dims, objective, custom)
-    _check_user_optimizer(user, dims, custom)
+    _check_user_optimizer(user, dims, custom, cfg.train.master_weights)
     if world.world_size > 1:
         dims.build_mesh(device.type)
     resumed, lock = False, None
@@ -287,10 +287,14 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         raise
 
 
-def _check_user_optimizer(user: UserOptimizer | None, dims: ParallelDims, custom: bool) -> None:
+def _check_user_optimizer(user: UserOptimizer | None, dims: ParallelDims, custom: bool,
+                          masters: str = "off") -> None:
     """Refuse, before any work, a user's optimizer or param groups where lmforge must build them."""
     if user is None:
         return
+    if masters != "off":
+        raise ConfigError(f"train.master_weights={masters} keeps its fp32 masters in lmforge's own "
+                          "optimizer: pass no optimizer= / param_groups=, or set train.master_weights=off")
     if user.param_groups is not None and not custom:
         raise ConfigError("Trainer(param_groups=...) holds parameters of a model you pass as model=; for "
                           "lmforge's own model give optimizer=<factory> (it gets the param groups) or set "
@@ -380,9 +384,6 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     optimizer = parallel.wrap_optimizer(build_optimizer(parallel.model, cfg.optim, user))
     own = user is not None and user.brings_optimizer  # the logged lr is then its first group's
     if masters is not None:
-        if user is not None:
-            raise ConfigError("train.master_weights=fp32 keeps its fp32 masters in lmforge's own optimizer: "
-                              "pass no optimizer= / param_groups=, or set train.master_weights=off")
         keep_masters(optimizer, masters)
     ramp = BatchRamp(cfg, dims.dp_size)
     tc = cfg.train
