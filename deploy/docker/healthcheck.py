@@ -1,4 +1,5 @@
-"""The image's HEALTHCHECK: GET /health of `lmforge serve` when the container runs it, else pass.
+"""The image's HEALTHCHECK: GET /health of `lmforge serve` or `lmforge jobs` when the container runs one,
+else pass.
 
 One image runs every verb; a training container has no server to probe and must not turn unhealthy for
 that, so the command line of the container's first process decides. Standard library only (it runs
@@ -9,16 +10,20 @@ from __future__ import annotations
 import sys
 import urllib.request
 
-DEFAULT_PORT = 8000  # lmforge serve's --port default (lmforge.cli.verbs.serve)
+# The servers' --port defaults (lmforge.cli.verbs.serve; a test keeps them equal).
+DEFAULT_PORTS = {"serve": 8000, "jobs": 8080}
 
 
 def target(argv: list[str]) -> str | None:
-    """The health URL of the `lmforge serve` started as `argv`, or None when argv is not serve."""
+    """The health URL of the `lmforge serve` or `lmforge jobs` started as `argv`, or None when argv is
+    neither (another verb, or `lmforge jobs token ...`, which is not a server)."""
     verb = next((i for i, a in enumerate(argv) if a.rsplit("/", 1)[-1] == "lmforge"), None)
-    if verb is None or verb + 1 >= len(argv) or argv[verb + 1] != "serve":
+    if verb is None or verb + 1 >= len(argv) or argv[verb + 1] not in DEFAULT_PORTS:
         return None
-    host, port = "127.0.0.1", DEFAULT_PORT
     rest = argv[verb + 2:]
+    if argv[verb + 1] == "jobs" and "token" in rest:
+        return None
+    host, port = "127.0.0.1", DEFAULT_PORTS[argv[verb + 1]]
     for i, a in enumerate(rest):
         for flag in ("--host", "--port"):
             value = a[len(flag) + 1:] if a.startswith(flag + "=") else (

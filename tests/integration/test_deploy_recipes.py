@@ -158,15 +158,19 @@ def _healthcheck():
     (["python", "/opt/lmforge/bin/lmforge", "train", "-c", "run.yaml"], None),
     (["torchrun", "--nnodes=2", "-m", "lmforge", "train"], None),
     (["python", "/opt/lmforge/bin/lmforge"], None),
+    (["/sbin/docker-init", "--", "lmforge", "jobs", "--workspace", "/w"], "http://127.0.0.1:8080/health"),
+    (["python", "lmforge", "jobs", "--workspace", "/w", "--port", "9"], "http://127.0.0.1:9/health"),
+    (["python", "lmforge", "jobs", "token", "create", "--workspace", "/w", "--user", "a"], None),
 ])
-def test_healthcheck_probes_serve_only(argv, url):
+def test_healthcheck_probes_the_servers_only(argv, url):
     assert _healthcheck().target(argv) == url
 
 
-def test_healthcheck_default_port_is_serves():
+@pytest.mark.parametrize("verb", ["serve", "jobs"])
+def test_healthcheck_default_ports_are_the_verbs(verb):
     from lmforge.cli import build_parser
 
-    assert build_parser().parse_args(["serve"]).port == _healthcheck().DEFAULT_PORT
+    assert build_parser().parse_args([verb]).port == _healthcheck().DEFAULT_PORTS[verb]
 
 
 # ---- Kubernetes ----------------------------------------------------------------------------------------
@@ -176,7 +180,8 @@ def _kv():
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
-@pytest.mark.parametrize("name", ["serve-deployment.yaml", "train-job.yaml", "train-indexed-job.yaml"])
+@pytest.mark.parametrize("name", ["serve-deployment.yaml", "jobs-deployment.yaml", "train-job.yaml",
+                                  "train-indexed-job.yaml"])
 def test_manifests_validate_against_kubernetes_schemas(name, version):
     kv = _kv()
     docs = manifests(name)
@@ -343,3 +348,33 @@ def test_serve_probe_path_answers_without_a_key():
         reply = client.get(path)
         assert reply.status_code == 200 and reply.json()["status"] == "ok", path
     assert client.get("/v1/models").status_code == 401
+
+
+def test_jobs_deployment_args_ports_and_probes_are_the_job_servers(tmp_path):
+    """`lmforge jobs` parses the args, listens where the Service and the probes look, and its probe path
+    answers without a token."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from lmforge.cli import build_parser
+    from lmforge.jobserver.app import create_app
+
+    docs = manifests("jobs-deployment.yaml")
+    deployment, service = of_kind(docs, "Deployment"), of_kind(docs, "Service")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    (container,) = containers(deployment)
+    args = build_parser().parse_args(container["args"])
+    assert args.verb == "jobs" and args.host == "0.0.0.0" and args.server_cmd is None
+    assert args.workspace in {m["mountPath"] for m in container["volumeMounts"]}
+    (port,) = container["ports"]
+    assert port["containerPort"] == args.port and service["spec"]["ports"][0]["targetPort"] == port["name"]
+    # The limits the server enforces fit in the container's.
+    limits = container["resources"]["limits"]
+    assert args.max_procs <= int(limits["cpu"])
+    assert args.max_memory_gb_total < int(limits["memory"].removesuffix("Gi")) * 2**30 / 1e9
+    app = create_app(tmp_path / "ws", start_runner=False)
+    client = TestClient(app)
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"]["port"] == port["name"]
+        assert client.get(container[probe]["httpGet"]["path"]).status_code == 200
+    assert client.get("/v1/jobs").status_code == 401
