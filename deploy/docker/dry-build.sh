@@ -16,7 +16,12 @@ INDEX="${TORCH_INDEX_URL:-$(arg TORCH_INDEX_URL)}"
 echo "[dry-build] $DOCKERFILE: torch==$TORCH_VERSION extras [$EXTRAS] into $VENV"
 python3 -m venv "$VENV"
 WHEELS="$(mktemp -d)"
-"$VENV/bin/pip" wheel --no-deps --wheel-dir "$WHEELS" "$ROOT"
+# The wheel from what the Dockerfile copies into its build stage (and .dockerignore lets through), not
+# from the whole tree: a file the package needs but the image leaves out fails here.
+CONTEXT="$(mktemp -d)"
+cp "$ROOT/pyproject.toml" "$ROOT/README.md" "$CONTEXT/"
+(cd "$ROOT" && tar --exclude=__pycache__ --exclude='*.egg-info' -cf - src) | tar -xf - -C "$CONTEXT"
+"$VENV/bin/pip" wheel --no-deps --wheel-dir "$WHEELS" "$CONTEXT"
 if [ -n "${TORCH_FIND_LINKS:-}" ]; then
   # torch from the dir (its +cpu local version sorts above the index's), its dependencies from PyPI
   "$VENV/bin/pip" install "torch==${TORCH_VERSION}" --find-links "$TORCH_FIND_LINKS"
