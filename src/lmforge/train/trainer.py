@@ -35,7 +35,7 @@ from lmforge.engine.objectives import Objective
 from lmforge.engine.step import StepResult, Verdict
 from lmforge.errors import CheckpointError, CheckpointMismatchError, ConfigError, LmforgeError
 from lmforge.metrics.console import Console
-from lmforge.metrics.throughput import peak_flops
+from lmforge.metrics.peak import PeakFlops
 from lmforge.metrics.trackers import check_trackers
 from lmforge.models.flops import adapter_flops_per_token, flops_per_token
 from lmforge.parallel.coord import any_rank, max_over_ranks, on_rank0
@@ -183,7 +183,9 @@ class Trainer:
             self.flops_per_token = adapter_flops_per_token(self.cfg.model, self.cfg.seq_len, trainable)
         else:
             self.flops_per_token = flops_per_token(self.cfg.model, self.cfg.seq_len)
-        self.peak_flops, self.peak_source = peak_flops(self.device, self.precision.dtype)
+        # MFU's denominator: never undercut by a busy start-up (metrics/peak.py)
+        self.peak = PeakFlops.for_device(self.device, self.precision.dtype, write=self.world.is_main,
+                                         say=self.console)
 
     # -- what callbacks read and ask ------------------------------------------------------------
     step = property(lambda self: self.progress.step)
