@@ -113,6 +113,7 @@ class MetricsLogging(Callback):
             record["tokens_per_step"] = result.tokens
         if trainer.skipped_steps:
             record["skipped_steps"] = trainer.skipped_steps
+        record.update(trainer.monitor.collect(tps))
         record.update(result.metrics)
         # Per-group detail of the window's last step (the console shows only the headline numbers).
         record.update({f"grad_norm/{k}": v for k, v in result.group_grad_norms.items()})
@@ -137,6 +138,8 @@ class MetricsLogging(Callback):
         )
 
     def on_save(self, trainer: Trainer, path: Path) -> None:
+        if trainer.cfg.logging.monitor.checkpoint_time:
+            self.logger.log({"step": trainer.step, "checkpoint_save_s": trainer.last_save_seconds})
         trainer.console(f"step {trainer.step}: saved checkpoint {path}")
         self._plot(trainer)
 

@@ -44,6 +44,7 @@ from lmforge.parallel.world import World
 from lmforge.train.averaging import build_averages
 from lmforge.train.callbacks import Callback, EarlyStopping, MetricsLogging, state_key
 from lmforge.train.clock import Clock
+from lmforge.train.monitor import Monitor
 from lmforge.train.stability import NonFiniteGuard, Spike, SpikeDetector
 from lmforge.train.state import Control, Progress
 from lmforge.utils.host_memory import keep_freed_memory
@@ -186,6 +187,8 @@ class Trainer:
         # MFU's denominator: never undercut by a busy start-up (metrics/peak.py)
         self.peak = PeakFlops.for_device(self.device, self.precision.dtype, write=self.world.is_main,
                                          say=self.console)
+        self.monitor = Monitor(self.cfg, self.model, self.parallel.comm, self.device, self.dims)
+        self.last_save_seconds = 0.0
 
     # -- what callbacks read and ask ------------------------------------------------------------
     step = property(lambda self: self.progress.step)
@@ -317,6 +320,7 @@ class Trainer:
             batches = [b.to(self.device) for b in again]
         else:
             batches = [self._next_batch() for _ in range(run.ramp.micro_batches(self.tokens_seen))]
+        self.monitor.batches(batches, time.perf_counter() - t0, self.step + 1)
         result = self._guard_compile(
             lambda: self.parallel.step(
                 batches,
@@ -491,9 +495,11 @@ class Trainer:
     def save(self, name: str | None = None) -> Path:
         """A checkpoint of the run now (`name`, e.g. "best": outside the step sequence and its retention)."""
         self._settle()
+        t0 = time.perf_counter()
         path = self.ckpt.save(
             self.step, self.model, self.optimizer, self.states, self.averages.tensors(), name=name
         )
+        self.last_save_seconds = time.perf_counter() - t0
         if name is None:
             self._last_saved_step = self.step
         self._emit("on_save", path)
