@@ -74,6 +74,30 @@ class WandbConfig(Section):
     run_name: str | None = Field(None, description="W&B run name; unset: run.name.")
 
 
+class MonitorConfig(Section):
+    """What the train records carry beyond loss, lr, gradient norm, tokens/s, MFU and peak memory. Costs are
+    measured by bench/monitoring_cost.py (docs: Monitoring); what costs more than 1% is off by default."""
+
+    param_norm: bool = Field(True, description="param_norm: the L2 norm of all weights, at log steps.")
+    memory: bool = Field(
+        True, description="CUDA only (absent on a CPU): mem_allocated_mib, mem_reserved_mib and "
+        "mem_fragmentation (inactive split blocks / reserved) from the caching allocator, at log steps.")
+    data_time: bool = Field(
+        True, description="data_s: seconds spent taking the window's batches from the loader (host side).")
+    checkpoint_time: bool = Field(True, description="checkpoint_save_s: seconds each checkpoint save took.")
+    grad_sync_time: bool = Field(
+        False, description="grad_sync_s: DDP only: seconds from the first gradient bucket's all-reduce to "
+        "the last one's completion, summed over the window's steps (on CUDA it synchronises per bucket).")
+    attention_entropy_every: int = Field(
+        0, ge=0, description="attention_entropy: every this many steps (0: off; a multiple of "
+        "train.log_every), the mean entropy in nats of one layer's attention probabilities on one row of "
+        "the step's first batch, computed beside the model's attention (SDPA gives no probabilities).")
+    attention_entropy_layer: int | None = Field(
+        None, ge=0, description="The layer whose attention entropy is logged (None: the middle one).")
+    attention_entropy_tokens: int = Field(
+        128, ge=2, le=4096, description="Tokens of the row the attention entropy is computed on.")
+
+
 class LoggingConfig(Section):
     progress: Literal["auto", "bar", "plain", "none"] = Field(
         "auto", description="Console output: a live bar, one line per log step, or nothing."
@@ -83,6 +107,8 @@ class LoggingConfig(Section):
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig, description="MLflow tracking (rank 0 only).")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases tracking "
                                "(rank 0 only).")
+    monitor: MonitorConfig = Field(default_factory=MonitorConfig, description="Extra training metrics "
+                                   "and their costs (docs: Monitoring).")
 
 
 class EvalConfig(Section):

@@ -19,6 +19,8 @@ sum is exactly the one-process gradient of the global batch (also with uneven ta
 from __future__ import annotations
 
 import inspect
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -76,14 +78,65 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, device: torch.device,
     # parameter into a local tensor after each forward (its DDP + TP path), ignored ones included.
     replicate(model, process_group=mesh.get_group(), forward_sync_buffers=False,
               ignored_modules=list(ignored) or None, **kwargs)
-    model.register_comm_hook(mesh.get_group(), _allreduce_sum_hook)
+    state = _HookState(mesh.get_group())
+    model.register_comm_hook(state, _allreduce_sum_hook)
+    model.lmforge_ddp_hook = state  # logging.monitor.grad_sync_time sets its timer
 
 
-def _allreduce_sum_hook(group, bucket):
+class SyncTimer:
+    """Wall time of a step's gradient all-reduces: from the first bucket's launch to the last bucket's
+    completion (both on the host: exact for gloo, whose collectives complete on the host), summed over
+    steps. Completion callbacks run on the communication thread, hence the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._first: float | None = None
+        self._last: float | None = None
+        self.total = 0.0
+
+    def launched(self) -> None:
+        with self._lock:
+            if self._first is None:
+                self._first = time.perf_counter()
+
+    def done(self) -> None:
+        with self._lock:
+            self._last = time.perf_counter()
+
+    def end_step(self) -> None:
+        """Close the step (DDP waits for every bucket before its backward returns)."""
+        with self._lock:
+            if self._first is not None and self._last is not None:
+                self.total += max(0.0, self._last - self._first)
+            self._first = self._last = None
+
+    def take(self) -> float:
+        self.end_step()
+        total, self.total = self.total, 0.0
+        return total
+
+
+class _HookState:
+    def __init__(self, group: ProcessGroup) -> None:
+        self.group = group
+        self.timer: SyncTimer | None = None
+
+
+def _allreduce_sum_hook(state, bucket):
     """DDP's default hook without its division by the world size. (No annotations: DDP checks
     them against the classes, and postponed evaluation turns them into strings.)"""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    timer = state.timer
+    if timer is None:
+        fut = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+    timer.launched()
+    fut = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True).get_future()
+
+    def finished(f):
+        timer.done()
+        return f.value()[0]
+
+    return fut.then(finished)
 
 
 def zero1_optimizer(optimizer: torch.optim.Optimizer, group: ProcessGroup) -> ZeroRedundancyOptimizer:

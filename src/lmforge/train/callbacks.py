@@ -87,7 +87,7 @@ class MetricsLogging(Callback):
         trainer.console(
             f"model {n_params / 1e6:.2f}M params, {trainer.flops_per_token / 1e6:.1f} MFLOP/token, "
             f"precision {run.precision.name}, device {run.device}, {full:,} tokens/step{ramp}; MFU against "
-            f"{trainer.peak_flops / 1e12:.3g} TFLOP/s ({trainer.peak_source})"
+            f"{trainer.peak.flops / 1e12:.3g} TFLOP/s ({trainer.peak.source})"
         )
         trainer.console.start(total=tc.max_steps, completed=trainer.step)
 
@@ -105,7 +105,7 @@ class MetricsLogging(Callback):
             "lr": trainer.lr,
             "grad_norm": sum(r.grad_norm for r in self.results) / len(self.results),
             "tokens_per_s": tps,
-            "mfu": trainer.flops_per_token * tps / (trainer.peak_flops * trainer.world.world_size),
+            "mfu": trainer.peak.mfu(trainer.flops_per_token * tps / trainer.world.world_size),
             "peak_mem_mib": peak_memory_mib(trainer.device),
             "tokens_seen": trainer.tokens_seen,
         }
@@ -113,6 +113,7 @@ class MetricsLogging(Callback):
             record["tokens_per_step"] = result.tokens
         if trainer.skipped_steps:
             record["skipped_steps"] = trainer.skipped_steps
+        record.update(trainer.monitor.collect(tps))
         record.update(result.metrics)
         # Per-group detail of the window's last step (the console shows only the headline numbers).
         record.update({f"grad_norm/{k}": v for k, v in result.group_grad_norms.items()})
@@ -137,6 +138,8 @@ class MetricsLogging(Callback):
         )
 
     def on_save(self, trainer: Trainer, path: Path) -> None:
+        if trainer.cfg.logging.monitor.checkpoint_time:
+            self.logger.log({"step": trainer.step, "checkpoint_save_s": trainer.last_save_seconds})
         trainer.console(f"step {trainer.step}: saved checkpoint {path}")
         self._plot(trainer)
 

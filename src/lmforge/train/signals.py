@@ -1,5 +1,6 @@
-"""Signals during training: SIGINT/SIGTERM (Ctrl-C, a preempted job) are noted by a handler and acted on
-at the next step boundary, where the Trainer saves a checkpoint and raises TrainingInterrupted."""
+"""How a training run ends early: SIGINT/SIGTERM (Ctrl-C, a preempted job) are noted by a handler and acted
+on at the next step boundary, where the Trainer saves a checkpoint and raises TrainingInterrupted; the
+stability machinery giving up raises TrainingDiverged (exit status 3)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ from collections.abc import Callable
 from typing import Any
 
 from lmforge.errors import LmforgeError
+
+
+class TrainingDiverged(LmforgeError):
+    """The stability machinery gave up (too many non-finite steps or loss spikes); a checkpoint
+    of the last good weights was saved."""
+
+    exit_code = 3
 
 
 class TrainingInterrupted(LmforgeError):

@@ -40,7 +40,7 @@ from lmforge.engine.objectives import Objective
 from lmforge.engine.step import StepResult, Verdict
 from lmforge.errors import CheckpointError, CheckpointMismatchError, ConfigError, LmforgeError
 from lmforge.metrics.console import Console
-from lmforge.metrics.throughput import peak_flops
+from lmforge.metrics.peak import PeakFlops
 from lmforge.metrics.trackers import check_trackers
 from lmforge.models.flops import adapter_flops_per_token, flops_per_token
 from lmforge.optim.builder import GroupLayout, OptimizerFactory
@@ -51,20 +51,13 @@ from lmforge.train.averaging import build_averages
 from lmforge.train.callbacks import Callback, EarlyStopping, MetricsLogging, state_key
 from lmforge.train.clock import Clock
 from lmforge.train.epochs import train_epochs
+from lmforge.train.monitor import Monitor
 from lmforge.train.sanity import check_sanity_supported, sanity_check
-from lmforge.train.signals import TrainingInterrupted, install_handlers, restore_handlers
+from lmforge.train.signals import TrainingDiverged, TrainingInterrupted, install_handlers, restore_handlers
 from lmforge.train.stability import NonFiniteGuard, Spike, SpikeDetector
 from lmforge.train.state import Control, Progress
 from lmforge.utils.host_memory import keep_freed_memory
 from lmforge.utils.rng import RNGState
-
-
-class TrainingDiverged(LmforgeError):
-    """The stability machinery gave up (too many non-finite steps or loss spikes); a checkpoint
-    of the last good weights was saved."""
-
-    exit_code = 3
-
 
 # What a loss-spike rollback restores from the checkpoint; the data position, RNG, stability state and
 # lr scale stay, so the data since the checkpoint is skipped and the recovery count survives. An
@@ -179,7 +172,11 @@ class Trainer:
             self.flops_per_token = adapter_flops_per_token(self.cfg.model, self.cfg.seq_len, trainable)
         else:
             self.flops_per_token = flops_per_token(self.cfg.model, self.cfg.seq_len)
-        self.peak_flops, self.peak_source = peak_flops(self.device, self.precision.dtype)
+        # MFU's denominator: never undercut by a busy start-up (metrics/peak.py)
+        self.peak = PeakFlops.for_device(self.device, self.precision.dtype, write=self.world.is_main,
+                                         say=self.console)
+        self.monitor = Monitor(self.cfg, self.model, self.parallel.comm, self.device, self.dims)
+        self.last_save_seconds = 0.0
 
     # -- what callbacks read and ask ------------------------------------------------------------
     step = property(lambda self: self.progress.step)
@@ -340,6 +337,7 @@ class Trainer:
             batches = [b.to(self.device) for b in again]
         else:
             batches = [self._next_batch() for _ in range(run.ramp.micro_batches(self.tokens_seen))]
+        self.monitor.batches(batches, time.perf_counter() - t0, self.step + 1)
         result = self._guard_compile(
             lambda: self.parallel.step(
                 batches,
@@ -516,9 +514,11 @@ class Trainer:
     def save(self, name: str | None = None) -> Path:
         """A checkpoint of the run now (`name`, e.g. "best": outside the step sequence and its retention)."""
         self._settle()
+        t0 = time.perf_counter()
         path = self.ckpt.save(
             self.step, self.model, self.optimizer, self.states, self.averages.tensors(), name=name
         )
+        self.last_save_seconds = time.perf_counter() - t0
         if name is None:
             self._last_saved_step = self.step
         self._emit("on_save", path)

@@ -14,6 +14,16 @@ const CHARTS = [
   {id: 'chart-lr', title: 'learning rate', series: [['lr', 'lr', '#2ca02c']]},
   {id: 'chart-grad', title: 'grad norm', series: [['grad_norm', 'grad norm', '#9467bd']]},
   {id: 'chart-tps', title: 'tokens/s', series: [['tokens_per_s', 'tokens/s', '#ff7f0e']]},
+  // logging.monitor's metrics: a chart stays empty while its keys are absent (e.g. memory on a CPU)
+  {id: 'chart-mfu', title: 'MFU', series: [['mfu', 'mfu', '#17becf']]},
+  {id: 'chart-pnorm', title: 'parameter norm', series: [['param_norm', 'param norm', '#8c564b']]},
+  {id: 'chart-mem', title: 'memory MiB',
+    series: [['peak_mem_mib', 'peak', '#7f7f7f'], ['mem_allocated_mib', 'allocated', '#aec7e8'],
+      ['mem_reserved_mib', 'reserved', '#d62728']]},
+  {id: 'chart-time', title: 'seconds per window',
+    series: [['data_s', 'data loading', '#2ca02c'], ['grad_sync_s', 'grad sync', '#9467bd'],
+      ['checkpoint_save_s', 'checkpoint save', '#e377c2']]},
+  {id: 'chart-entropy', title: 'attention entropy', series: [['attention_entropy', 'nats', '#bcbd22']]},
 ];
 
 const S = {
