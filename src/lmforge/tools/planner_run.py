@@ -132,6 +132,7 @@ def run_budget(budget_s: float, config: str | None, sets: Sequence[str], *, plan
 
     from lmforge.checkpoint.run_dir import holds_run
     from lmforge.config.load import config_to_dict, load_config
+    from lmforge.config.methods import DEFAULT_METHOD
     from lmforge.parallel.world import World
     from lmforge.utils.io import atomic_write_text, check_new_file
 
@@ -141,9 +142,10 @@ def run_budget(budget_s: float, config: str | None, sets: Sequence[str], *, plan
     base = load_config(config, list(sets))
     user = user_keys(base)
     check_budget(budget_s, user)
-    if base.objective.name != "causal_lm" or base.finetune.method != "full" or base.model.init_from:
-        raise ConfigError("--budget plans pretraining from scratch (objective causal_lm, finetune.method "
-                          "full, no model.init_from); drop --budget to train this config as it is")
+    if base.objective.name != DEFAULT_METHOD or base.finetune.method != "full" or base.model.init_from:
+        raise ConfigError(f"--budget plans pretraining from scratch (objective {DEFAULT_METHOD}, "
+                          "finetune.method full, no model.init_from); drop --budget to train this config as "
+                          "it is")
     run_dir = Path(base.run.dir)
     files = []
     if plan_only:
