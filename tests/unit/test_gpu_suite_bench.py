@@ -90,6 +90,7 @@ def _row_in_process(name: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow  # 10-30 s: a benchmark's own tiny run (the skip/report logic stays in the default tier)
 def test_the_quant_row_times_bf16_int8_int4_and_transformers_on_the_same_weights(tmp_path):
     result = _row_in_process("quant", tmp_path / "quant.json")
     assert result["machine"]["max_logit_diff"] <= 1e-4  # the two implementations are the same model

@@ -79,3 +79,18 @@ def test_max_chars_leaves_the_validation_sources_their_own_room(tmp_path):
     meta = prepare(cfg, console=lambda _: None).meta
     assert meta["splits"]["val"]["documents"] == 1 and meta["splits"]["val"]["tokens"] > 0
     assert meta["stats"]["chars"] == 5000 + len("held out text " * 100)
+
+
+def test_a_budget_given_to_main_in_python_counts_from_the_call(monkeypatch):
+    """`lmforge.cli.main([...])` in a process that started long ago (a test session, a notebook) counts the
+    budget from the call; a command line (argv None) counts from the process's start."""
+    import lmforge.tools.planner_probe as probe
+    import lmforge.tools.planner_run as planner_run
+    from lmforge.cli import main
+
+    monkeypatch.setattr(probe, "process_elapsed", lambda: 10_000.0)  # a process started hours ago
+    seen = {}
+    monkeypatch.setattr(planner_run, "run_budget", lambda *a, deadline, **k: seen.setdefault("d", deadline))
+    assert main(["train", "--budget", "2m", "--plan-only"]) == 0
+    assert 0.0 <= seen["d"].elapsed < 5.0 and seen["d"].left > 115.0
+    assert probe.Deadline.from_process(120.0).elapsed >= 10_000.0  # what a command line counts

@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -60,6 +61,9 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, Callable[[argparse.Name
 
 
 def main(argv: list[str] | None = None) -> int:
+    # When a time budget starts: the process's start for a command line (argv None), this call for a caller
+    # in Python (a test, a notebook) whose process began long before.
+    started = None if argv is None else time.perf_counter()
     argv = _renamed(list(sys.argv[1:] if argv is None else argv))
     try:
         args, handler = _parse(argv)
@@ -67,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if e.code == 2:  # other user error, returned rather than raised so that callers see the status
             return 2
         raise  # --help and --version exit 0 as argparse does
+    args.started = started
     rank = int(os.environ.get("RANK", "0"))
     try:
         with _plain_warnings(args.verb, rank):

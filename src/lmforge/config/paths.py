@@ -93,7 +93,7 @@ NOT_PATHS: frozenset[str] = frozenset({
     "generate.prompt", "curate.text_key", "curate.id_key", "curate.steps.blocklist",
     "curate.steps.phone_regions", "curate.steps.languages", "logging.mlflow.experiment",
     "logging.mlflow.run_name", "logging.wandb.project", "logging.wandb.entity", "logging.wandb.run_name",
-    "sft.template_kwargs", "model.hf_model_type",
+    "sft.template_kwargs", "model.hf_model_type", "optim.param_groups.match",
 })
 
 

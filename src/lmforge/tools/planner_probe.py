@@ -58,6 +58,12 @@ class Deadline:
         d._zero = d.now() - process_elapsed()
         return d
 
+    @classmethod
+    def since(cls, budget_s: float, start: float) -> Deadline:
+        """A budget counted from `start` (a time.perf_counter() reading): `lmforge.cli.main(argv)` called
+        from Python, whose process started before the command did."""
+        return cls(budget_s, _zero=start)
+
     @property
     def elapsed(self) -> float:
         return self.now() - self._zero

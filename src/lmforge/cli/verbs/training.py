@@ -55,8 +55,10 @@ def _train_budget(args: argparse.Namespace) -> int:
     if args.plan_dir and not args.plan_only:
         raise ConfigError("--plan-dir is where --plan-only writes; add --plan-only (a planned run writes its "
                           "plan into run.dir)")
+    started = getattr(args, "started", None)  # None: a command line, whose whole process counts
+    deadline = Deadline.from_process(budget) if started is None else Deadline.since(budget, started)
     run_budget(budget, args.config, args.set, plan_only=args.plan_only, out=args.plan_dir,
-               overwrite=args.overwrite, deadline=Deadline.from_process(budget))
+               overwrite=args.overwrite, deadline=deadline)
     return 0
 
 
