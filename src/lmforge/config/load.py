@@ -57,13 +57,19 @@ def parse_yaml_text(text: str, where: str) -> Any:
         raise ConfigError(f"{at}: invalid YAML: {problem}") from None
 
 
-def _parse_yaml(path: Path) -> dict[str, Any]:
+def read_text(path: Path, what: str) -> str:
+    """The text of a `what` file (a config, a DeepSpeed config, ...), size-bounded; a missing or unreadable
+    file is a ConfigError naming it."""
     try:
-        text = read_yaml_text(path, ConfigError)
+        return read_yaml_text(path, ConfigError)
     except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        raise ConfigError(f"{what} file not found: {path}") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read config file {path}: {e}") from None
+        raise ConfigError(f"cannot read {what} file {path}: {e}") from None
+
+
+def _parse_yaml(path: Path) -> dict[str, Any]:
+    text = read_text(path, "config")
     data = parse_yaml_text(text, str(path))
     if data is None:
         data = {}

@@ -61,15 +61,11 @@ def is_number(value: Any) -> bool:
 def read_mapping(path: str | Path, what: str) -> dict[str, Any]:
     """A JSON (or YAML) file holding one object, read within a budget: at most safe_yaml.MAX_BYTES, nesting
     at most MAX_FLOW_DEPTH, at most MAX_KEYS keys; anything else is a ConfigError naming the file."""
+    from lmforge.config.load import parse_yaml_text, read_text
+
     p = Path(path)
-    try:
-        text = read_yaml_text(p, ConfigError)
-    except FileNotFoundError:
-        raise ConfigError(f"{what} file not found: {p}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read {what} file {p}: {e}") from None
+    text = read_text(p, what)
     if p.suffix.lower() in (".yaml", ".yml"):
-        from lmforge.config.load import parse_yaml_text
 
         data = parse_yaml_text(text, str(p))
     else:
