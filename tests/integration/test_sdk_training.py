@@ -261,7 +261,7 @@ def test_param_groups_of_the_user_equal_the_same_groups_by_rule(tmp_path):
 def test_user_optimizers_are_refused_where_they_cannot_be_honoured(tmp_path):
     from types import SimpleNamespace
 
-    from lmforge.assembly.build import _check_user_optimizer
+    from lmforge.assembly.checks import check_user_optimizer
     from lmforge.errors import ConfigError
     from lmforge.optim.builder import UserOptimizer
 
@@ -287,9 +287,9 @@ def test_user_optimizers_are_refused_where_they_cannot_be_honoured(tmp_path):
             cfg=config(tmp_path / "x", optim={"param_groups": [{"match": "emb.*", "lr_scale": 2.0}]}))
     dims = SimpleNamespace(zero1=True)
     with pytest.raises(ConfigError, match="parallel.zero=1"):
-        _check_user_optimizer(UserOptimizer(optimizer=lambda g: torch.optim.SGD(g, lr=0.1)), dims, True)
+        check_user_optimizer(UserOptimizer(optimizer=lambda g: torch.optim.SGD(g, lr=0.1)), dims, True)
     with pytest.raises(ConfigError, match="model you pass as model="):
-        _check_user_optimizer(UserOptimizer(param_groups=[]), SimpleNamespace(zero1=False), False)
+        check_user_optimizer(UserOptimizer(param_groups=[]), SimpleNamespace(zero1=False), False)
     with pytest.raises(ConfigError, match="give a factory"):
-        _check_user_optimizer(UserOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
+        check_user_optimizer(UserOptimizer(optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
                               SimpleNamespace(zero1=False), False)

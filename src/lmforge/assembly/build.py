@@ -20,10 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
 
+from lmforge.assembly.checks import (
+    check_custom_model,
+    check_layout,
+    check_stated_heads,
+    check_stated_vocab,
+    check_user_optimizer,
+)
 from lmforge.assembly.methods import MethodSetup, SetupContext, method_setup
 from lmforge.assembly.starting import starting_model
 from lmforge.checkpoint.manager import list_checkpoints
@@ -40,8 +46,7 @@ from lmforge.config.schema import Config
 from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.data.memory import token_stream
 from lmforge.data.sft import prepare_sft
-from lmforge.engine.loss import logits_of
-from lmforge.engine.objectives import Objective, TokenObjective, build_objective
+from lmforge.engine.objectives import Objective, build_objective
 from lmforge.engine.precision import Precision, probe_deadline, resolve_precision
 from lmforge.engine.step import StepHook
 from lmforge.errors import ConfigError, DataError, LmforgeError
@@ -150,50 +155,6 @@ def resolve_vocab_size(cfg: Config, tokenizer_vocab: int) -> int:
     return cfg.model.vocab_size
 
 
-def check_layout(cfg: Config, dims: ParallelDims, objective: Objective, custom_model: bool) -> None:
-    """Refuse, before any work, what a parallel layout cannot run as configured: the optimizer's and
-    the objective's declared capabilities, and the features whose maths a layout would change."""
-    caps = SPECS[cfg.optim.name].capabilities(cfg.optim)
-    sharded = dims.fsdp or dims.tp > 1
-    checks = [
-        (sharded, caps.sharded),
-        (dims.pp > 1, caps.pipeline),
-        (dims.dp_size > 1, caps.data_parallel),
-        (dims.zero1, caps.zero1),
-        (not isinstance(objective, TokenObjective), caps.non_token_objective),
-        (
-            bool(cfg.train.batch_warmup_tokens) and dims.pp > 1,
-            "train.batch_warmup_tokens varies the micro-batches per step, but a pipeline schedule "
-            "(parallel.pp > 1) has a fixed number",
-        ),
-        (
-            dims.pp > 1 and not objective.supports_pipeline,
-            f"objective {objective.name} has no per-stage loss, so it cannot run in a pipeline "
-            "(parallel.pp > 1)",
-        ),
-        (
-            bool(cfg.train.loss_chunk_tokens) and (dims.tp > 1 or dims.pp > 1),
-            "train.loss_chunk_tokens needs the whole output projection on one rank, which tensor and "
-            "pipeline parallelism split; set train.loss_chunk_tokens=0",
-        ),
-        (
-            custom_model and (sharded or dims.pp > 1),
-            "a model object of your own trains on one process or with DDP (parallel.dp_replicate); FSDP, TP "
-            "and pipeline layouts need lmforge's Transformer (build it from the config's model section)",
-        ),
-        (
-            custom_model and cfg.train.activation_checkpointing != "none",
-            "train.activation_checkpointing wraps the blocks of lmforge's Transformer (model.layers); with a "
-            "model object of your own, set it to none and checkpoint inside your module",
-        ),
-    ]
-    problems = [reason for applies, reason in checks if applies and reason]
-    if problems:
-        raise ConfigError(
-            "this parallel layout cannot run the run as configured:\n  " + "\n  ".join(problems)
-        )
-
-
 def _stderr(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
@@ -225,7 +186,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         if chat and cfg.model.init_from:  # a run's own config.yaml states what it derived: checked below
             stated = {k: getattr(cfg.model, k) for k in DERIVED_KEYS & cfg.model.model_fields_set}
         cfg = resolve_init_from(cfg, say=say, derived=chat)
-        _check_stated_heads(cfg, stated)
+        check_stated_heads(cfg, stated)
     if cfg.model.quant is not None:  # a quantized model's integer weights have no gradients
         source = f" (model.init_from={cfg.model.init_from})" if cfg.model.init_from else ""
         raise ConfigError(f"the model{source} is quantized (model.quant: int{cfg.model.quant.bits}, written "
@@ -235,7 +196,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
     dims = ParallelDims.resolve(cfg.parallel, world.world_size, None if custom else cfg.model,
                                 cfg.train.grad_accum_steps)
     check_layout(cfg, dims, objective, custom)
-    _check_user_optimizer(user, dims, custom, cfg.train.master_weights)
+    check_user_optimizer(user, dims, custom, cfg.train.master_weights)
     if world.world_size > 1:
         dims.build_mesh(device.type)
     resumed, lock = False, None
@@ -287,49 +248,6 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         raise
 
 
-def _check_user_optimizer(user: UserOptimizer | None, dims: ParallelDims, custom: bool,
-                          masters: str = "off") -> None:
-    """Refuse, before any work, a user's optimizer or param groups where lmforge must build them."""
-    if user is None:
-        return
-    if masters != "off":
-        raise ConfigError(f"train.master_weights={masters} keeps its fp32 masters in lmforge's own "
-                          "optimizer: pass no optimizer= / param_groups=, or set train.master_weights=off")
-    if user.param_groups is not None and not custom:
-        raise ConfigError("Trainer(param_groups=...) holds parameters of a model you pass as model=; for "
-                          "lmforge's own model give optimizer=<factory> (it gets the param groups) or set "
-                          "optim.param_groups")
-    if user.optimizer is not None and dims.zero1:
-        raise ConfigError("Trainer(optimizer=...) with parallel.zero=1: the sharded optimizer is rebuilt by "
-                          "lmforge from its class on each rank's share of the parameters; set the optimizer "
-                          "in the config (optim.*), or use DDP without zero (parallel.zero=0)")
-    if isinstance(user.optimizer, torch.optim.Optimizer) and not custom:
-        raise ConfigError("Trainer(optimizer=<an optimizer>) must be built over the parameters of the model "
-                          "you pass as model=; for lmforge's own model (built, and sharded, inside) give a "
-                          "factory: optimizer=lambda groups: torch.optim.SGD(groups, lr=0.1)")
-
-
-def _check_stated_heads(cfg: Config, stated: dict) -> None:
-    """model.score_head / value_head stated in a fine-tuning config (its own config.yaml, resumed) must be
-    the head its objective adds: the objective decides them, the source's weights have none."""
-    head = method_facts(cfg).scalar_head
-    for key in ("score_head", "value_head"):
-        name = key.removesuffix("_head")
-        if key in stated and stated[key] != (head == name):
-            does = "adds a" if stated[key] is False else "has no"
-            raise ConfigError(f"model.{key}={str(stated[key]).lower()}: objective {cfg.objective.name} "
-                              f"{does} {name} head (the objective decides it); remove model.{key}")
-
-
-def _check_stated_vocab(stated: int | None, derived: int, source: int | None) -> None:
-    """model.vocab_size stated in a fine-tuning config (its own config.yaml, resumed) must be the one this
-    run derives: the source's, grown when the chat template adds tokens."""
-    if stated is not None and stated != derived:
-        grown = f", the source's {source} grown for the chat template's tokens" if derived != source else ""
-        raise ConfigError(f"model.vocab_size={stated}: this run's vocabulary is {derived}{grown}; remove "
-                          "model.vocab_size (it comes from model.init_from and the template)")
-
-
 def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, dims,
                     resumed, lock, say, stated_vocab: int | None = None,
                     user: UserOptimizer | None = None) -> Run:
@@ -352,7 +270,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     seed_everything(cfg.run.seed)  # the same seed on every rank: replicas start equal
     if custom:
         model = model.to(device)
-        vocab = _check_custom_model(model, tokenizer, train_src, device)
+        vocab = check_custom_model(model, tokenizer, train_src, device)
     else:
         # A resumed run without a checkpoint yet (it died before its first) starts like a new one.
         fresh = not resumed or not on_rank0(lambda: bool(list_checkpoints(Path(cfg.run.dir) / "checkpoints")))
@@ -445,7 +363,7 @@ def _fit_vocabulary(cfg: Config, custom: bool, sft: bool, data, tokenizer, train
                 f"{source_vocab} -> {vocab_size}")
         else:
             vocab_size = resolve_vocab_size(cfg, vocab)
-        _check_stated_vocab(stated_vocab, vocab_size, source_vocab)
+        check_stated_vocab(stated_vocab, vocab_size, source_vocab)
         cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"vocab_size": vocab_size})})
     if sft and cfg.finetune.method != "full" and data.meta["added_tokens"]:
         # The template's new tokens must learn (an adapter run freezes the table): their rows train.
@@ -503,34 +421,6 @@ def _training_data(cfg, train_data, eval_data, tokenizer, say):
 
 def _token_bytes(tokenizer: Tokenizer | None) -> torch.Tensor | None:
     return None if tokenizer is None else torch.as_tensor(tokenizer.token_byte_lengths(), dtype=torch.long)
-
-
-def _check_custom_model(model: nn.Module, tokenizer: Tokenizer | None, train_src: list[np.ndarray],
-                        device: torch.device) -> int:
-    """A model object must map (B, T) token ids to (B, T, V) logits with V covering every id. Returns V."""
-
-    was = model.training
-    model.eval()
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            logits = logits_of(model(torch.zeros(2, 3, dtype=torch.long, device=device)))
-    except Exception as e:
-        raise LmforgeError(
-            f"the model object failed on a (2, 3) batch of token ids: {type(e).__name__}: {e}; "
-            "it must take input ids (B, T) and return logits (B, T, vocab)"
-        ) from None
-    finally:
-        model.train(was)
-    if logits.dim() != 3 or tuple(logits.shape[:2]) != (2, 3):
-        raise LmforgeError(
-            f"the model object returned logits of shape {tuple(logits.shape)} for input (2, 3); "
-            "expected (2, 3, vocab)"
-        )
-    needed = tokenizer.vocab_size if tokenizer is not None else int(max(s.max() for s in train_src)) + 1
-    if logits.shape[-1] < needed:
-        raise LmforgeError(f"the model object predicts {logits.shape[-1]} token ids but the data uses "
-                           f"{needed}; give it an output layer of at least {needed}")
-    return int(logits.shape[-1])
 
 
 # -- evaluation and generation ----------------------------------------------------------------------
