@@ -193,6 +193,21 @@ def table_row(c: dict) -> list[str]:
             f"{c['planner_vs_nanogpt']:.3f}" if "planner_vs_nanogpt" in c else "-"]
 
 
+def save(results: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(path)
+
+
+def resumable(old: dict, fresh: dict) -> dict:
+    """The earlier results when they were measured like this run would measure (same CPU, core count,
+    grid and recipe); else the fresh, empty results (the old rows are not comparable)."""
+    same = all(old.get(k) == fresh[k] for k in ("tiny", "grid", "nanogpt_recipe")) and all(
+        old.get("machine", {}).get(k) == fresh["machine"].get(k) for k in ("cpu_model", "cpu_count", "torch"))
+    return old if same else fresh
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budgets", default="2m,5m,15m")
@@ -201,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--nanogpt", default=None, help="a nanoGPT checkout (else $LMFORGE_NANOGPT, else none)")
     ap.add_argument("--out", default=str(REPO / "runs" / "planner-quality"))
     ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds (same "
+                    "machine and grid) and run only the missing ones")
     ap.add_argument("--tiny", action="store_true", help="a smoke run: 20 s, the prose corpus at 300k "
                     "chars, 2 grid points, 4 x 64 tokens a micro-batch")
     args = ap.parse_args(argv)
@@ -208,24 +225,42 @@ def main(argv: list[str] | None = None) -> dict:
     corpora, grid, chars, extra = args.corpora.split(","), list(HAND_GRID), args.chars, []
     if args.tiny:
         budgets, corpora, grid, chars, extra = [20.0], ["prose"], list(TINY_GRID), 300_000, TINY_SETS
-    out = Path(args.out) / time.strftime("%Y%m%d-%H%M%S")
+    # --resume: rows already measured (in --results, same machine and grid) are kept and only the missing
+    # ones run, each saved as soon as it is done: the full set takes longer than one sitting.
     results = {"machine": machine_info(), "tiny": args.tiny, "grid": grid, "nanogpt_recipe": NANOGPT_RECIPE,
                "cells": []}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if args.resume and Path(args.results).is_file():
+        results = resumable(json.loads(Path(args.results).read_text()), results)
+        stamp = results.setdefault("stamp", stamp)
+    results["stamp"] = stamp
+    out = Path(args.out) / stamp
     for corpus in corpora:
         train, held = materialize(corpus, Path(args.out) / "corpora", chars)
         for budget in budgets:
             cell_dir = out / corpus / f"{budget:g}s"
-            rows = [run_planner(budget, train, held, cell_dir, extra)]
-            rows += [run_hand(name, budget, train, held, cell_dir, extra) for name in grid]
-            if args.nanogpt or not args.tiny:
-                rows.append(run_nanogpt(args.nanogpt, budget, train, held))
-            cell = {"corpus": corpus, "budget_s": budget, "rows": rows, **compare(rows)}
-            results["cells"].append(cell)
+            key = (corpus, budget)
+            cell = next((c for c in results["cells"] if (c["corpus"], c["budget_s"]) == key), None)
+            if cell is None:
+                cell = {"corpus": corpus, "budget_s": budget, "rows": []}
+                results["cells"].append(cell)
+            wanted = ["planner", *grid] + (["nanogpt"] if args.nanogpt or not args.tiny else [])
+            for name in wanted:
+                if any(r["name"] == name and "bpb" in r for r in cell["rows"]):
+                    continue
+                if name == "planner":
+                    row = run_planner(budget, train, held, cell_dir, extra)
+                elif name == "nanogpt":
+                    row = run_nanogpt(args.nanogpt, budget, train, held)
+                else:
+                    row = run_hand(name, budget, train, held, cell_dir, extra)
+                cell["rows"] = [r for r in cell["rows"] if r["name"] != name] + [row]
+                cell.update(compare(cell["rows"]))
+                save(results, Path(args.results))
             print(json.dumps(cell), flush=True)
     head = ["corpus", "budget", "planner bpb", "grid best", "planner / grid", "planner / nanoGPT"]
     print_markdown_table(head, [table_row(c) for c in results["cells"]])
-    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.results).write_text(json.dumps(results, indent=2) + "\n")
+    save(results, Path(args.results))
     print(f"wrote {args.results}")
     return results
 

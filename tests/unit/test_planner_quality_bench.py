@@ -54,3 +54,32 @@ def test_tiny_comparison_end_to_end(tmp_path):
     else:
         assert rows["planner"]["wall_s"] <= 21 and cell["planner_vs_grid"] > 0
     assert json.loads((tmp_path / "r.json").read_text())["tiny"] is True
+
+
+def test_resume_runs_only_the_rows_not_yet_measured(tmp_path, monkeypatch):
+    calls: list[str] = []
+    failing = {"d96-L3-lr0.002"}
+
+    def fake(name):
+        calls.append(name)
+        return {"name": name, "error": "busy"} if name in failing else {"name": name, "bpb": 1.0 + len(calls)}
+
+    monkeypatch.setattr(pq, "materialize", lambda corpus, root, chars: (tmp_path, tmp_path / "held.txt"))
+    monkeypatch.setattr(pq, "run_planner", lambda *a: fake("planner"))
+    monkeypatch.setattr(pq, "run_hand", lambda name, *a: fake(name))
+    args = ["--tiny", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "r.json")]
+    first = pq.main(args)
+    assert calls == ["planner", *pq.TINY_GRID]
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["cells"] == first["cells"]
+    failing.clear()
+    calls.clear()
+    second = pq.main([*args, "--resume"])
+    assert calls == ["d96-L3-lr0.002"]  # only the row that had failed
+    rows = {r["name"]: r for r in second["cells"][0]["rows"]}
+    assert set(rows) == {"planner", *pq.TINY_GRID} and all("bpb" in r for r in rows.values())
+    assert second["stamp"] == first["stamp"]
+    assert second["cells"][0]["grid_best"] == "d96-L3-lr0.002"  # its new bpb 2.0 beats 3.0
+    calls.clear()
+    pq.main(args)  # without --resume everything runs again
+    assert calls == ["planner", *pq.TINY_GRID]
