@@ -158,3 +158,18 @@ def test_refused_inside_a_launched_job(monkeypatch, capsys):
     assert main(["sft", "-c", str(TINY), "--nproc", "2"]) == 2
     err = capsys.readouterr().err
     assert "--nproc starts the processes itself" in err and "WORLD_SIZE=2" in err
+
+
+def test_torchrun_arguments_of_a_launch():
+    """Several nodes meet by torchrun's static rendezvous at the given address (port 29500 by default,
+    torchrun's); one node without an address or port is left to torchrun's free-port rendezvous."""
+    from lmforge.parallel.launch import Launch, _torchrun_args
+
+    a = _torchrun_args(Launch(4, 2, 1, "node0", None), ["train", "-c", "x.yaml"])
+    assert (a.nproc_per_node, a.nnodes, a.node_rank, a.master_addr, a.master_port) == ("4", "2", 1, "node0",
+                                                                                       29500)
+    assert a.rdzv_backend == "static" and a.module and a.training_script == "lmforge"
+    assert a.training_script_args == ["train", "-c", "x.yaml"]
+    one = _torchrun_args(Launch(2, 1, 0, None, None), ["train"])
+    assert one.master_port is None and one.training_script_args == ["train"]
+    assert _torchrun_args(Launch(2, 1, 0, "10.0.0.1", None), ["train"]).master_addr == "10.0.0.1"
