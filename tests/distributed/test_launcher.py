@@ -173,3 +173,20 @@ def test_torchrun_arguments_of_a_launch():
     one = _torchrun_args(Launch(2, 1, 0, None, None), ["train"])
     assert one.master_port is None and one.training_script_args == ["train"]
     assert _torchrun_args(Launch(2, 1, 0, "10.0.0.1", None), ["train"]).master_addr == "10.0.0.1"
+
+
+def test_nproc_auto_is_one_per_gpu_else_one(monkeypatch):
+    import argparse
+
+    import torch
+
+    from lmforge.parallel.launch import resolve
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    args = argparse.Namespace(nproc="auto", nnodes=None, node_rank=None, master_addr=None, master_port=None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    job = resolve(args)
+    assert (job.nproc, job.world_size, job.in_process) == (1, 1, True)  # a CPU: this process trains
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert resolve(args).nproc == 4
