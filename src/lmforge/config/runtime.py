@@ -88,6 +88,10 @@ class MonitorConfig(Section):
     grad_sync_time: bool = Field(
         False, description="grad_sync_s: DDP only: seconds from the first gradient bucket's all-reduce to "
         "the last one's completion, summed over the window's steps (on CUDA it synchronises per bucket).")
+    pipeline_bubble: bool = Field(
+        False, description="pipeline_bubble: parallel.pp > 1 only: the share of the window's pipeline "
+        "steps the stages sat idle, 1 - busy / wall per rank (busy: its stages' forward, backward and loss; "
+        "wall: the schedule's step), averaged over ranks (on CUDA it synchronises around each stage's work).")
     attention_entropy_every: int = Field(
         0, ge=0, description="attention_entropy: every this many steps (0: off; a multiple of "
         "train.log_every), the mean entropy in nats of one layer's attention probabilities on one row of "

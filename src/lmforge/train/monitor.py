@@ -1,7 +1,7 @@
 """The training metrics beyond loss, lr, gradient norm, tokens/s and MFU (`logging.monitor`): parameter
 norm, samples/s, CUDA allocator memory and fragmentation, data-loading, checkpoint-save and gradient-sync
-time, and one layer's attention entropy. Each one's cost is measured by bench/monitoring_cost.py; what
-costs more than 1% of a step is off by default (docs: Monitoring)."""
+time, the pipeline bubble, and one layer's attention entropy. Each one's cost is measured by
+bench/monitoring_cost.py; what costs more than 1% of a step is off by default (docs: Monitoring)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ from lmforge.models.common.attention import Attention
 from lmforge.models.common.rope import apply_rope
 from lmforge.parallel.data_parallel import SyncTimer
 from lmforge.parallel.dims import ParallelDims
+from lmforge.parallel.pipeline_timing import BubbleTimer
+from lmforge.parallel.pipeline_timing import attach as attach_bubble_timer
+from lmforge.parallel.process_group import host_group
 
 
 def batch_rows(batch: Any) -> int:
@@ -88,12 +91,13 @@ class Monitor:
     """Accumulates a log window's monitoring metrics and hands them to the train record."""
 
     def __init__(self, config: Config, model: nn.Module, comm: Comm, device: torch.device,
-                 dims: ParallelDims | None = None) -> None:
+                 dims: ParallelDims | None = None, pipeline: Any = None) -> None:
         cfg = self.cfg = config.logging.monitor
         self.model, self.comm, self.device = model, comm, device
         self.rows = self.local_tokens = 0
         self.data_seconds = 0.0
         self.sync = self._sync_timer() if cfg.grad_sync_time else None
+        self.bubble = self._bubble_timer(pipeline) if cfg.pipeline_bubble else None
         self._entropy_row: torch.Tensor | None = None
         self.layer: Attention | None = None
         if cfg.attention_entropy_every:
@@ -112,6 +116,13 @@ class Monitor:
                               f"{self.device.type} use the torch profiler, and set {key}=false")
         state.timer = SyncTimer()
         return state.timer
+
+    def _bubble_timer(self, pipeline: Any) -> BubbleTimer:
+        if pipeline is None:
+            raise ConfigError("logging.monitor.pipeline_bubble=true measures a pipeline's idle time: this "
+                              "run has none (parallel.pp=1); run with parallel.pp > 1, or set "
+                              "logging.monitor.pipeline_bubble=false")
+        return attach_bubble_timer(pipeline, self.device)
 
     def _entropy_layer(self, log_every: int, pp: int, tp: int, compiled: bool) -> Attention:
         every = self.cfg.attention_entropy_every
@@ -165,6 +176,10 @@ class Monitor:
             out["data_s"] = self.data_seconds
         if self.sync is not None:
             out["grad_sync_s"] = self.sync.take()
+        if self.bubble is not None:
+            idle = self.bubble.take(host_group())
+            if idle is not None:
+                out["pipeline_bubble"] = idle
         if self._entropy_row is not None:
             value = self._entropy()
             if math.isfinite(value):

@@ -181,7 +181,8 @@ class Trainer(Recovery):
         # MFU's denominator: never undercut by a busy start-up (metrics/peak.py)
         self.peak = PeakFlops.for_device(self.device, self.precision.dtype, write=self.world.is_main,
                                          say=self.console)
-        self.monitor = Monitor(self.cfg, self.model, self.parallel.comm, self.device, self.dims)
+        self.monitor = Monitor(self.cfg, self.model, self.parallel.comm, self.device, self.dims,
+                               self.parallel.pipeline)
         self.last_save_seconds = 0.0
 
     # -- what callbacks read and ask ------------------------------------------------------------

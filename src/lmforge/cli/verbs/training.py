@@ -16,9 +16,62 @@ def _resume_arg(p: argparse.ArgumentParser) -> None:
                    "latest checkpoint")
 
 
+def _launcher_args(p: argparse.ArgumentParser) -> None:
+    """The launcher's flags (parallel/launch.py): start the job's processes as torchrun would."""
+    g = p.add_argument_group("launcher (instead of torchrun: each process runs this command without these)")
+    g.add_argument("--nproc", metavar="N", help="processes on this node (torchrun --nproc-per-node): a "
+                   "number, or auto = one per GPU, 1 on a CPU; default 1 when --nnodes is given")
+    g.add_argument("--nnodes", metavar="M", help="nodes in the job (default 1); each node runs this command")
+    g.add_argument("--node-rank", metavar="R", help="this node's rank, 0 to M-1 (default 0)")
+    g.add_argument("--master-addr", metavar="ADDR", help="address of node rank 0, where the nodes meet "
+                   "(needed with --nnodes > 1)")
+    g.add_argument("--master-port", metavar="PORT", help="port on --master-addr (default: a free local port "
+                   "on one node, 29500 across nodes as torchrun)")
+
+
+def _launched(run):
+    """`run` as the handler of a verb with the launcher's flags: with them, start the job's processes
+    (each running this same command without them) and return the first failed one's exit status."""
+
+    def handler(args: argparse.Namespace) -> int:
+        from lmforge.parallel import launch
+
+        if not launch.requested(args):
+            return run(args)
+        job = launch.resolve(args)
+        if job.in_process:
+            return run(args)
+        if getattr(args, "budget", None) is not None:
+            raise ConfigError("--budget plans a run for one process; drop --nproc/--nnodes (or train the "
+                              "config --budget --plan-only writes with the launcher)")
+        if any(getattr(args, f.lstrip("-").replace("-", "_"), False) for f in _ACTION_FLAGS):
+            raise ConfigError(f"{' / '.join(_ACTION_FLAGS)} run in one process; drop --nproc/--nnodes")
+        launch.check_layout(_config(args), job)
+        worker = launch.worker_argv(args.argv[1:], _takes_value(args.verb))
+        return launch.launch(args.verb, job, [args.argv[0], *worker])
+
+    return handler
+
+
+def _config(args: argparse.Namespace):
+    if getattr(args, "deepspeed", None):
+        from lmforge.cli.verbs.translation import translated_config
+
+        return translated_config(args, warn=False)[0]  # rank 0 of the job warns
+    return load_config(args)
+
+
+def _takes_value(verb: str) -> dict[str, bool]:
+    """Every option of `verb` and whether it takes a value (to strip the launcher's flags exactly)."""
+    p = argparse.ArgumentParser(add_help=False)
+    (_train_translated_args if verb == "train" else _method(verb, METHOD_VERBS[verb]).arguments)(p)
+    return {o: a.nargs != 0 for a in p._actions for o in a.option_strings}
+
+
 def _train_args(p: argparse.ArgumentParser) -> None:
     config_args(p)
     _resume_arg(p)
+    _launcher_args(p)
     p.add_argument("--budget", metavar="DURATION", help="wall-clock budget for the whole process (e.g. 5m, "
                    "90s, 1h): measure this machine, choose vocabulary, model shape, batch, lr, schedule and "
                    "precision for it (keys you set are kept), then prepare, train and evaluate within it; "
@@ -83,6 +136,7 @@ def _method(name: str, spec: MethodVerb) -> Verb:
         for flag, help_text, _ in spec.actions:
             p.add_argument(flag, action="store_true", help=help_text)
         _resume_arg(p)
+        _launcher_args(p)
 
     def run(args: argparse.Namespace) -> int:
         for flag, _, target in spec.actions:
@@ -92,7 +146,7 @@ def _method(name: str, spec: MethodVerb) -> Verb:
                 return 0
         return _train_objective(args, name)
 
-    return Verb(name, spec.help, arguments, run)
+    return Verb(name, spec.help, arguments, _launched(run))
 
 
 def _train_translated_args(p: argparse.ArgumentParser) -> None:
@@ -117,5 +171,6 @@ def _train_translated(args: argparse.Namespace) -> int:
 
 
 TRAIN = Verb("train", "pretrain a model (prepares data on first use)", _train_translated_args,
-             _train_translated)
+             _launched(_train_translated))
+_ACTION_FLAGS = tuple(flag for spec in METHOD_VERBS.values() for flag, _, _ in spec.actions)
 METHODS = [_method(name, spec) for name, spec in METHOD_VERBS.items()]  # lmforge dpo, reward, rl, sft, ...

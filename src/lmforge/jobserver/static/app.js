@@ -24,6 +24,7 @@ const CHARTS = [
     series: [['data_s', 'data loading', '#2ca02c'], ['grad_sync_s', 'grad sync', '#9467bd'],
       ['checkpoint_save_s', 'checkpoint save', '#e377c2']]},
   {id: 'chart-entropy', title: 'attention entropy', series: [['attention_entropy', 'nats', '#bcbd22']]},
+  {id: 'chart-bubble', title: 'pipeline bubble', series: [['pipeline_bubble', 'idle share', '#ff9896']]},
 ];
 
 const S = {
