@@ -147,6 +147,18 @@ def assert_matches(results: list[dict], ref: dict, loss_tol: float, norm_rtol: f
     return diff
 
 
+def selected(request) -> list[tuple[str, dict]]:
+    """(test function name, parameters) of every test of the requesting module that this session runs,
+    after -m / -k deselection. A module fixture launches only the scenarios those tests check, so the
+    slow tier's scenarios cost the default tier nothing and the other way round."""
+    out = []
+    for item in request.session.items:
+        if item.module is request.module:
+            callspec = getattr(item, "callspec", None)
+            out.append((item.originalname, dict(callspec.params) if callspec else {}))
+    return out
+
+
 def launch(n: int, scenarios: list[dict], tmp: Path, timeout: float = 600.0) -> dict[str, list[dict]]:
     tmp.mkdir(parents=True, exist_ok=True)
     spec_file = tmp / "scenarios.json"

@@ -3,7 +3,7 @@ reference) and a reward model (full fine-tuning, score head) train the single-pr
 global batch (micro_batch_size doubled), as SFT does in test_sft_distributed; GRPO trains, validates
 and checkpoints (its completions are sampled per rank with seeds of their own, so it has no
 single-process twin), and a resumed DDP run of it continues bit for bit; so does one with two updates
-per sampled batch (rl.iterations=2), checkpointed between them (each rank keeps its own batch).
+per sampled batch (rl.iterations=2), checkpointed between them (each rank keeps its own batch; slow tier).
 
 The workers are test_sft_distributed's: one process group per rank trains every scenario in turn.
 Tolerance: test_sft_distributed's (fp32; only the order of float sums differs)."""
@@ -46,7 +46,8 @@ def overrides(w: dict, objective: str, run_dir: Path, rows: int, *extra: str) ->
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory, shared_data_dir):
+def prepared(tmp_path_factory, shared_data_dir):
+    """The base model, the SFT model GRPO starts from, the data and the single-process references."""
     from conftest import TINY, tiny_overrides
     from lmforge.config import load_config
     from lmforge.data.instruct_tasks import generate, pairs_of, write_jsonl
@@ -71,20 +72,36 @@ def setup(tmp_path_factory, shared_data_dir):
     for objective in ("dpo", "reward"):
         refs[objective] = tmp / f"ref_{objective}"
         Trainer(load_config(None, overrides(w, objective, refs[objective], 2 * B))).fit()
+    return tmp, w, refs
+
+
+@pytest.fixture(scope="module")
+def setup(prepared):
+    tmp, w, refs = prepared
     scenarios = {f"ddp_{o}": overrides(w, o, tmp / f"ddp_{o}", B, *DDP) for o in ("dpo", "reward", "rl")}
     # the GRPO run again, stopped after step 3's checkpoint and resumed on the same layout
     scenarios["ddp_rl_first_half"] = overrides(w, "rl", tmp / "ddp_rl_resumed", B, *DDP, "train.max_steps=3")
-    # rl.iterations=2: step 3's checkpoint falls between the two updates of the second sampled batch
-    scenarios["ddp_rl_mu2"] = overrides(w, "rl", tmp / "ddp_rl_mu2", B, *DDP, *MU2)
-    scenarios["ddp_rl_mu2_first_half"] = overrides(w, "rl", tmp / "ddp_rl_mu2_resumed", B, *DDP, *MU2,
-                                                   "train.max_steps=3")
     results = launch(2, scenarios, tmp)
     (tmp / "resume").mkdir()
     resumed = overrides(w, "rl", tmp / "ddp_rl_resumed", B, *DDP)
-    resumed_mu2 = overrides(w, "rl", tmp / "ddp_rl_mu2_resumed", B, *DDP, *MU2)
-    results.update(launch(2, {"ddp_rl_resumed": [*resumed, "--resume"],
-                              "ddp_rl_mu2_resumed": [*resumed_mu2, "--resume"]}, tmp / "resume"))
+    results.update(launch(2, {"ddp_rl_resumed": [*resumed, "--resume"]}, tmp / "resume"))
     return tmp, refs, results
+
+
+@pytest.fixture(scope="module")
+def mu2(prepared):
+    """rl.iterations=2: step 3's checkpoint falls between the two updates of the second sampled batch.
+    Launched on its own (the slow tier's test alone uses it)."""
+    tmp, w, _ = prepared
+    scenarios = {"ddp_rl_mu2": overrides(w, "rl", tmp / "ddp_rl_mu2", B, *DDP, *MU2),
+                 "ddp_rl_mu2_first_half": overrides(w, "rl", tmp / "ddp_rl_mu2_resumed", B, *DDP, *MU2,
+                                                    "train.max_steps=3")}
+    (tmp / "mu2").mkdir()
+    results = launch(2, scenarios, tmp / "mu2")
+    (tmp / "mu2_resume").mkdir()
+    resumed_mu2 = overrides(w, "rl", tmp / "ddp_rl_mu2_resumed", B, *DDP, *MU2)
+    results.update(launch(2, {"ddp_rl_mu2_resumed": [*resumed_mu2, "--resume"]}, tmp / "mu2_resume"))
+    return tmp, results
 
 
 @pytest.mark.parametrize("objective", ["dpo", "reward"])
@@ -114,10 +131,13 @@ def test_grpo_on_two_ranks_trains_and_resumes_exactly(setup):
     assert straight == resumed
 
 
-def test_grpo_with_two_updates_per_batch_on_two_ranks_resumes_between_them(setup):
+# slow tier: a third and fourth launch of 2 ranks; the default tier resumes GRPO on 2 ranks above and
+# between the two updates in one process (tests/integration/test_rl_iterations.py)
+@pytest.mark.slow
+def test_grpo_with_two_updates_per_batch_on_two_ranks_resumes_between_them(mu2):
     import torch
 
-    tmp, _, results = setup
+    tmp, results = mu2
     for name in ("ddp_rl_mu2", "ddp_rl_mu2_first_half", "ddp_rl_mu2_resumed"):
         assert results[name] == "ok", results[name]
     keys = ("loss", "grad_norm", "reward", "kl", "clip_fraction", "iteration")

@@ -26,7 +26,7 @@ is proportional to the gradient, so a wrong expert-gradient sum or scale cannot 
 from __future__ import annotations
 
 import pytest
-from dist_harness import assert_matches, launch, merged_params, reference
+from dist_harness import assert_matches, launch, merged_params, reference, selected
 from safetensors.torch import load_file
 
 LOSS_TOL, NORM_RTOL, PARAM_TOL, SGD_PARAM_TOL = 1e-5, 1e-5, 1e-5, 1e-7
@@ -63,20 +63,37 @@ for s in TWO + FOUR:
     s.setdefault("rows", 4)
 
 
+# Slow tier: SGD layouts of 4 ranks whose pieces the default tier checks: 2 expert groups over FSDP
+# (ep2_edp2_fsdp, after AdamW), ep 4 DDP (resume_ep4 trains in it), HSDP (test_four_ranks' hsdp).
+SLOW = {"ep2_edp2_fsdp_sgd", "ep4_ddp_sgd", "ep2_hsdp_sgd"}
+NEEDS = {"test_expert_parallel_equals_plain_data_parallel_with_router_losses": ("ep2_ddp_aux", "ddp_aux"),
+         "test_expert_parallel_checkpoint_resumes_in_another_split_and_in_one_process": ("ep2_fsdp_save",
+                                                                                          "resume_ep4"),
+         "test_each_rank_holds_only_its_experts": ("ep2_ddp_sgd",)}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
+    """A launch of 2 ranks, then one of 4, for the scenarios that the selected tests check."""
+    tests = selected(request)
+    names = {p["name"] for f, p in tests if f == "test_expert_parallel_equals_single_process"}
+    names |= {n for f, _ in tests for n in NEEDS.get(f, ())}
     tmp = tmp_path_factory.mktemp("ep")
     paths = ("export", "save_dir", "load_dir")
 
     def fill(specs):
-        return [{k: (v.format(tmp=tmp) if k in paths else v) for k, v in s.items()} for s in specs]
+        return [{k: (v.format(tmp=tmp) if k in paths else v) for k, v in s.items()} for s in specs
+                if s["name"] in names]
 
-    out = launch(2, fill(TWO), tmp / "two")
-    out.update(launch(4, fill(FOUR), tmp / "four"))
+    out = {}
+    for n, specs, sub in ((2, fill(TWO), "two"), (4, fill(FOUR), "four")):
+        if specs:  # the 2-rank launch first: it writes the checkpoint that resume_ep4 loads
+            out.update(launch(n, specs, tmp / sub))
     return out, tmp
 
 
-@pytest.mark.parametrize("name", [s["name"] for s in TWO + FOUR if "aux" not in s["name"]
+@pytest.mark.parametrize("name", [pytest.param(s["name"], marks=pytest.mark.slow) if s["name"] in SLOW
+                                  else s["name"] for s in TWO + FOUR if "aux" not in s["name"]
                                   and "save" not in s and "load_dir" not in s])
 def test_expert_parallel_equals_single_process(runs, name):
     spec = next(s for s in TWO + FOUR if s["name"] == name)

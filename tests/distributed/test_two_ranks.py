@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import assert_matches, launch, merged_params, reference
+from dist_harness import assert_matches, launch, merged_params, reference, selected
 from safetensors.torch import load_file
 
 LOSS_TOL, NORM_RTOL, PARAM_TOL, SGD_PARAM_TOL = 1e-5, 1e-5, 1e-5, 1e-7
@@ -74,11 +74,20 @@ for s in SCENARIOS:
     s.setdefault("steps", 3)
 
 
+# Slow tier: compiling under FSDP (a cold compile costs tens of seconds); the default tier keeps ZeRO-3 with
+# checkpointing here and compiled training in one process (tests/integration/test_train.py).
+SLOW = {"zero3_ac_compile"}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(request, tmp_path_factory):
+    """One launch of 2 ranks: every default-tier scenario when a default-tier test is selected, and the
+    selected slow ones."""
+    names = {p.get("name") for _, p in selected(request)}
+    default = any(n not in SLOW for n in names)
     tmp = tmp_path_factory.mktemp("two_ranks")
     scenarios = [{k: (v.format(tmp=tmp) if isinstance(v, str) and k == "export" else v) for k, v in s.items()}
-                 for s in SCENARIOS]
+                 for s in SCENARIOS if (s["name"] in names if s["name"] in SLOW else default)]
     return launch(2, scenarios, tmp), tmp
 
 
@@ -100,7 +109,8 @@ def check_parity(name: str, results: list[dict]) -> float:
     return assert_matches(results, ref, LOSS_TOL, NORM_RTOL, tol)
 
 
-@pytest.mark.parametrize("name", [s["name"] for s in SCENARIOS if s["name"] not in FAILING])
+@pytest.mark.parametrize("name", [pytest.param(s["name"], marks=pytest.mark.slow) if s["name"] in SLOW
+                                  else s["name"] for s in SCENARIOS if s["name"] not in FAILING])
 def test_equals_single_process(runs, name):
     results, _ = runs
     check_parity(name, results[name])

@@ -1,5 +1,6 @@
-"""`lmforge sweep` end to end on tiny debug runs (a 2 x 2 grid, resumed), `lmforge scaling fit` on its runs,
-the Ray backend, and hostile sweep arguments (unknown keys, escaping or clashing out dirs)."""
+"""`lmforge sweep` end to end on tiny debug runs (a 2 x 2 grid, resumed; a failed point trained again),
+`lmforge scaling fit` on its runs, the Ray backend (slow tier), and hostile sweep arguments (unknown keys,
+escaping or clashing out dirs)."""
 
 from __future__ import annotations
 
@@ -82,10 +83,9 @@ def test_grid_sweep_resumes_and_scaling_fit_reads_it(tmp_path, shared_data_dir, 
     assert "d_model" in (tmp_path / "plan.yaml").read_text()
 
 
-def test_ray_backend_runs_a_point(tmp_path, shared_data_dir):
-    pytest.importorskip("ray")
+def test_a_failed_point_is_trained_again_over_its_dir(tmp_path, shared_data_dir):
     out = tmp_path / "sweep"
-    assert main(sweep_args(out, shared_data_dir, "train.max_steps=2") + ["--backend", "ray"]) == 0
+    assert main(sweep_args(out, shared_data_dir, "train.max_steps=2")) == 0
     (run,) = json.loads((out / "sweep.json").read_text())["runs"]
     assert run["status"] == "done" and run["final_loss"] > 0
     # a point that failed (here: marked so, its checkpoints gone) is trained again, over its old dir
@@ -99,6 +99,23 @@ def test_ray_backend_runs_a_point(tmp_path, shared_data_dir):
     assert again["status"] == "done" and again["final_loss"] == pytest.approx(run["final_loss"], abs=1e-6)
     assert (Path(run["run_dir"]) / "metrics.jsonl").stat().st_mtime_ns > before
     assert any((Path(run["run_dir"]) / "checkpoints").iterdir())
+
+
+# slow tier: starting Ray costs about 10 s on 2 cores; the sweep's points, their records and the retry of a
+# failed one are the default tier's (the tests above), Ray itself is (test_curate's Ray engine)
+@pytest.mark.slow
+def test_ray_backend_runs_a_point(tmp_path, shared_data_dir):
+    pytest.importorskip("ray")
+    out, local = tmp_path / "sweep", tmp_path / "local"
+    assert main(sweep_args(out, shared_data_dir, "train.max_steps=2") + ["--backend", "ray"]) == 0
+    (run,) = json.loads((out / "sweep.json").read_text())["runs"]
+    assert run["status"] == "done" and run["final_loss"] > 0
+    assert Path(run["run_dir"]).parent == out.resolve()
+    assert any((Path(run["run_dir"]) / "checkpoints").iterdir())
+    # the same point trained by the local backend ends with the same loss
+    assert main(sweep_args(local, shared_data_dir, "train.max_steps=2")) == 0
+    (same,) = json.loads((local / "sweep.json").read_text())["runs"]
+    assert same["final_loss"] == pytest.approx(run["final_loss"], abs=1e-6)
 
 
 def test_hostile_sweep_arguments_exit_2_and_start_nothing(tmp_path, shared_data_dir, capsys):

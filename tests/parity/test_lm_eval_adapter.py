@@ -167,27 +167,35 @@ def test_aggregated_metrics_equal_hflm(both):
     assert info["model"] == "lmforge" and info["lmforge_weights"] == "model"
 
 
-def test_command_line(setup, both):
-    """`python -m lmforge.eval.lm_eval_model` is lm_eval's CLI with the model registered (run as `-m`
-    runs it; the harness's built-in task index is skipped here only to keep the test quick)."""
+def test_command_line(setup, both, monkeypatch, capsys):
+    """`python -m lmforge.eval.lm_eval_model` is lm_eval's CLI with the model registered: the module run
+    as `__main__`, here in this process (runpy, as `-m` does; a process of its own costs ~10 s of starting
+    torch and the harness: the slow tier's test_command_line_as_documented runs the real command). The
+    harness's built-in task index is skipped here only to keep the test quick."""
+    import runpy
+    import warnings
+
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setattr(TaskManager, "__init__", functools.partialmethod(TaskManager.__init__,
+                                                                         include_defaults=False))
     out = setup["root"] / "cli_out"
-    prelude = (
-        "import functools, runpy, lm_eval.tasks.manager as m; "
-        "m.TaskManager.__init__ = functools.partialmethod(m.TaskManager.__init__, include_defaults=False); "
-        "runpy.run_module('lmforge.eval.lm_eval_model', run_name='__main__', alter_sys=True)"
-    )
     args = ["--model", "lmforge", "--model_args", f"path={setup['hf_dir']},batch_size=4", "--tasks", "t_gen",
             "--include_path", str(setup["tasks"]), "--limit", "4", "--device", "cpu", "--log_samples",
             "--output_path", str(out)]
-    proc = subprocess.run([sys.executable, "-c", prelude, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **OFFLINE})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "exact_match" in proc.stdout
+    monkeypatch.setattr(sys, "argv", ["lm_eval_model.py", *args])
+    capsys.readouterr()
+    # runpy warns that the module is imported already: in this process it is (the fixtures registered it);
+    # the `-m` block re-runs it as __main__ and calls the imported module's main, as in a process of its own
+    with warnings.catch_warnings(), pytest.raises(SystemExit) as exited:
+        warnings.filterwarnings("ignore", "'lmforge.eval.lm_eval_model' found in sys.modules", RuntimeWarning)
+        runpy.run_module("lmforge.eval.lm_eval_model", run_name="__main__", alter_sys=True)
+    assert exited.value.code == 0, capsys.readouterr().err[-3000:]
+    assert "exact_match" in capsys.readouterr().out
     (samples,) = glob.glob(str(out / "**" / "samples_t_gen_*.jsonl"), recursive=True)
     cli = [json.loads(line) for line in Path(samples).read_text().splitlines()]
     ref = by_doc(both[0]["samples"]["t_gen"])[:4]
     assert [s["resps"][0][0] for s in by_doc(cli)] == [s["resps"][0][0] for s in ref]
-
 
 
 def test_command_line_errors(setup, monkeypatch, capsys):
