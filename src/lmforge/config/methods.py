@@ -28,7 +28,7 @@ from lmforge.config.section import SEED_MAX, Section
 if TYPE_CHECKING:
     from lmforge.config.schema import Config
 
-DataKind = Literal["tokens", "chat", "pairs", "unpaired", "prompts"]
+DataKind = Literal["tokens", "chat", "pairs", "unpaired", "prompts", "labelled"]
 ExtraModel = Literal["reference", "teacher", "reward"]
 
 # Preference losses with no reference model (the engine's preference_loss reads this set too).
@@ -47,6 +47,7 @@ class MethodFacts:
     extra_models: tuple[ExtraModel, ...] = ()  # models it needs beside the trained one
     scalar_head: Literal["score", "value"] | None = None  # a head it adds to the model and trains
     batch_rows: int = 1  # sequences per example of a batch (a pair: 2)
+    head_outputs: int = 1  # outputs of the scalar head (a classifier's: its number of labels)
 
     @property
     def chat(self) -> bool:
@@ -56,7 +57,8 @@ class MethodFacts:
     @property
     def unit(self) -> str:
         """What the evaluated loss is an average over."""
-        return {"pairs": "pairs", "unpaired": "pairs", "prompts": "loss targets"}.get(self.data, "tokens")
+        return {"pairs": "pairs", "unpaired": "pairs", "prompts": "loss targets",
+                "labelled": "examples"}.get(self.data, "tokens")
 
     @property
     def data_keys(self) -> tuple[str, str]:
@@ -187,9 +189,24 @@ class GKDObjective(_Method):
         return MethodFacts("gkd", "chat", True, "sft", "gkd", ("teacher",))
 
 
+class ClassifyObjective(_Method):
+    name: Literal["classify"] = Field("classify", description="Sequence classification (or regression with "
+                                      "classify.num_labels=1) of the labelled records of the classify "
+                                      "section: a head of num_labels outputs on the last real token.")
+    data: ClassVar[DataKind] = "labelled"
+    data_section: ClassVar[str] = "classify"
+    settings_section: ClassVar[str | None] = "classify"
+
+    @classmethod
+    def facts(cls, cfg: Config) -> MethodFacts:
+        return MethodFacts("classify", "labelled", False, "classify", "classify", scalar_head="score",
+                           head_outputs=cfg.classify.num_labels)
+
+
 METHOD_CONFIGS: dict[str, type[_Method]] = {
     "causal_lm": CausalLMObjective, "sft": SFTObjective, "dpo": DPOObjective, "reward": RewardObjective,
     "rl": RLObjective, "distill": DistillObjective, "mlm": MLMObjective, "gkd": GKDObjective,
+    "classify": ClassifyObjective,
 }
 
 
