@@ -307,6 +307,22 @@ def _build(cfg: Any, tok_path: Path, dir: Path) -> dict:
             "splits": splits}
 
 
+def name_hf_labels(hf_dir: Path, prepared: Path, num_labels: int) -> None:
+    """An exported classifier's config.json with its label map's names as id2label / label2id and
+    transformers' problem_type (regression for one output, so that its loss is the MSE trained here)."""
+    from lmforge.utils.io import atomic_write_json
+
+    labels = json.loads((prepared / LABELS_FILE).read_text(encoding="utf-8")) if num_labels > 1 else []
+    path = hf_dir / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    names = [str(v) for v in labels] if len(set(map(str, labels))) == num_labels else \
+        [f"LABEL_{i}" for i in range(num_labels)]
+    config.update(id2label={str(i): n for i, n in enumerate(names)},
+                  label2id={n: i for i, n in enumerate(names)},
+                  problem_type="regression" if num_labels == 1 else "single_label_classification")
+    atomic_write_json(path, config)
+
+
 # -- batches ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LabelledBatch(PaddedRows):

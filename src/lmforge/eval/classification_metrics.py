@@ -100,7 +100,10 @@ def split_report(run, max_batches: int | None = None) -> dict[str, Any]:
     if n == 1:
         return regression_metrics(truth, preds)
     out = classification_metrics(truth, preds, n)
-    labels = run.data.labels if run.data is not None else list(range(n))
+    from lmforge.data import data_dir
+    from lmforge.data.labelled import load_prepared_labelled
+
+    labels = load_prepared_labelled(data_dir(run.cfg)).labels
     for k, row in enumerate(out["per_class"]):
         row["label"] = labels[k] if k < len(labels) else k
     return out
