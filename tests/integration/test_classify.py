@@ -177,3 +177,38 @@ def test_bad_label_files_exit_2_with_file_and_line(world, tmp_path, capsys, case
     assert f"{path}:4:" in err and message in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (run / "checkpoints").exists()
+
+
+def test_encoder_classifies_pairs_and_exports_as_bert(world, tmp_path, capsys):
+    """A masked-LM encoder fine-tuned as a classifier on pairs: [CLS] a [SEP] b [SEP] with token types,
+    pooled at [CLS]; its export is transformers' BertForSequenceClassification, which loads it."""
+    mlm = tmp_path / "mlm"
+    assert main(["train", "-c", str(Path(TINY).parents[1] / "mlm" / "tiny.yaml"),
+                 *(a for o in tiny_overrides(mlm, tmp_path / "mlm-data", "train.max_steps=4",
+                                             "checkpoint.every=0", "train.eval_every=0", "train.threads=1",
+                                             "model.d_model=32", "model.n_layers=1")
+                   for a in ("--set", o))]) == 0
+    pairs = tmp_path / "pairs.jsonl"
+    recs = _records(world.train)
+    pairs.write_text("".join(json.dumps({"premise": a["sentence"], "hypothesis": b["sentence"],
+                                         "label": int(a["label"] == b["label"])}) + "\n"
+                             for a, b in zip(recs, recs[1:])))
+    run = tmp_path / "enc"
+    assert main(["classify", *cli(world, run, f"model.init_from={mlm}", f"classify.data=[{pairs}]",
+                                  "classify.val_data=[]", "classify.text_field=premise",
+                                  "classify.text_pair_field=hypothesis", "train.max_steps=3",
+                                  "train.eval_every=3", "checkpoint.every=3")]) == 0
+    from lmforge.data.labelled import load_prepared_labelled
+    from lmforge.data.tokenizer import Tokenizer
+
+    data = load_prepared_labelled(run / "data")
+    enc = Tokenizer.load(run / "data" / "tokenizer.json").encoder_ids()
+    split = data.split("train")
+    first, second = split.example(0), int(split.second[0])
+    assert first[0] == enc["cls"] and first[-1] == enc["sep"] and first[second - 1] == enc["sep"]
+    assert 2 < second < len(first)
+    saved = load_config(run / "config.yaml")
+    assert (saved.model.arch, saved.model.score_head, saved.model.num_labels) == ("encoder", True, 2)
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 0
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["architectures"] == ["BertForSequenceClassification"] and hf["id2label"] == {"0": "0", "1": "1"}

@@ -72,3 +72,49 @@ def test_transformers_classifier_imports_with_equal_logits(tmp_path, family):
     assert (ours.cfg.score_head, ours.cfg.num_labels) == (True, 4)
     with torch.no_grad():
         torch.testing.assert_close(classify_logits(ours, ids, lengths), theirs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_encoder_classifier_both_ways(tmp_path, family):
+    """BERT's pooler (dense + tanh on [CLS]) and classifier, RoBERTa's classification head: transformers'
+    checkpoint imported, and lmforge's encoder classifier exported, with equal logits; a pair's second
+    segment has token type 1."""
+    kinds = {"bert": (transformers.BertConfig, transformers.BertForSequenceClassification, {}),
+             "roberta": (transformers.RobertaConfig, transformers.RobertaForSequenceClassification,
+                         {"pad_token_id": 1, "type_vocab_size": 1})}
+    config_cls, model_cls, extra = kinds[family]
+    pad = extra.get("pad_token_id", 0)
+    config = config_cls(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, max_position_embeddings=40, num_labels=3,
+                        **{"pad_token_id": 0, **extra})
+    torch.manual_seed(0)
+    model_cls(config).save_pretrained(tmp_path / "theirs")
+    ids, mask, lengths = _batch()
+    ids = torch.where(mask.bool(), ids.clamp(min=2), pad)
+    types = torch.zeros_like(ids)
+    if family == "bert":
+        types = ((torch.arange(12)[None] >= 2) & mask.bool()).long()
+    hf = model_cls.from_pretrained(tmp_path / "theirs", dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=mask, token_type_ids=types).logits
+    ours = from_hf(tmp_path / "theirs").eval()
+    assert (ours.cfg.arch, ours.cfg.score_head, ours.cfg.num_labels) == ("encoder", True, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(classify_logits(ours, ids, lengths, types), theirs, atol=1e-5, rtol=0)
+    to_hf(ours, tmp_path / "ours")
+    name, again = type(hf).__name__, model_cls.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids, attention_mask=mask, token_type_ids=types).logits,
+                                   theirs, atol=1e-5, rtol=0)
+    assert name == model_cls.__name__
+
+
+def test_encoder_head_added_to_a_masked_lm():
+    """A masked-LM encoder turned classifier: the MLM head goes, BERT's pooler and classifier come."""
+    cfg = ModelConfig(arch="encoder", vocab_size=96, d_model=32, n_layers=1, n_heads=4, max_seq_len=16,
+                      pos_embedding="learned", tie_embeddings=True, norm="layernorm", mlp="gelu", bias=True)
+    model = build_model(cfg)
+    add_head(model, "score", outputs=5)
+    assert not hasattr(model, "head") and model.score.out_features == 5 and model.score.bias is not None
+    rebuilt = build_model(model.cfg)
+    assert set(rebuilt.state_dict()) == set(model.state_dict())

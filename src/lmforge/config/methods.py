@@ -74,7 +74,8 @@ class _Method(Section):
     token_loss: ClassVar[bool] = False
     data_section: ClassVar[str] = "data"
     settings_section: ClassVar[str | None] = None
-    encoder: ClassVar[bool] = False  # it trains an encoder (model.arch=encoder); only such methods do
+    # it trains an encoder (model.arch=encoder) and only encoders; None: either kind of model
+    encoder: ClassVar[bool | None] = False
 
     @model_validator(mode="wrap")
     @classmethod
@@ -194,6 +195,7 @@ class ClassifyObjective(_Method):
                                       "classify.num_labels=1) of the labelled records of the classify "
                                       "section: a head of num_labels outputs on the last real token.")
     data: ClassVar[DataKind] = "labelled"
+    encoder: ClassVar[bool | None] = None  # a decoder or an encoder
     data_section: ClassVar[str] = "classify"
     settings_section: ClassVar[str | None] = "classify"
 
@@ -216,8 +218,9 @@ DEFAULT_METHOD = CausalLMObjective.model_fields["name"].default  # pretraining: 
 def default_method(arch: str) -> str:
     """The method a model of `arch` trains (and is evaluated) with when the config names none: an encoder's
     is its masked LM, a decoder's next-token pretraining."""
-    return next((n for n, c in METHOD_CONFIGS.items() if c.encoder), DEFAULT_METHOD) if arch == "encoder" \
-        else DEFAULT_METHOD
+    if arch != "encoder":
+        return DEFAULT_METHOD
+    return next((n for n, c in METHOD_CONFIGS.items() if c.encoder is True), DEFAULT_METHOD)
 
 
 class _Unnamed(dict):
@@ -241,7 +244,8 @@ ObjectiveConfig = Annotated[
 
 def check_arch(name: str, arch: str) -> None:
     """Refuse a method with a model it cannot train: encoder methods train encoders, and only they do."""
-    if METHOD_CONFIGS[name].encoder != (arch == "encoder"):
+    encoder = METHOD_CONFIGS[name].encoder
+    if encoder is not None and encoder != (arch == "encoder"):
         enc = default_method("encoder")
         raise ValueError(f"objective.name={name} does not fit model.arch={arch}: an encoder trains with "
                          f"objective {enc} and objective {enc} needs model.arch=encoder")

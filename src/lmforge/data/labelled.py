@@ -51,9 +51,14 @@ MAX_TEXT_CHARS = 1 << 20  # one record's text: a classifier reads seq_len tokens
 
 @dataclass(frozen=True)
 class LabelledRecord:
-    text: str
+    texts: tuple[str, ...]  # the text, or a pair's two
     label: Any  # str | int (a class) or float (regression), as the record gave it
     where: str  # file:line
+
+    @property
+    def text(self) -> str:
+        """What a decoder reads: the texts joined by a newline."""
+        return "\n".join(self.texts)
 
 
 def parse_record(record: Any, where: str, fields: Any, regression: bool) -> LabelledRecord:
@@ -92,7 +97,7 @@ def parse_record(record: Any, where: str, fields: Any, regression: bool) -> Labe
     elif not isinstance(label, (str, int)):
         raise DataError(f"{where}: label {label!r} is a {type(label).__name__}; a class is a name (string) "
                         "or an index (integer); for regression set classify.num_labels=1")
-    return LabelledRecord("\n".join(texts), label, where)
+    return LabelledRecord(tuple(texts), label, where)
 
 
 def read_labelled(sources: list[str], fields: Any, regression: bool,
@@ -155,6 +160,7 @@ class LabelledSplit:
     ids: np.ndarray  # int32, the examples back to back
     offsets: np.ndarray  # int64 (examples + 1,)
     labels: np.ndarray  # int64 class indices, or float32 regression targets
+    second: np.ndarray  # int64: where each example's second segment starts (its length without one)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -185,7 +191,7 @@ class PreparedLabelled:
         if name not in self.meta["splits"]:
             raise DataError(f"unknown split {name!r}; valid splits: {', '.join(self.meta['splits'])}")
         arrays = [np.load(self.dir / f"{name}_{part}.npy", allow_pickle=False, mmap_mode="r")
-                  for part in ("ids", "offsets", "labels")]
+                  for part in ("ids", "offsets", "labels", "second")]
         return LabelledSplit(*arrays)
 
     def info(self, name: str) -> None:
@@ -267,10 +273,41 @@ def prepare_labelled(cfg: Any, console: Callable[[str], object] = print,
     return load_prepared_labelled(out)
 
 
+def encode(tok: Tokenizer, records: list[LabelledRecord], seq_len: int,
+           encoder: dict[str, int] | None) -> tuple[list[np.ndarray], list[int], int]:
+    """(ids per record, where each one's second segment starts, how many were cut to seq_len). A decoder
+    reads the joined text (its start when too long); an encoder BERT's [CLS] a [SEP] (b [SEP]), the
+    longer text trimmed first until it fits (transformers' longest_first truncation)."""
+    out, seconds, cut = [], [], 0
+    if encoder is None:
+        for e in tok.encode_batch([r.text for r in records]) if records else []:
+            cut += len(e) > seq_len
+            out.append(np.asarray(e[:seq_len], dtype=np.int32))
+            seconds.append(len(out[-1]))
+        return out, seconds, cut
+    cls, sep = encoder["cls"], encoder["sep"]
+    for r in records:
+        parts = [tok.encode(t) for t in r.texts]
+        room = seq_len - 1 - len(parts)  # [CLS] and a [SEP] after each text
+        cut += sum(map(len, parts)) > room
+        while sum(map(len, parts)) > max(room, 0):
+            longest = max(range(len(parts)), key=lambda i: len(parts[i]))
+            parts[longest] = parts[longest][:-1]
+        first = [cls, *parts[0], sep]
+        rest = [t for p in parts[1:] for t in (*p, sep)]
+        out.append(np.asarray(first + rest, dtype=np.int32))
+        seconds.append(len(first) if rest else len(out[-1]))
+    return out, seconds, cut
+
+
 def _build(cfg: Any, tok_path: Path, dir: Path) -> dict:
     c = cfg.classify
     regression = c.num_labels == 1
     tok = Tokenizer.load(tok_path)
+    encoder = tok.encoder_ids() if cfg.model.arch == "encoder" else None
+    if cfg.model.arch == "encoder" and encoder is None:
+        raise DataError(f"{tok_path}: an encoder classifies [CLS] text [SEP], and this tokenizer has no "
+                        "[CLS] / [SEP] (or <s> / </s>): use the tokenizer of the encoder's own run")
     records: dict[str, list[LabelledRecord]] = {"train": [], "val": []}
     if c.val_data:
         records["train"] = list(read_labelled(c.data, c, regression))
@@ -285,8 +322,7 @@ def _build(cfg: Any, tok_path: Path, dir: Path) -> dict:
     tok.save(dir / TOKENIZER_FILE)
     splits = {}
     for name, recs in records.items():
-        encoded = tok.encode_batch([r.text for r in recs]) if recs else []
-        ids = [np.asarray(e[: cfg.seq_len], dtype=np.int32) for e in encoded]
+        ids, seconds, cut = encode(tok, recs, cfg.seq_len, encoder)
         for r, e in zip(recs, ids):
             if not len(e):
                 raise DataError(f"{r.where}: the text encodes to no tokens")
@@ -297,10 +333,10 @@ def _build(cfg: Any, tok_path: Path, dir: Path) -> dict:
         lengths = np.asarray([len(e) for e in ids], dtype=np.int64)
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         flat = np.concatenate(ids) if ids else np.zeros(0, np.int32)
-        for part, arr in (("ids", flat), ("offsets", offsets), ("labels", y)):
+        second = np.asarray(seconds, dtype=np.int64)
+        for part, arr in (("ids", flat), ("offsets", offsets), ("labels", y), ("second", second)):
             np.save(dir / f"{name}_{part}.npy", arr, allow_pickle=False)
-        splits[name] = {"examples": len(recs), "tokens": int(offsets[-1]),
-                        "truncated": int(sum(len(e) > cfg.seq_len for e in encoded))}
+        splits[name] = {"examples": len(recs), "tokens": int(offsets[-1]), "truncated": cut}
     (dir / LABELS_FILE).write_text(json.dumps(labels), encoding="utf-8")
     return {"kind": KIND, "format": FORMAT, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
             "base_vocab": tok.vocab_size, "added_tokens": [], "num_labels": c.num_labels, "labels": labels,
@@ -327,16 +363,19 @@ def name_hf_labels(hf_dir: Path, prepared: Path, num_labels: int) -> None:
 @dataclass(frozen=True)
 class LabelledBatch(PaddedRows):
     """`input_ids` (B, T) right-padded, `lengths` (B,) each row's real tokens, `labels` (B,): class
-    indices (int64) or regression targets (float32)."""
+    indices (int64) or regression targets (float32); `token_types` (B, T): 1 on a pair's second segment
+    (an encoder's token-type ids), else 0."""
 
     input_ids: torch.Tensor
     lengths: torch.Tensor
     labels: torch.Tensor
     real_tokens: int = 0
+    token_types: torch.Tensor | None = None
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> LabelledBatch:
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return LabelledBatch(move(self.input_ids), move(self.lengths), move(self.labels), self.real_tokens)
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return LabelledBatch(move(self.input_ids), move(self.lengths), move(self.labels), self.real_tokens,
+                             move(self.token_types))
 
     @property
     def examples(self) -> int:
@@ -385,7 +424,11 @@ class LabelledLoader:
         for r, i in enumerate(rows):
             ids[r, : lengths[r]] = self.split.example(int(i))
         labels = torch.from_numpy(np.asarray([self.split.labels[int(i)] for i in rows]))
-        return LabelledBatch(torch.from_numpy(ids), torch.from_numpy(lengths), labels, int(lengths.sum()))
+        second = np.asarray([int(self.split.second[int(i)]) for i in rows], dtype=np.int64)
+        pos = np.arange(ids.shape[1])[None]
+        types = ((pos >= second[:, None]) & (pos < lengths[:, None])).astype(np.int64)
+        return LabelledBatch(torch.from_numpy(ids), torch.from_numpy(lengths), labels, int(lengths.sum()),
+                             torch.from_numpy(types))
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()

@@ -87,7 +87,7 @@ def predictions(run, max_batches: int | None = None) -> tuple[np.ndarray, np.nda
     model.eval()
     for batch in run.val_loader.iter_eval_batches(max_batches):
         batch = batch.to(run.device)
-        logits = classify_logits(model, batch.input_ids, batch.lengths)
+        logits = classify_logits(model, batch.input_ids, batch.lengths, batch.token_types)
         preds.append((logits.squeeze(-1) if logits.size(-1) == 1 else logits.argmax(-1)).cpu().numpy())
         truth.append(batch.labels.cpu().numpy())
     return np.concatenate(truth), np.concatenate(preds)

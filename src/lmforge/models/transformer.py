@@ -503,6 +503,10 @@ def add_head(model: Transformer, name: str, std: float | None = None, outputs: i
     config's num_labels)."""
     if name not in ("score", "value") or (name == "value" and outputs != 1):
         raise ValueError(f"unknown head {name!r} of {outputs} outputs: score, or value of 1")
+    if model.cfg.arch == "encoder" and name == "score":  # BERT's pooler + classifier
+        from lmforge.models.encoder import add_classifier
+
+        return add_classifier(model, outputs)
     ref = model.tok_embeddings.weight
     head = nn.Linear(model.cfg.d_model, outputs, bias=False, device=ref.device, dtype=ref.dtype)
     nn.init.normal_(head.weight, mean=0.0, std=model.cfg.init_std if std is None else std)

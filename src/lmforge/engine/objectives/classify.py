@@ -25,9 +25,16 @@ from lmforge.engine.objectives.base import Objective, ObjectiveOutput
 from lmforge.errors import ConfigError
 
 
-def classify_logits(model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """The score head's outputs (B, num_labels), fp32, at each row's last real token."""
-    hidden = model(input_ids, head=lambda h, w: h)  # (B, T, d_model) after the final norm
+def classify_logits(model: nn.Module, input_ids: torch.Tensor, lengths: torch.Tensor,
+                    token_types: torch.Tensor | None = None) -> torch.Tensor:
+    """The score head's outputs (B, num_labels), fp32: a decoder's at each row's last real token, an
+    encoder's (one with BERT's `pooler`) from tanh(pooler(hidden of [CLS])), padding masked out."""
+    identity = lambda h, w: h  # noqa: E731 - the hidden states (B, T, d_model) after the final norm
+    if isinstance(getattr(model, "pooler", None), nn.Module):
+        real = torch.arange(input_ids.size(1), device=input_ids.device)[None] < lengths[:, None]
+        hidden = model(input_ids, attention_mask=real.long(), token_type_ids=token_types, head=identity)
+        return model.score(torch.tanh(model.pooler(hidden[:, 0]))).float()
+    hidden = model(input_ids, head=identity)
     last = hidden[torch.arange(hidden.size(0), device=hidden.device), lengths - 1]  # (B, d_model)
     return model.score(last).float()
 
@@ -62,7 +69,7 @@ class Classify(Objective):
         return batch.examples
 
     def __call__(self, model: nn.Module, batch: LabelledBatch) -> ObjectiveOutput:
-        logits = classify_logits(model, batch.input_ids, batch.lengths)
+        logits = classify_logits(model, batch.input_ids, batch.lengths, batch.token_types)
         if self.regression:
             pred = logits.squeeze(-1)
             loss = (pred - batch.labels.float()).square().sum()
