@@ -212,3 +212,8 @@ def test_encoder_classifies_pairs_and_exports_as_bert(world, tmp_path, capsys):
     assert main(["export", str(run), str(tmp_path / "hf")]) == 0
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert hf["architectures"] == ["BertForSequenceClassification"] and hf["id2label"] == {"0": "0", "1": "1"}
+
+
+def test_report_refuses_what_is_not_a_classifier(world, capsys):
+    assert main(["classify", "--report", "--set", f"run.dir={world.base}"]) == 2
+    assert "not a classifier" in capsys.readouterr().err

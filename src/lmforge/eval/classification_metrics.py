@@ -114,9 +114,14 @@ def report(cfg, say=print) -> dict[str, Any]:
     classify_<split>_step_N.json in the run dir."""
     from lmforge.assembly import build_run
     from lmforge.checkpoint.runs import run_config
+    from lmforge.config.methods import method_facts
+    from lmforge.errors import ConfigError
     from lmforge.utils.io import atomic_write_json
 
     saved, source = run_config(cfg.run.dir, [f"eval.split={cfg.eval.split}"])
+    if method_facts(saved).data != "labelled" or not saved.model.score_head:
+        raise ConfigError(f"{cfg.run.dir} is a run of objective {saved.objective.name}, not a classifier: "
+                          "--report evaluates the run.dir of an `lmforge classify` run")
     run = build_run(saved, "eval", weights_from=source)
     out = {"step": run.step, "split": saved.eval.split, **split_report(run, saved.eval.max_batches)}
     written = Path(run.run_dir) / f"classify_{saved.eval.split}_step_{run.step:08d}.json"

@@ -1,7 +1,8 @@
 """Sequence classification and regression (objective classify): the model's `score` head (d_model ->
-num_labels, no bias: transformers' ...ForSequenceClassification head) read at each row's last real token
-(a decoder's summary of the whole text; rows are right-padded, so that is position length - 1, the token
-transformers pools for a row without padding), trained with
+num_labels: transformers' ...ForSequenceClassification head) read where the model summarises the text.
+A decoder's (no bias) reads each row's last real token (rows are right-padded: position length - 1, the
+last token that is not padding, which transformers pools); an encoder's is BERT's, tanh(pooler(hidden of
+[CLS])) into a classifier with a bias, padding masked out of attention. Trained with
 
     classification (num_labels >= 2): sum_i w[y_i] * cross_entropy(logits_i, y_i)
     regression     (num_labels = 1):  sum_i (score_i - y_i)^2
