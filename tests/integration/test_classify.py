@@ -153,6 +153,9 @@ BAD = {
     "too many labels": ("train", {"sentence": "the tea was fine", "label": "neutral"},
                         "more than classify.num_labels=2"),
     "not a number": ("train", {"sentence": "the tea was fine", "label": "high"}, "not a finite number"),
+    "no label": ("val", {"sentence": "the tea was fine"}, "the label field 'label' is missing"),
+    "long name": ("train", {"sentence": "the tea was fine", "label": "x" * 201}, "a class name has 1 to 200"),
+    "not json": ("train", "{not json", "train.jsonl:4:"),
 }
 
 
@@ -165,7 +168,8 @@ def test_bad_label_files_exit_2_with_file_and_line(world, tmp_path, capsys, case
     if case == "not a number":
         good = [{**r, "label": len(r["sentence"]) / 10} for r in good]
     path = tmp_path / f"{split}.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in [*good[:3], bad, *good[3:]]))
+    rows = [json.dumps(r) if isinstance(r, dict) else r for r in [*good[:3], bad, *good[3:]]]
+    path.write_text("".join(row + "\n" for row in rows))
     files = {"train": world.train, "val": world.val, split: path}
     if case == "not a number":
         files["val"] = path

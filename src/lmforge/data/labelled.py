@@ -47,6 +47,7 @@ FORMAT = 1
 LABELS_FILE = "labels.json"
 SPLITS = ("train", "val")
 MAX_TEXT_CHARS = 1 << 20  # one record's text: a classifier reads seq_len tokens of it at most
+MAX_LABEL_CHARS = 200  # a class name: the label map (labels.json, an export's id2label) holds each one
 
 
 @dataclass(frozen=True)
@@ -95,8 +96,11 @@ def parse_record(record: Any, where: str, fields: Any, regression: bool) -> Labe
     elif isinstance(label, float) and label.is_integer():
         label = int(label)  # Parquet and pandas write integer columns with missing values as floats
     elif not isinstance(label, (str, int)):
-        raise DataError(f"{where}: label {label!r} is a {type(label).__name__}; a class is a name (string) "
-                        "or an index (integer); for regression set classify.num_labels=1")
+        raise DataError(f"{where}: label {str(label)[:40]!r} is a {type(label).__name__}; a class is a name "
+                        "(string) or an index (integer); for regression set classify.num_labels=1")
+    elif isinstance(label, str) and not 0 < len(label) <= MAX_LABEL_CHARS:
+        raise DataError(f"{where}: label {label[:40]!r} has {len(label):,} characters; a class name has 1 to "
+                        f"{MAX_LABEL_CHARS}")
     return LabelledRecord(tuple(texts), label, where)
 
 
