@@ -96,7 +96,7 @@ def test_fine_tunes_evaluates_and_reports(world, tmp_path, capsys, method):
         assert hf["problem_type"] == "single_label_classification"
 
 
-def test_resume_is_exact(world, tmp_path):
+def test_resume_is_exact(world, tmp_path, capsys):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     extra = ("classify.class_weights=balanced",)
     assert main(["classify", *cli(world, straight, *extra)]) == 0
@@ -107,6 +107,22 @@ def test_resume_is_exact(world, tmp_path):
     keys = ("step", "loss", "accuracy", "grad_norm", "val_loss", "val_accuracy")
     curve = lambda d: [{k: r[k] for k in keys if k in r} for r in read_metrics(d / "metrics.jsonl")]  # noqa: E731
     assert curve(straight) == curve(crashed)
+    assert json.loads((crashed / "labels.json").read_text()) == ["negative", "positive"]
+    # resumed on data that maps the classes otherwise: refused, the run left as it was
+    flipped = tmp_path / "flipped.jsonl"
+    flipped.write_text("".join(json.dumps({**r, "label": {"negative": "bad", "positive": "good"}[r["label"]]})
+                               + "\n" for r in _records(world.train)))
+    before = (crashed / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["classify", *cli(world, crashed, *extra, f"classify.data=[{flipped}]",
+                                  "classify.val_data=[]", f"data.dir={tmp_path / 'other'}",
+                                  "train.max_steps=8"), "--resume"]) == 2
+    assert "keeps its label map" in capsys.readouterr().err
+    assert (crashed / "metrics.jsonl").read_text() == before
+    # a new run in its place (run.overwrite) starts a new map
+    assert main(["classify", *cli(world, crashed, f"classify.data=[{flipped}]", "classify.val_data=[]",
+                                  "train.max_steps=1", "run.overwrite=true")]) == 0
+    assert json.loads((crashed / "labels.json").read_text()) == ["bad", "good"]
 
 
 def test_regression_and_class_weights(world, tmp_path):

@@ -3,6 +3,9 @@ classify.class_weights=balanced derives from the training split's labels."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -19,6 +22,24 @@ def balanced_weights(labels: np.ndarray, num_labels: int) -> list[float]:
     return [float(n / (num_labels * c)) if c else 1.0 for c in counts]
 
 
+def keep_label_map(run_dir: Path, labels: list) -> None:
+    """The run's label map in its run dir (labels.json), written once when it starts: a resumed run whose
+    data now maps the classes otherwise is refused (its head's outputs would change meaning)."""
+    from lmforge.data.labelled import LABELS_FILE
+    from lmforge.errors import DataError
+    from lmforge.utils.io import atomic_write_json
+
+    path = run_dir / LABELS_FILE
+    if path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        if saved != labels:
+            raise DataError(f"{path} maps the classes as {saved[:10]}, the data now as {labels[:10]}: a "
+                            "resumed classifier keeps its label map; use the data it started with or a new "
+                            "run.dir")
+        return
+    atomic_write_json(path, labels)
+
+
 class ClassifySetup(MethodSetup):
     names = (Classify.name,)
 
@@ -28,6 +49,9 @@ class ClassifySetup(MethodSetup):
             objective.weights = torch.tensor(weights, dtype=torch.float32)
 
     def attach(self, objective, ctx: SetupContext):
+        from lmforge.parallel.coord import on_rank0
+
+        on_rank0(lambda: keep_label_map(Path(ctx.cfg.run.dir), ctx.data.labels))
         self._weigh(objective, ctx.cfg, ctx.data)
         if objective.weights is not None:
             ctx.say("class weights: " + ", ".join(f"{w:.3g}" for w in objective.weights.tolist()))
