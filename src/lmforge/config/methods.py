@@ -193,7 +193,8 @@ class GKDObjective(_Method):
 class ClassifyObjective(_Method):
     name: Literal["classify"] = Field("classify", description="Sequence classification (or regression with "
                                       "classify.num_labels=1) of the labelled records of the classify "
-                                      "section: a head of num_labels outputs on the last real token.")
+                                      "section: a head of num_labels outputs on a decoder's last real "
+                                      "token or an encoder's [CLS].")
     data: ClassVar[DataKind] = "labelled"
     encoder: ClassVar[bool | None] = None  # a decoder or an encoder
     data_section: ClassVar[str] = "classify"

@@ -47,12 +47,13 @@ from lmforge.config.train import (
 )
 
 __all__ = [
-    "UNIT_SUFFIX", "AveragingConfig", "CheckpointConfig", "ClassifyConfig", "Config", "CurateConfig",
-    "DataConfig", "DistillConfig", "EvalConfig", "FinetuneConfig", "GKDConfig", "GenerateConfig",
-    "LoggingConfig", "MLAConfig", "MLMConfig", "MlflowConfig", "ModelConfig", "MoEConfig", "ObjectiveConfig",
-    "OptimConfig", "ParallelConfig", "PreferenceConfig", "QuantConfig", "RLConfig", "RopeScalingConfig",
-    "RunConfig", "SFTConfig", "ScheduleConfig", "StabilityConfig", "TokenizerConfig", "TrainConfig",
-    "WandbConfig", "parse_duration",
+    "UNIT_SUFFIX", "AveragingConfig", "CheckpointConfig", "Config", "CurateConfig", "DataConfig",
+    "DistillConfig", "EvalConfig", "FinetuneConfig", "GKDConfig", "GenerateConfig", "LoggingConfig",
+    "MLAConfig", "MLMConfig", "MlflowConfig", "ModelConfig", "MoEConfig", "ObjectiveConfig", "OptimConfig",
+    "ParallelConfig", "PreferenceConfig", "QuantConfig", "RLConfig", "RopeScalingConfig", "RunConfig",
+    "SFTConfig", "ScheduleConfig", "StabilityConfig", "TokenizerConfig", "TrainConfig", "WandbConfig",
+    "parse_duration",
+    "ClassifyConfig",  # objective classify's section (config/classify.py)
 ]
 
 

@@ -25,6 +25,6 @@ def build_objective(cfg: Config) -> Objective:
     return OBJECTIVES[cfg.objective.name].from_config(cfg)
 
 
-__all__ = ["OBJECTIVES", "SFT", "CausalLM", "Classify", "Distill", "GKD", "MaskedLM", "TopK",
-           "PolicyGradient", "Preference", "RewardModel", "Objective", "ObjectiveModule", "ObjectiveOutput",
-           "TokenObjective", "build_objective"]
+__all__ = ["OBJECTIVES", "SFT", "CausalLM", "Distill", "GKD", "MaskedLM", "TopK", "PolicyGradient",
+           "Preference", "RewardModel", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
+           "build_objective", "Classify"]
