@@ -20,6 +20,7 @@ EXPECTED = {  # name: (data, token_loss, data_section, extra models, scalar head
     "distill": ("tokens", True, "data", ("teacher",), None),
     "mlm": ("tokens", False, "data", (), None),
     "gkd": ("chat", True, "sft", ("teacher",), None),
+    "classify": ("labelled", False, "classify", (), "score"),
 }
 
 
@@ -82,7 +83,7 @@ def test_each_fine_tuning_method_names_its_verb():
     from lmforge.config.methods import METHOD_CONFIGS
 
     # causal_lm, mlm: lmforge train
-    assert sorted(METHOD_VERBS) == ["distill", "dpo", "gkd", "reward", "rl", "sft"]
+    assert sorted(METHOD_VERBS) == ["classify", "distill", "dpo", "gkd", "reward", "rl", "sft"]
     for verb, spec in METHOD_VERBS.items():
         assert METHOD_CONFIGS[verb].model_fields["name"].default == verb and spec.help.startswith(
             ("fine-tune", "preference", "train a", "reinforcement", "knowledge"))

@@ -284,8 +284,9 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.run.seed)
-            add_head(model, head)
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={f"{head}_head": True})})
+            add_head(model, head, outputs=method_facts(cfg).head_outputs)
+        heads = {f"{head}_head": True, "num_labels": model.cfg.num_labels}
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=heads)})
     if cfg.finetune.method != "full" or sft:
         say(apply_finetune(model, cfg.finetune, seed=cfg.run.seed).line())
         if head and not custom:

@@ -15,7 +15,8 @@ from lmforge.utils.pidlock import PidLock
 
 # What a run writes; `data/` (prepared shards) is deliberately not in the list: replacing a run
 # should not throw away its prepared corpus.
-RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard")
+RUN_ARTIFACTS = ("config.yaml", "metrics.jsonl", "curves.png", "checkpoints", "tensorboard",
+                 "labels.json")  # labels.json: a classifier's label map (assembly/methods/classify.py)
 
 
 JOB_MARKER = ".torchrun_job"

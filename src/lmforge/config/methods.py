@@ -28,7 +28,7 @@ from lmforge.config.section import SEED_MAX, Section
 if TYPE_CHECKING:
     from lmforge.config.schema import Config
 
-DataKind = Literal["tokens", "chat", "pairs", "unpaired", "prompts"]
+DataKind = Literal["tokens", "chat", "pairs", "unpaired", "prompts", "labelled"]
 ExtraModel = Literal["reference", "teacher", "reward"]
 
 # Preference losses with no reference model (the engine's preference_loss reads this set too).
@@ -47,6 +47,7 @@ class MethodFacts:
     extra_models: tuple[ExtraModel, ...] = ()  # models it needs beside the trained one
     scalar_head: Literal["score", "value"] | None = None  # a head it adds to the model and trains
     batch_rows: int = 1  # sequences per example of a batch (a pair: 2)
+    head_outputs: int = 1  # outputs of the scalar head (a classifier's: its number of labels)
 
     @property
     def chat(self) -> bool:
@@ -56,7 +57,8 @@ class MethodFacts:
     @property
     def unit(self) -> str:
         """What the evaluated loss is an average over."""
-        return {"pairs": "pairs", "unpaired": "pairs", "prompts": "loss targets"}.get(self.data, "tokens")
+        return {"pairs": "pairs", "unpaired": "pairs", "prompts": "loss targets",
+                "labelled": "examples"}.get(self.data, "tokens")
 
     @property
     def data_keys(self) -> tuple[str, str]:
@@ -72,7 +74,8 @@ class _Method(Section):
     token_loss: ClassVar[bool] = False
     data_section: ClassVar[str] = "data"
     settings_section: ClassVar[str | None] = None
-    encoder: ClassVar[bool] = False  # it trains an encoder (model.arch=encoder); only such methods do
+    # it trains an encoder (model.arch=encoder) and only encoders; None: either kind of model
+    encoder: ClassVar[bool | None] = False
 
     @model_validator(mode="wrap")
     @classmethod
@@ -187,9 +190,26 @@ class GKDObjective(_Method):
         return MethodFacts("gkd", "chat", True, "sft", "gkd", ("teacher",))
 
 
+class ClassifyObjective(_Method):
+    name: Literal["classify"] = Field("classify", description="Sequence classification (or regression with "
+                                      "classify.num_labels=1) of the labelled records of the classify "
+                                      "section: a head of num_labels outputs on a decoder's last real "
+                                      "token or an encoder's [CLS].")
+    data: ClassVar[DataKind] = "labelled"
+    encoder: ClassVar[bool | None] = None  # a decoder or an encoder
+    data_section: ClassVar[str] = "classify"
+    settings_section: ClassVar[str | None] = "classify"
+
+    @classmethod
+    def facts(cls, cfg: Config) -> MethodFacts:
+        return MethodFacts("classify", "labelled", False, "classify", "classify", scalar_head="score",
+                           head_outputs=cfg.classify.num_labels)
+
+
 METHOD_CONFIGS: dict[str, type[_Method]] = {
     "causal_lm": CausalLMObjective, "sft": SFTObjective, "dpo": DPOObjective, "reward": RewardObjective,
     "rl": RLObjective, "distill": DistillObjective, "mlm": MLMObjective, "gkd": GKDObjective,
+    "classify": ClassifyObjective,
 }
 
 
@@ -199,8 +219,9 @@ DEFAULT_METHOD = CausalLMObjective.model_fields["name"].default  # pretraining: 
 def default_method(arch: str) -> str:
     """The method a model of `arch` trains (and is evaluated) with when the config names none: an encoder's
     is its masked LM, a decoder's next-token pretraining."""
-    return next((n for n, c in METHOD_CONFIGS.items() if c.encoder), DEFAULT_METHOD) if arch == "encoder" \
-        else DEFAULT_METHOD
+    if arch != "encoder":
+        return DEFAULT_METHOD
+    return next((n for n, c in METHOD_CONFIGS.items() if c.encoder is True), DEFAULT_METHOD)
 
 
 class _Unnamed(dict):
@@ -224,7 +245,8 @@ ObjectiveConfig = Annotated[
 
 def check_arch(name: str, arch: str) -> None:
     """Refuse a method with a model it cannot train: encoder methods train encoders, and only they do."""
-    if METHOD_CONFIGS[name].encoder != (arch == "encoder"):
+    encoder = METHOD_CONFIGS[name].encoder
+    if encoder is not None and encoder != (arch == "encoder"):
         enc = default_method("encoder")
         raise ValueError(f"objective.name={name} does not fit model.arch={arch}: an encoder trains with "
                          f"objective {enc} and objective {enc} needs model.arch=encoder")

@@ -238,6 +238,9 @@ class ModelConfig(Section):
     score_head: bool = Field(False, description="A scalar head `score` (d_model -> 1, no bias) beside the "
                              "output projection: a reward model (objective reward) reads it at a sequence's "
                              "last token; exported as ...ForSequenceClassification with num_labels 1.")
+    num_labels: int = Field(1, ge=1, le=1000, description="Outputs of the score head (model.score_head): 1 "
+                            "for a reward model or a regressor, the classes of a classifier (objective "
+                            "classify sets it from classify.num_labels).")
     arch: Literal["decoder", "encoder"] = Field(
         "decoder", description="decoder: causal LM (models/transformer.py); encoder: bidirectional masked LM "
         "(models/encoder.py: BERT / RoBERTa layout, post-norm blocks, an MLM head; objective mlm)."

@@ -77,6 +77,8 @@ PATH_KEYS: dict[str, PathKey] = {
     "distill.teacher": _FILES,
     "distill.topk_cache": _FILES,
     "gkd.teacher": _FILES,
+    "classify.data": _FILES,
+    "classify.val_data": _FILES,
     "finetune.init_adapter": _FILES,
     "curate.inputs": PathKey(INPUT, names=("builtin:python",), path_prefixes=("hf:",)),
     "curate.steps.blocklist_files": _FILES,
@@ -94,6 +96,7 @@ NOT_PATHS: frozenset[str] = frozenset({
     "curate.steps.phone_regions", "curate.steps.languages", "logging.mlflow.experiment",
     "logging.mlflow.run_name", "logging.wandb.project", "logging.wandb.entity", "logging.wandb.run_name",
     "sft.template_kwargs", "model.hf_model_type", "optim.param_groups.match",
+    "classify.text_field", "classify.text_pair_field", "classify.label_field",
 })
 
 

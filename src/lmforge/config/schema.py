@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 # Each area's sections live in their own module; they are re-exported here, where the tree has always
 # been imported from (`from lmforge.config.schema import ModelConfig`).
+from lmforge.config.classify import ClassifyConfig
 from lmforge.config.curate import CurateConfig
 from lmforge.config.data import DataConfig, RunConfig, TokenizerConfig
 from lmforge.config.methods import (
@@ -52,6 +53,7 @@ __all__ = [
     "ParallelConfig", "PreferenceConfig", "QuantConfig", "RLConfig", "RopeScalingConfig", "RunConfig",
     "SFTConfig", "ScheduleConfig", "StabilityConfig", "TokenizerConfig", "TrainConfig", "WandbConfig",
     "parse_duration",
+    "ClassifyConfig",  # objective classify's section (config/classify.py)
 ]
 
 
@@ -67,7 +69,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
     objective: ObjectiveConfig = Field(default_factory=CausalLMObjective, description="Training method: "
                                      "objective.name picks one (causal_lm, sft, dpo, reward, rl, distill, "
-                                     "mlm, gkd); its settings sit in its own section.")
+                                     "mlm, gkd, classify); its settings sit in its own section.")
     sft: SFTConfig = Field(default_factory=SFTConfig,
                            description="Supervised fine-tuning data (objective sft).")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
@@ -80,6 +82,8 @@ class Config(Section):
     mlm: MLMConfig = Field(default_factory=MLMConfig, description="Masking of objective mlm.")
     gkd: GKDConfig = Field(default_factory=GKDConfig, description="Teacher, divergence and on-policy "
                            "sampling of generalized knowledge distillation (objective gkd).")
+    classify: ClassifyConfig = Field(default_factory=ClassifyConfig, description="Labelled data and head "
+                                     "of sequence classification / regression (objective classify).")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
                                      description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")

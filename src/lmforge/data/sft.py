@@ -150,6 +150,10 @@ def load_template(dir: Path, meta: dict) -> ChatTemplate:
 def load_prepared_sft(dir: str | Path) -> PreparedSFT:
     dir = Path(dir)
     meta = read_meta(dir)
+    if meta is not None and meta.get("kind") == "labelled":  # a classifier's records (data/labelled.py)
+        from lmforge.data.labelled import load_prepared_labelled
+
+        return load_prepared_labelled(dir)
     if meta is None or meta.get("kind") not in KINDS:
         raise DataError(
             f"{dir} holds no prepared SFT, preference or RL prompt data; run `lmforge sft` / `dpo` / `rl` "
@@ -221,6 +225,10 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
     """Prepare (or reuse) the SFT examples `cfg` describes in the run's data dir. `replace`: an SFT
     preparation there with other settings is the run's own (a fresh run in its own dir) and is prepared
     again; otherwise that is an error."""
+    if method_facts(cfg).data == "labelled":  # a classifier's records: their own layout (data/labelled.py)
+        from lmforge.data.labelled import prepare_labelled
+
+        return prepare_labelled(cfg, console, replace)
     kind = kind_of(cfg)
     if not _sources(cfg)[0]:
         what = {PROMPT_KIND: "prompts", KIND: "chat data"}.get(kind, "preference pairs")

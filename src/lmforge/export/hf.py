@@ -52,7 +52,7 @@ def export_run(
         say(f"note: {src} is quantized (int{cfg.model.quant.bits}); it is exported with its weights "
             "dequantized (the values the quantized model computes with) in the standard layout, which "
             "transformers loads without a quantization package; the files are full size")
-    return export_hf(
+    written = export_hf(
         src,
         out,
         overwrite,
@@ -63,6 +63,11 @@ def export_run(
         chat_template=None if template is None else template.source,
         end_of_turn=None if template is None else template.end_of_turn,
     )
+    if method_facts(cfg).data == "labelled":  # a classifier: its label map names transformers' labels
+        from lmforge.data.labelled import name_hf_labels
+
+        name_hf_labels(Path(written), data_dir(cfg), cfg.model.num_labels)
+    return written
 
 
 def export_adapter(

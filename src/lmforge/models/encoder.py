@@ -91,7 +91,11 @@ class Encoder(nn.Module):
             self.emb_norm = build_norm(cfg)
             self.drop = _dropout(cfg.dropout)
             self.layers = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.n_layers))
-            self.head = MLMHead(cfg)
+            if cfg.score_head:  # a sequence classifier (BERT's pooler and classifier) instead of the MLM head
+                self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=True)
+                self.score = nn.Linear(cfg.d_model, cfg.num_labels, bias=True)
+            else:
+                self.head = MLMHead(cfg)
         if target.type != "meta":
             self.to_empty(device=target)
             self.init_weights()
@@ -106,7 +110,8 @@ class Encoder(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, (nn.LayerNorm, RMSNorm)):
                 m.reset_parameters()
-        nn.init.zeros_(self.head.bias)
+        if not self.cfg.score_head:
+            nn.init.zeros_(self.head.bias)
 
     def init_buffers(self) -> None:
         """No derived buffers (the decoder's RoPE tables have no counterpart here)."""
@@ -128,8 +133,10 @@ class Encoder(nn.Module):
         token_type_ids: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         select: torch.Tensor | None = None,
+        head=None,
     ) -> torch.Tensor:
-        """input_ids (B, T) -> logits (B, T, vocab), or (N, vocab) for the N positions `select` picks."""
+        """input_ids (B, T) -> logits (B, T, vocab), or (N, vocab) for the N positions `select` picks;
+        `head(hidden, None)` instead of the MLM head when given (a classifier reads the hidden states)."""
         B, T = input_ids.shape
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {T} positions exceeds model.max_seq_len={self.cfg.max_seq_len}; "
@@ -154,4 +161,24 @@ class Encoder(nn.Module):
             x = layer(x, mask)
         if select is not None:
             x = x[select]  # (N, d_model)
+        if head is not None:
+            return head(x, None)
         return self.head(x, self.tok_embeddings.weight)
+
+
+def add_classifier(model: Encoder, outputs: int) -> nn.Linear:
+    """Turn a masked-LM encoder into a sequence classifier: BERT's pooler (dense + tanh on [CLS]) and a
+    classifier of `outputs` with biases, initialised as BERT initialises them (N(0, init_std), biases 0),
+    in place of the MLM head, which classification never reads (BertForSequenceClassification has none);
+    `model.cfg` gets score_head and num_labels so that its config rebuilds it."""
+    ref = model.tok_embeddings.weight
+    d = model.cfg.d_model
+    model.pooler = nn.Linear(d, d, bias=True, device=ref.device, dtype=ref.dtype)
+    model.score = nn.Linear(d, outputs, bias=True, device=ref.device, dtype=ref.dtype)
+    for layer in (model.pooler, model.score):
+        nn.init.normal_(layer.weight, mean=0.0, std=model.cfg.init_std)
+        nn.init.zeros_(layer.bias)
+    if hasattr(model, "head"):
+        del model.head
+    model.cfg = model.cfg.model_copy(update={"score_head": True, "num_labels": outputs})
+    return model.score

@@ -145,7 +145,7 @@ class Transformer(nn.Module):
             if not cfg.tie_embeddings:
                 self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             if cfg.score_head:
-                self.score = nn.Linear(cfg.d_model, 1, bias=False)
+                self.score = nn.Linear(cfg.d_model, cfg.num_labels, bias=False)
             if cfg.value_head:
                 self.value = nn.Linear(cfg.d_model, 1, bias=False)
             if cfg.pos_embedding == "rope":
@@ -495,16 +495,22 @@ def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> T
     return model
 
 
-def add_head(model: Transformer, name: str, std: float | None = None) -> nn.Linear:
+def add_head(model: Transformer, name: str, std: float | None = None, outputs: int = 1) -> nn.Linear:
     """Give `model` (built without it) the scalar head `name`: "score" (a reward model's) or "value"
     (PPO's critic), N(0, std) (default model.init_std, as transformers initialises a
     sequence-classification head), on the model's device and dtype; `model.cfg.<name>_head` becomes
-    True so its config rebuilds it."""
-    if name not in ("score", "value"):
-        raise ValueError(f"unknown head {name!r}: score or value")
+    True so its config rebuilds it. `outputs`: a classifier's score head has one per label (the
+    config's num_labels)."""
+    if name not in ("score", "value") or (name == "value" and outputs != 1):
+        raise ValueError(f"unknown head {name!r} of {outputs} outputs: score, or value of 1")
+    if model.cfg.arch == "encoder" and name == "score":  # BERT's pooler + classifier
+        from lmforge.models.encoder import add_classifier
+
+        return add_classifier(model, outputs)
     ref = model.tok_embeddings.weight
-    head = nn.Linear(model.cfg.d_model, 1, bias=False, device=ref.device, dtype=ref.dtype)
+    head = nn.Linear(model.cfg.d_model, outputs, bias=False, device=ref.device, dtype=ref.dtype)
     nn.init.normal_(head.weight, mean=0.0, std=model.cfg.init_std if std is None else std)
     setattr(model, name, head)
-    model.cfg = model.cfg.model_copy(update={f"{name}_head": True})
+    labels = {"num_labels": outputs} if name == "score" else {}
+    model.cfg = model.cfg.model_copy(update={f"{name}_head": True, **labels})
     return head

@@ -4,6 +4,7 @@ module here with a MethodSetup subclass, listed in SETUPS; its facts are in conf
 from __future__ import annotations
 
 from lmforge.assembly.methods.base import MethodSetup, SetupContext
+from lmforge.assembly.methods.classify import ClassifySetup
 from lmforge.assembly.methods.distill import DistillSetup
 from lmforge.assembly.methods.gkd import GKDSetup
 from lmforge.assembly.methods.mlm import MLMSetup
@@ -15,7 +16,7 @@ from lmforge.config.methods import METHOD_CONFIGS
 from lmforge.config.schema import Config
 
 SETUPS: tuple[MethodSetup, ...] = (CausalLMSetup(), SFTSetup(), PreferenceSetup(), RLSetup(), DistillSetup(),
-                                   MLMSetup(), GKDSetup())
+                                   MLMSetup(), GKDSetup(), ClassifySetup())
 SETUP_OF: dict[str, MethodSetup] = {name: setup for setup in SETUPS for name in setup.names}
 assert set(SETUP_OF) == set(METHOD_CONFIGS), "every method in the config union has a setup"
 

@@ -85,6 +85,9 @@ def _tasks_args(p: argparse.ArgumentParser) -> None:
                    "pair's chosen answer (label true) and rejected answer (label false) apart")
     p.add_argument("--pairs", action="store_true", help="write preference pairs (prompt, chosen: the "
                    "answer, rejected: a wrong answer of the same task) for DPO-style training")
+    p.add_argument("--labelled", action="store_true", help="write the shipped labelled set "
+                   "instead (sentiment-like reviews {sentence, label} for objective classify; --test-out: "
+                   "validation)")
 
 
 def _tasks(args: argparse.Namespace) -> int:
@@ -107,6 +110,17 @@ def _tasks(args: argparse.Namespace) -> int:
     for path in (args.out, args.test_out):
         if path:
             check_new_file(path, args.overwrite)  # both, before any record is made or written
+    if args.labelled:
+        from lmforge.data.labelled_tasks import labelled_split
+
+        if not args.out:
+            raise LmforgeError("--labelled writes its training records to -o/--out: give a .jsonl path")
+        train, val = labelled_split(args.n, args.n_test if args.test_out else 0, args.seed)
+        n = write_jsonl(train, args.out, overwrite=args.overwrite)
+        n_val = write_jsonl(val, args.test_out, overwrite=args.overwrite) if args.test_out else 0
+        print(f"wrote {n:,} labelled records to {args.out}" + (f" and {n_val:,} validation records to "
+                                                                f"{args.test_out}" if args.test_out else ""))
+        return 0
     tasks = args.tasks.split(",") if args.tasks else None
     if args.pairs and args.unpaired:
         raise LmforgeError("give --pairs or --unpaired, not both")

@@ -36,4 +36,10 @@ METHOD_VERBS: dict[str, MethodVerb] = {
     "gkd": MethodVerb("knowledge distillation on chat data (objective gkd, generalized KD): a student "
                       "learns gkd.teacher's distributions on the completions (generalised JSD, gkd.beta), "
                       "partly on its own samples (gkd.lmbda)"),
+    "classify": MethodVerb(
+        "fine-tune a sequence classifier or regressor on labelled records (objective classify: a head of "
+        "classify.num_labels outputs), full or with adapters",
+        actions=(("--report", "evaluate the run (run.dir) on its validation split (eval.split): accuracy, "
+                  "macro-F1, MCC, per-class precision / recall / F1, or Pearson / Spearman for regression",
+                  "lmforge.eval.classification_metrics:report"),)),
 }

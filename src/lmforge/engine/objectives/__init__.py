@@ -5,6 +5,7 @@ from __future__ import annotations
 from lmforge.config.schema import Config
 from lmforge.engine.objectives.base import Objective, ObjectiveModule, ObjectiveOutput, TokenObjective
 from lmforge.engine.objectives.causal_lm import CausalLM
+from lmforge.engine.objectives.classify import Classify
 from lmforge.engine.objectives.distill import Distill, TopK
 from lmforge.engine.objectives.gkd import GKD
 from lmforge.engine.objectives.mlm import MaskedLM
@@ -16,7 +17,7 @@ from lmforge.engine.objectives.sft import SFT
 OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT, Preference.name: Preference,
                                           PolicyGradient.name: PolicyGradient, RewardModel.name: RewardModel,
                                           Distill.name: Distill, MaskedLM.name: MaskedLM,
-                                          GKD.name: GKD}
+                                          GKD.name: GKD, Classify.name: Classify}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -26,4 +27,4 @@ def build_objective(cfg: Config) -> Objective:
 
 __all__ = ["OBJECTIVES", "SFT", "CausalLM", "Distill", "GKD", "MaskedLM", "TopK", "PolicyGradient",
            "Preference", "RewardModel", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
-           "build_objective"]
+           "build_objective", "Classify"]

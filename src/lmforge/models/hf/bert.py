@@ -21,6 +21,7 @@ from lmforge.models.hf.keymap import KeyMap, unsupported
 MODEL_TYPES = ("bert", "roberta")
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 _ARCHITECTURES = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM"}
+_CLASSIFIERS = {"bert": "BertForSequenceClassification", "roberta": "RobertaForSequenceClassification"}
 
 
 def _keys(base: str, head: str) -> KeyMap:
@@ -42,6 +43,10 @@ def _keys(base: str, head: str) -> KeyMap:
         ("head.dense.{p}", f"{head}.{dense}.{{p}}"),
         ("head.norm.{p}", f"{head}.{norm}.{{p}}"),
         ("head.bias", f"{head}.bias"),
+        # a sequence classifier (model.score_head): BERT's pooler + classifier; RoBERTa's classification
+        # head is the same computation, tanh(dense(<s>)) then out_proj, under other names
+        ("pooler.{p}", "classifier.dense.{p}" if base == "roberta" else f"{base}.pooler.dense.{{p}}"),
+        ("score.{p}", "classifier.out_proj.{p}" if base == "roberta" else "classifier.{p}"),
     ])
 
 
@@ -133,7 +138,7 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
 def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     """BERT / RoBERTa config.json keys (checked by `model_type_for`)."""
     out = {
-        "architectures": [_ARCHITECTURES[model_type]],
+        "architectures": [(_CLASSIFIERS if cfg.score_head else _ARCHITECTURES)[model_type]],
         "model_type": model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
@@ -153,6 +158,10 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     }
     if model_type == "roberta":
         out["pad_token_id"] = cfg.position_offset - 1  # transformers derives the positions from it
+    if cfg.score_head:
+        n = cfg.num_labels
+        out.update(num_labels=n, id2label={str(i): f"LABEL_{i}" for i in range(n)},
+                   label2id={f"LABEL_{i}": i for i in range(n)})
     return out
 
 
@@ -168,11 +177,14 @@ def check_config(cfg: ModelConfig) -> None:
 
 def import_names(hf_name: str, cfg: ModelConfig) -> list[str] | None:
     """Our parameter names filled by HF tensor `hf_name`: [] for known non-weights, None if unknown."""
-    if hf_name.endswith(_SKIPPED) or ".pooler." in hf_name or hf_name.startswith(("bert.pooler", "pooler")):
+    pooler = ".pooler." in hf_name or hf_name.startswith(("bert.pooler", "pooler"))
+    if hf_name.endswith(_SKIPPED) or (pooler and not cfg.score_head):
+        return []
+    if pooler and cfg.position_offset:  # RoBERTa's classifier reads its own dense layer, never the pooler
         return []
     for keys in KEYS.values():
         name = hf_name
-        if not hf_name.startswith(("bert.", "roberta.", "cls.", "lm_head.")):
+        if not hf_name.startswith(("bert.", "roberta.", "cls.", "lm_head.", "classifier.")):
             name = f"{_family_of(cfg)}.{hf_name}"  # a base-model checkpoint (BertModel) has no prefix
         if (ours := keys.to_ours(name)) is not None:
             return [ours]

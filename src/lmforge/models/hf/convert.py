@@ -114,6 +114,7 @@ def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None
         if isinstance(e, LmforgeError):
             raise
         raise LmforgeError(f"config.json has a value lmforge cannot read: {e}") from None
+    kwargs.update(sequence_classifier(hf_cfg))
     if max_seq_len is not None:
         if kwargs["pos_embedding"] == "learned" and max_seq_len != kwargs["max_seq_len"]:
             raise LmforgeError(
@@ -125,6 +126,17 @@ def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None
         return ModelConfig(**kwargs)
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         raise LmforgeError(f"the Hugging Face config describes a model lmforge cannot build: {e}") from None
+
+
+def sequence_classifier(hf_cfg: dict[str, Any]) -> dict[str, Any]:
+    """The score head of a ...ForSequenceClassification checkpoint: num_labels outputs (transformers
+    writes id2label, one entry per label; 2 when a config names neither). Its weights hold no language
+    model head, so the output projection is the tied embedding (classification never reads it)."""
+    if not any(str(a).endswith("ForSequenceClassification") for a in hf_cfg.get("architectures") or ()):
+        return {}
+    labels = hf_cfg.get("id2label")
+    n = len(labels) if isinstance(labels, dict) and labels else int(hf_cfg.get("num_labels") or 2)
+    return {"score_head": True, "num_labels": n, "tie_embeddings": True}
 
 
 def model_config_to_hf(
@@ -348,7 +360,7 @@ def from_hf(
 
 
 _NOT_ARCHITECTURE = {"preset", "n_kv_heads", "head_dim", "d_ff", "max_seq_len", "score_head", "value_head",
-                     "dropout", "init_std", "init", "init_from", "quant", "moe", "rope_scaling"}
+                     "num_labels", "dropout", "init_std", "init", "init_from", "quant", "moe", "rope_scaling"}
 
 
 def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:

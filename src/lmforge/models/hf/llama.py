@@ -214,7 +214,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = dict(rope_dict)
     if cfg.score_head:
-        out.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+        n = cfg.num_labels  # transformers names the labels LABEL_i unless told
+        out.update(num_labels=n, id2label={str(i): f"LABEL_{i}" for i in range(n)},
+                   label2id={f"LABEL_{i}": i for i in range(n)})
     if model_type == "llama":
         out.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
     elif model_type == "mistral":
@@ -235,7 +237,7 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
 
 def _canonical(hf_name: str) -> str:
     # Base-model checkpoints (LlamaModel rather than LlamaForCausalLM) have no "model." prefix.
-    if hf_name.startswith(("model.", "lm_head.")):
+    if hf_name.startswith(("model.", "lm_head.", "score.")):  # score: a ...ForSequenceClassification head
         return hf_name
     return "model." + hf_name
 
