@@ -45,6 +45,7 @@ from lmforge.config.paths import input_paths
 from lmforge.config.schema import Config
 from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.data.memory import token_stream
+from lmforge.data.mixture import train_loader as mixture_or_tokens
 from lmforge.data.sft import prepare_sft
 from lmforge.engine.objectives import Objective, build_objective
 from lmforge.engine.precision import Precision, probe_deadline, resolve_precision
@@ -209,7 +210,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
             facts = method_facts(cfg)
             section = getattr(cfg, facts.data_section)
             sources = ([*section.data, *section.val_data] if facts.chat
-                       else [*section.sources, *section.val_sources])
+                       else [*section.source_paths, *section.val_sources])
             missing = [src for src in sources if src != "builtin:python" and not Path(src).exists()]
             if missing:
                 where = Path(missing[0]).resolve()
@@ -316,8 +317,8 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     if sft:
         train_loader, val_loader = _chat_loaders(setup, cfg, data, dims, world, val_rows, refs)
     else:
-        train_loader = TokenLoader(train_src, cfg.seq_len, tc.micro_batch_size, seed=cfg.run.seed,
-                                   rank=dims.dp_rank, world_size=dims.dp_size)
+        train_loader = mixture_or_tokens(cfg, data, train_src, tc.micro_batch_size, dims.dp_rank,
+                                         dims.dp_size)
     if val_src is not None:
         val_loader = TokenLoader(val_src, cfg.seq_len, val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
                                  world_size=dims.dp_size, shuffle=False, drop_last=world.world_size > 1)
