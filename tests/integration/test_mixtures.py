@@ -8,10 +8,12 @@ import json
 import math
 
 import pytest
+import yaml
 
 from conftest import CORPUS, TINY, Crash, CrashAt, tiny_overrides
 from lmforge.config import load_config
 from lmforge.data import load_prepared
+from lmforge.errors import ConfigError
 from lmforge.metrics.loggers import read_metrics
 from lmforge.train.trainer import Trainer, train
 
@@ -75,3 +77,51 @@ def test_resume_with_other_weights_is_refused(tmp_path, corpora):
         Trainer(config(tmp_path / "run", data, corpora, *extra), callbacks=[CrashAt(3)]).fit()
     with pytest.raises(Exception, match="weights"):
         train(config(tmp_path / "run", data, corpora, *extra, old=0.5), resume=True)
+
+
+# ---- train.epochs / train.max_tokens --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def no_max_steps(tmp_path_factory):
+    """configs/debug/tiny.yaml without its train.max_steps (which would contradict epochs / max_tokens)."""
+    raw = yaml.safe_load(TINY.read_text())
+    del raw["train"]["max_steps"]
+    path = tmp_path_factory.mktemp("cfg") / "tiny.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def small(base, run, data, *extra):
+    return load_config(base, [*tiny_overrides(run, data), "data.max_chars=30000",
+                              "data.tokenizer.vocab_size=512", "train.eval_every=0", *extra])
+
+
+def test_epochs_derive_max_steps_and_validate_at_the_end_of_each_pass(tmp_path, no_max_steps):
+    cfg = small(no_max_steps, tmp_path / "run", tmp_path / "data", "train.epochs=3")
+    trainer = Trainer(cfg)
+    loader, accum = trainer.run.train_loader, cfg.train.grad_accum_steps
+    per_pass = loader.batches_per_epoch
+    assert trainer.cfg.train.max_steps == math.ceil(3 * per_pass / accum)
+    summaries = list(trainer.train_epochs())
+    assert [s["epoch"] for s in summaries] == [1, 2, 3] and summaries[-1]["complete"]
+    vals = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "val_loss" in r]
+    ends = [math.ceil(e * per_pass / accum) for e in (1, 2, 3)]
+    assert vals == ends  # one validation per pass end (the last is the final one), none else
+
+
+def test_max_tokens_derives_the_steps_that_reach_it(tmp_path, no_max_steps):
+    cfg = small(no_max_steps, tmp_path / "run", tmp_path / "data", "train.max_tokens=10000")
+    train(cfg)
+    per_step = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.seq_len
+    last = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "loss" in r][-1]
+    assert last["step"] == math.ceil(10000 / per_step)
+    assert last["tokens_seen"] >= 10000 > last["tokens_seen"] - per_step
+
+
+def test_contradicting_lengths_are_refused_naming_both_keys(tmp_path, no_max_steps):
+    with pytest.raises(ConfigError, match=r"train.max_steps=40 and train.epochs=1"):
+        Trainer(small(TINY, tmp_path / "run", tmp_path / "data", "train.epochs=1"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    with pytest.raises(ConfigError, match=r"train.epochs=2 and train.max_tokens=5"):
+        small(no_max_steps, tmp_path / "run", tmp_path / "data", "train.epochs=2", "train.max_tokens=5")

@@ -44,6 +44,7 @@ from lmforge.config.methods import method_facts
 from lmforge.config.paths import input_paths
 from lmforge.config.schema import Config
 from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
+from lmforge.data.length import with_length
 from lmforge.data.memory import token_stream
 from lmforge.data.mixture import train_loader as mixture_or_tokens
 from lmforge.data.sft import prepare_sft
@@ -304,12 +305,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     own = user is not None and user.brings_optimizer  # the logged lr is then its first group's
     if masters is not None:
         keep_masters(optimizer, masters)
-    ramp = BatchRamp(cfg, dims.dp_size)
     tc = cfg.train
-    base_lr = optimizer.param_groups[0]["lr"] if own else cfg.optim.lr
-    schedule = LRSchedule(
-        cfg.schedule, optimizer, base_lr, tc.max_steps, ramp.total_tokens(tc.max_steps), tc.max_time
-    )
     # Every rank must run the same number of evaluation batches (their forwards are collective);
     # a pipeline splits each one into its micro-batches.
     val_rows = tc.micro_batch_size * (dims.microbatches(tc.grad_accum_steps) if dims.pp > 1 else 1)
@@ -322,6 +318,12 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     if val_src is not None:
         val_loader = TokenLoader(val_src, cfg.seq_len, val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
                                  world_size=dims.dp_size, shuffle=False, drop_last=world.world_size > 1)
+    cfg = with_length(cfg, train_loader, dims.dp_size, say)  # train.epochs / max_tokens -> max_steps
+    ramp, tc = BatchRamp(cfg, dims.dp_size), cfg.train
+    base_lr = optimizer.param_groups[0]["lr"] if own else cfg.optim.lr
+    schedule = LRSchedule(
+        cfg.schedule, optimizer, base_lr, tc.max_steps, ramp.total_tokens(tc.max_steps), tc.max_time
+    )
     return Run(
         cfg=cfg,
         purpose=purpose,

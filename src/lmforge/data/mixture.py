@@ -66,6 +66,11 @@ class MixtureLoader:
         return self.batches // self.batches_per_epoch
 
     @property
+    def cursor(self) -> int:
+        """Global batches drawn in the current epoch."""
+        return self.batches % self.batches_per_epoch
+
+    @property
     def tokens_seen(self) -> int:
         """Input tokens this rank has yielded so far."""
         return self.batches * self.batch_size * self.seq_len
