@@ -23,6 +23,7 @@ import numpy as np
 
 from lmforge._version import __version__
 from lmforge.config.schema import Config, DataConfig
+from lmforge.data.encode_pool import ChunkEncoder, resolve_workers
 from lmforge.data.shards import ShardWriter, dtype_for_vocab, read_meta, write_meta
 from lmforge.data.sources import (
     BUILTIN_PYTHON,
@@ -192,20 +193,27 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
     stats = SourceStats()
     chunk: list[tuple[str, str]] = []
     chars = 0
-    for _, split, doc in _split_documents(d, seed, stats):
-        if mix and split == "train":
-            split = mix[len(stats.sources) - 1]  # the source being read
-        if len(doc) > _LONG_DOC_CHARS:
-            _write_chunk(tok, chunk, writers)  # first the documents before it, to keep the order
-            chunk, chars = [], 0
-            writers[split].add(_encode_long(tok, doc))
-            continue
-        chunk.append((split, doc))
-        chars += len(doc)
-        if len(chunk) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
-            _write_chunk(tok, chunk, writers)
-            chunk, chars = [], 0
-    _write_chunk(tok, chunk, writers)
+    enc = ChunkEncoder(tok, dir / TOKENIZER_FILE, resolve_workers(d.workers),
+                       lambda s, ids: writers[s].add(ids))
+    try:
+        for _, split, doc in _split_documents(d, seed, stats):
+            if mix and split == "train":
+                split = mix[len(stats.sources) - 1]  # the source being read
+            if len(doc) > _LONG_DOC_CHARS:
+                enc.submit(chunk)  # first the documents before it, to keep the order
+                enc.drain()
+                chunk, chars = [], 0
+                writers[split].add(_encode_long(tok, doc))
+                continue
+            chunk.append((split, doc))
+            chars += len(doc)
+            if len(chunk) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+                enc.submit(chunk)
+                chunk, chars = [], 0
+        enc.submit(chunk)
+        enc.close()
+    finally:
+        enc.terminate()
     files = {s: w.close() for s, w in writers.items()}
     if mix:
         return _mixture_meta(d, tok, dtype, how, stats, writers, files)
@@ -285,14 +293,6 @@ def _train_texts(d: DataConfig, seed: int, stats: SourceStats, fed: list[int]) -
             yield doc
         if fed[0] >= budget:
             return
-
-
-def _write_chunk(tok: Tokenizer, chunk: list[tuple[str, str]], writers: dict[str, ShardWriter]) -> None:
-    if not chunk:
-        return
-    for (split, _), ids in zip(chunk, tok.encode_batch([doc for _, doc in chunk])):
-        ids.append(tok.eos_id)  # every document ends with EOS, so packed windows see where it ended
-        writers[split].add(ids)
 
 
 def _encode_long(tok: Tokenizer, doc: str) -> np.ndarray:
