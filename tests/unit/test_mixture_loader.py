@@ -92,3 +92,8 @@ def test_config_mixture_entries_and_their_errors():
         DataConfig(sources=[{"path": "a", "weight": 0}])
     with pytest.raises(ValueError, match="upsample"):
         DataConfig(sources=[{"path": "a", "upsample": 2}])
+
+
+def test_a_source_too_small_for_one_window_is_named():
+    with pytest.raises(DataError, match="data.sources entry 'tiny'"):
+        MixtureLoader({"big": sources()["big"], "tiny": [np.arange(4)]}, {"big": 1.0, "tiny": 1.0}, T, B)

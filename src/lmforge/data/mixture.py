@@ -45,7 +45,7 @@ class MixtureLoader:
                             f"{sorted(weights)}; prepare the data again (or use another data.dir)")
         self.names = list(sources)
         # One window per row, read through TokenLoader's shard stream (batch 1: any non-empty source fits).
-        self._streams = [TokenLoader(sources[n], seq_len, 1, shuffle=False) for n in self.names]
+        self._streams = [self._stream(n, sources[n], seq_len) for n in self.names]
         self.windows = [s.num_windows for s in self._streams]
         total = sum(weights[n] for n in self.names)
         self.weights = [weights[n] / total for n in self.names]
@@ -57,6 +57,13 @@ class MixtureLoader:
         self.batches = 0  # global batches drawn so far
         self.taken = [0] * len(self.names)  # windows each source gave so far, over all ranks
         self._orders: dict[int, tuple[int, np.ndarray]] = {}  # source -> (pass, its window order)
+
+    @staticmethod
+    def _stream(name: str, shards: Sequence[str | Path | np.ndarray], seq_len: int) -> TokenLoader:
+        try:
+            return TokenLoader(shards, seq_len, 1, shuffle=False)
+        except DataError as e:
+            raise DataError(f"data.sources entry {name!r}: {e}") from None
 
     # ---- iteration ------------------------------------------------------------------------------------
 
