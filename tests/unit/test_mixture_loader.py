@@ -88,8 +88,10 @@ def test_config_mixture_entries_and_their_errors():
     assert DataConfig(sources=["a", "b"]).mixture is None  # plain strings: one stream, as before
     with pytest.raises(ValueError, match="both named 'a'"):
         DataConfig(sources=["x/a.txt", {"path": "y/a.jsonl", "weight": 2}])
-    with pytest.raises(ValueError, match="greater than 0"):
-        DataConfig(sources=[{"path": "a", "weight": 0}])
+    with pytest.raises(ValueError, match="entry 1: weight: Input should be greater than 0"):
+        DataConfig(sources=["b", {"path": "a", "weight": 0}])
+    with pytest.raises(ValueError, match="entry 0 is neither a path nor a mapping"):
+        DataConfig(sources=[5])
     with pytest.raises(ValueError, match="upsample"):
         DataConfig(sources=[{"path": "a", "upsample": 2}])
 

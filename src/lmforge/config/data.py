@@ -6,7 +6,7 @@ import re
 from pathlib import PurePath
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 
 from lmforge.config.section import SEED_MAX, Section
 
@@ -113,6 +113,28 @@ class DataConfig(Section):
         if v != "auto" and not 1 <= int(v) <= 64:
             raise ValueError(f"data.workers={v}: give 1..64 worker processes, or 'auto'")
         return v
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _entries(cls, v: object) -> object:
+        # Each entry checked here, so an error names the entry and its key once (pydantic would report it
+        # once per member of the str | mapping union).
+        if not isinstance(v, list):
+            return v
+        out = []
+        for i, e in enumerate(v):
+            if isinstance(e, dict):
+                try:
+                    e = SourceEntry.model_validate(e)
+                except ValidationError as err:
+                    first = err.errors()[0]
+                    key = ".".join(map(str, first["loc"])) or "entry"
+                    raise ValueError(f"entry {i}: {key}: {first['msg']}; an entry is a path or a "
+                                     "mapping {path, weight, name}") from None
+            elif not isinstance(e, (str, SourceEntry)):
+                raise ValueError(f"entry {i} is neither a path nor a mapping {{path, weight, name}}")
+            out.append(e)
+        return out
 
     @field_validator("sources")
     @classmethod
