@@ -99,3 +99,24 @@ def test_config_mixture_entries_and_their_errors():
 def test_a_source_too_small_for_one_window_is_named():
     with pytest.raises(DataError, match="data.sources entry 'tiny'"):
         MixtureLoader({"big": sources()["big"], "tiny": [np.arange(4)]}, {"big": 1.0, "tiny": 1.0}, T, B)
+
+
+@pytest.mark.parametrize("make", ["tokens", "mixture"])
+def test_pass_ended_marks_the_step_after_each_pass(make):
+    from types import SimpleNamespace
+
+    from lmforge.data.length import pass_ended
+    from lmforge.data.loader import TokenLoader
+
+    ld = TokenLoader(sources()["mid"], T, B, seed=1) if make == "tokens" else loader()
+    cfg = SimpleNamespace(train=SimpleNamespace(epochs=2, grad_accum_steps=2))
+    per_pass, ends = ld.batches_per_epoch, []
+    for step in range(1, per_pass + 3):
+        ld.next_batch(), ld.next_batch()  # one optimizer step of two micro-batches
+        if pass_ended(cfg, ld):
+            ends.append(step)
+    # the steps in which a pass's last batch was taken
+    expected = [math.ceil(k * per_pass / 2) for k in (1, 2)]
+    assert ends == [s for s in expected if s <= per_pass + 2]
+    cfg.train.epochs = None
+    assert not pass_ended(cfg, ld)
