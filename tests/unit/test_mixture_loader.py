@@ -120,3 +120,12 @@ def test_pass_ended_marks_the_step_after_each_pass(make):
     assert ends == [s for s in expected if s <= per_pass + 2]
     cfg.train.epochs = None
     assert not pass_ended(cfg, ld)
+
+
+def test_a_weighted_entry_path_is_an_input_path_of_the_run(tmp_path):
+    from lmforge.config import load_config
+    from lmforge.config.paths import input_paths
+
+    cfg = load_config(None, [f"data.sources=[{{path: {tmp_path / 'web'}, weight: 2}}, {tmp_path / 'b.txt'}]"])
+    found = {str(p) for _, p in input_paths(cfg)}
+    assert {str(tmp_path / "web"), str(tmp_path / "b.txt")} <= found
