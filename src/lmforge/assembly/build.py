@@ -44,7 +44,9 @@ from lmforge.config.methods import method_facts
 from lmforge.config.paths import input_paths
 from lmforge.config.schema import Config
 from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
+from lmforge.data.length import with_length
 from lmforge.data.memory import token_stream
+from lmforge.data.mixture import train_loader as mixture_or_tokens
 from lmforge.data.sft import prepare_sft
 from lmforge.engine.objectives import Objective, build_objective
 from lmforge.engine.precision import Precision, probe_deadline, resolve_precision
@@ -209,7 +211,7 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
             facts = method_facts(cfg)
             section = getattr(cfg, facts.data_section)
             sources = ([*section.data, *section.val_data] if facts.chat
-                       else [*section.sources, *section.val_sources])
+                       else [*section.source_paths, *section.val_sources])
             missing = [src for src in sources if src != "builtin:python" and not Path(src).exists()]
             if missing:
                 where = Path(missing[0]).resolve()
@@ -304,12 +306,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     own = user is not None and user.brings_optimizer  # the logged lr is then its first group's
     if masters is not None:
         keep_masters(optimizer, masters)
-    ramp = BatchRamp(cfg, dims.dp_size)
     tc = cfg.train
-    base_lr = optimizer.param_groups[0]["lr"] if own else cfg.optim.lr
-    schedule = LRSchedule(
-        cfg.schedule, optimizer, base_lr, tc.max_steps, ramp.total_tokens(tc.max_steps), tc.max_time
-    )
     # Every rank must run the same number of evaluation batches (their forwards are collective);
     # a pipeline splits each one into its micro-batches.
     val_rows = tc.micro_batch_size * (dims.microbatches(tc.grad_accum_steps) if dims.pp > 1 else 1)
@@ -317,11 +314,17 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     if sft:
         train_loader, val_loader = _chat_loaders(setup, cfg, data, dims, world, val_rows, refs)
     else:
-        train_loader = TokenLoader(train_src, cfg.seq_len, tc.micro_batch_size, seed=cfg.run.seed,
-                                   rank=dims.dp_rank, world_size=dims.dp_size)
+        train_loader = mixture_or_tokens(cfg, data, train_src, tc.micro_batch_size, dims.dp_rank,
+                                         dims.dp_size)
     if val_src is not None:
         val_loader = TokenLoader(val_src, cfg.seq_len, val_rows, seed=cfg.run.seed, rank=dims.dp_rank,
                                  world_size=dims.dp_size, shuffle=False, drop_last=world.world_size > 1)
+    cfg = with_length(cfg, train_loader, dims.dp_size, say)  # train.epochs / max_tokens -> max_steps
+    ramp, tc = BatchRamp(cfg, dims.dp_size), cfg.train
+    base_lr = optimizer.param_groups[0]["lr"] if own else cfg.optim.lr
+    schedule = LRSchedule(
+        cfg.schedule, optimizer, base_lr, tc.max_steps, ramp.total_tokens(tc.max_steps), tc.max_time
+    )
     return Run(
         cfg=cfg,
         purpose=purpose,

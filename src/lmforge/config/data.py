@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import PurePath
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError, field_validator
 
 from lmforge.config.section import SEED_MAX, Section
 
@@ -29,11 +31,50 @@ class TokenizerConfig(Section):
     )
 
 
+_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+class SourceEntry(Section):
+    path: str = Field(description="A file or folder of .txt/.md/.jsonl, or 'builtin:python'.")
+    weight: float = Field(
+        1.0, gt=0.0, le=1e6, description="Relative sampling probability of this source in the mixture "
+        "(normalised over all entries; a plain string entry weighs 1). A source that runs out starts "
+        "another epoch of itself, reshuffled."
+    )
+    name: str | None = Field(
+        None, description="Name in the logs (tokens_seen/<name>, epochs/<name>); default: the file or "
+        "folder name without extension ('python' for builtin:python)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME.fullmatch(v):
+            raise ValueError(f"source name {v!r} must be 1-64 characters of letters, digits, '_', '.', '-'")
+        return v
+
+
+def source_path(entry: str | SourceEntry) -> str:
+    """The path (or builtin name) of a data.sources entry."""
+    return entry if isinstance(entry, str) else entry.path
+
+
+def source_name(entry: str | SourceEntry) -> str:
+    """The name a data.sources entry has in the logs."""
+    if not isinstance(entry, str) and entry.name:
+        return entry.name
+    path = source_path(entry)
+    if path == "builtin:python":
+        return "python"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", PurePath(path).stem or "source")[:64]
+
+
 class DataConfig(Section):
-    sources: list[str] = Field(
+    sources: list[str | SourceEntry] = Field(
         default_factory=lambda: ["builtin:python"],
         description="Text sources: files or folders of .txt/.md/.jsonl, or 'builtin:python' "
-        "(the docs and stdlib source of the running Python).",
+        "(the docs and stdlib source of the running Python). An entry may be a mapping {path, weight, "
+        "name}: then the training stream is a weighted mixture (see the pretrain page).",
     )
     dir: str | None = Field(
         None, description="Where prepared shards and the tokenizer go (default: <run.dir>/data)."
@@ -59,4 +100,62 @@ class DataConfig(Section):
     shard_tokens: int = Field(
         1 << 24, ge=1024, description="Tokens per shard file (shards are memory-mapped when loading)."
     )
+    workers: int | Literal["auto"] = Field(
+        1, description="Processes that encode the documents in `lmforge prepare` (an integer 1..64, or "
+        "'auto': the usable cores, at most 8). The shards are byte for byte the same with any number; "
+        "more pay off on large corpora (see the tokenize page)."
+    )
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Tokenizer settings.")
+
+    @field_validator("workers")
+    @classmethod
+    def _workers_ok(cls, v: int | str) -> int | str:
+        if v != "auto" and not 1 <= int(v) <= 64:
+            raise ValueError(f"data.workers={v}: give 1..64 worker processes, or 'auto'")
+        return v
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _entries(cls, v: object) -> object:
+        # Each entry checked here, so an error names the entry and its key once (pydantic would report it
+        # once per member of the str | mapping union).
+        if not isinstance(v, list):
+            return v
+        out = []
+        for i, e in enumerate(v):
+            if isinstance(e, dict):
+                try:
+                    e = SourceEntry.model_validate(e)
+                except ValidationError as err:
+                    first = err.errors()[0]
+                    key = ".".join(map(str, first["loc"])) or "entry"
+                    raise ValueError(f"entry {i}: {key}: {first['msg']}; an entry is a path or a "
+                                     "mapping {path, weight, name}") from None
+            elif not isinstance(e, (str, SourceEntry)):
+                raise ValueError(f"entry {i} is neither a path nor a mapping {{path, weight, name}}")
+            out.append(e)
+        return out
+
+    @field_validator("sources")
+    @classmethod
+    def _names_unique(cls, v: list) -> list:
+        if any(not isinstance(e, str) for e in v):
+            names = [source_name(e) for e in v]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"two data.sources entries are both named {dup[0]!r}; give each a "
+                                 "distinct name (e.g. {path: ..., weight: ..., name: web})")
+        return v
+
+    @property
+    def source_paths(self) -> list[str]:
+        """The paths of data.sources (mapping entries reduced to their path)."""
+        return [source_path(e) for e in self.sources]
+
+    @property
+    def mixture(self) -> list[tuple[str, float]] | None:
+        """(name, weight) per source when data.sources is a weighted mixture (an entry is a mapping),
+        else None: the sources are then one stream, read in order, as always."""
+        if all(isinstance(e, str) for e in self.sources):
+            return None
+        return [(source_name(e), 1.0 if isinstance(e, str) else e.weight) for e in self.sources]

@@ -62,6 +62,7 @@ _FILES = PathKey(INPUT)
 
 PATH_KEYS: dict[str, PathKey] = {
     "data.sources": _DATA,
+    "data.sources.path": _DATA,  # a weighted entry {path, weight, name}
     "data.val_sources": _DATA,
     "data.tokenizer.path": _FILES,
     "model.init_from": _FILES,  # also the reference model of dpo / rl
@@ -97,6 +98,7 @@ NOT_PATHS: frozenset[str] = frozenset({
     "logging.mlflow.run_name", "logging.wandb.project", "logging.wandb.entity", "logging.wandb.run_name",
     "sft.template_kwargs", "model.hf_model_type", "optim.param_groups.match",
     "classify.text_field", "classify.text_pair_field", "classify.label_field",
+    "data.sources.name",
 })
 
 
@@ -131,7 +133,7 @@ def string_keys(model: type[BaseModel] | None = None, prefix: str = "") -> list[
         subs = _sections(field.annotation)
         for sub in subs:
             found += [k for k in string_keys(sub, key + ".") if k not in found]
-        if not subs and _is_text(field.annotation):
+        if _is_text(field.annotation):  # text itself, also beside sections (data.sources)
             found.append(key)
     return found
 

@@ -154,7 +154,17 @@ class ScheduleConfig(Section):
 
 
 class TrainConfig(Section):
-    max_steps: int = Field(1000, ge=1, description="Optimizer steps to train.")
+    max_steps: int = Field(1000, ge=1, description="Optimizer steps to train (derived instead when "
+                           "train.epochs or train.max_tokens is set).")
+    epochs: int | None = Field(
+        None, ge=1, le=1_000_000, description="Train this many passes over the training data instead of "
+        "train.max_steps (which is then derived, so the schedule's fractions still apply), validating at "
+        "the end of each pass. A weighted mixture's pass is as many windows as its sources hold together."
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, description="Train on this many tokens instead of train.max_steps (which is then "
+        "derived: the steps whose tokens reach it). Pretraining objectives only."
+    )
     max_time: float | None = Field(
         None, gt=0.0, description="Wall-clock budget of training, in seconds or as '90s', '5m', '1h30m' "
         "(None: none). The run stops before a step that would end past it, saves a checkpoint and runs the "
@@ -238,6 +248,13 @@ class TrainConfig(Section):
         0.5, gt=0.0, lt=1.0, description="train.sanity_check passes when the last step's loss is below this "
         "fraction of the first step's."
     )
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainConfig:
+        if self.epochs is not None and self.max_tokens is not None:
+            raise ValueError(f"train.epochs={self.epochs} and train.max_tokens={self.max_tokens} both decide "
+                             "when training ends; set one of them (or train.max_steps)")
+        return self
 
     @model_validator(mode="after")
     def _check_master_weights(self) -> TrainConfig:

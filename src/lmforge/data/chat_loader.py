@@ -112,6 +112,11 @@ class ChatLoader:
     def epoch(self) -> int:
         return self.sampler.epoch
 
+    @property
+    def cursor(self) -> int:
+        """Batches taken in the current epoch (train.epochs validates when a pass ends)."""
+        return self.sampler.cursor
+
     def next_batch(self) -> ChatBatch:
         return self.collate([self.units[int(u)] for u in self.sampler.next_units()])
 

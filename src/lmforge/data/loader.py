@@ -82,6 +82,11 @@ class TokenLoader:
         return self.sampler.epoch
 
     @property
+    def cursor(self) -> int:
+        """Batches taken in the current epoch."""
+        return self.sampler.cursor
+
+    @property
     def tokens_seen(self) -> int:
         """Input tokens this rank has yielded so far (multiply by world_size for the global count)."""
         return self.sampler.units_taken * self.seq_len

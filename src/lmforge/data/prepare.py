@@ -23,6 +23,7 @@ import numpy as np
 
 from lmforge._version import __version__
 from lmforge.config.schema import Config, DataConfig
+from lmforge.data.encode_pool import ChunkEncoder, resolve_workers
 from lmforge.data.shards import ShardWriter, dtype_for_vocab, read_meta, write_meta
 from lmforge.data.sources import (
     BUILTIN_PYTHON,
@@ -73,6 +74,11 @@ class PreparedData:
     def shards(self, split: str) -> list[Path]:
         """Shard files of `split` ("train" or "val"), in stream order."""
         return [self.dir / name for name in self._split(split)["shards"]]
+
+    def source_shards(self) -> dict[str, list[Path]]:
+        """Each source's train shard files when the data was prepared as a weighted mixture, else {}."""
+        return {e["name"]: [self.dir / f for f in e["shards"]]
+                for e in self._split("train").get("sources", [])}
 
     def num_tokens(self, split: str) -> int:
         """Tokens in `split`, EOS tokens included."""
@@ -180,22 +186,37 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
 
     dtype = dtype_for_vocab(tok.vocab_size)
     writers = {s: ShardWriter(dir, s, dtype, d.shard_tokens) for s in SPLITS}
+    # A weighted mixture keeps each source's train documents in shards of their own (train-<name>_*),
+    # so the loader can draw from each at its weight; the val split stays one stream.
+    mix = [f"train-{name}" for name, _ in d.mixture or []]
+    writers.update({m: ShardWriter(dir, m, dtype, d.shard_tokens) for m in mix})
     stats = SourceStats()
     chunk: list[tuple[str, str]] = []
     chars = 0
-    for _, split, doc in _split_documents(d, seed, stats):
-        if len(doc) > _LONG_DOC_CHARS:
-            _write_chunk(tok, chunk, writers)  # first the documents before it, to keep the order
-            chunk, chars = [], 0
-            writers[split].add(_encode_long(tok, doc))
-            continue
-        chunk.append((split, doc))
-        chars += len(doc)
-        if len(chunk) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
-            _write_chunk(tok, chunk, writers)
-            chunk, chars = [], 0
-    _write_chunk(tok, chunk, writers)
+    enc = ChunkEncoder(tok, dir / TOKENIZER_FILE, resolve_workers(d.workers),
+                       lambda s, ids: writers[s].add(ids))
+    try:
+        for _, split, doc in _split_documents(d, seed, stats):
+            if mix and split == "train":
+                split = mix[len(stats.sources) - 1]  # the source being read
+            if len(doc) > _LONG_DOC_CHARS:
+                enc.submit(chunk)  # first the documents before it, to keep the order
+                enc.drain()
+                chunk, chars = [], 0
+                writers[split].add(_encode_long(tok, doc))
+                continue
+            chunk.append((split, doc))
+            chars += len(doc)
+            if len(chunk) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+                enc.submit(chunk)
+                chunk, chars = [], 0
+        enc.submit(chunk)
+        enc.close()
+    finally:
+        enc.terminate()
     files = {s: w.close() for s, w in writers.items()}
+    if mix:
+        return _mixture_meta(d, tok, dtype, how, stats, writers, files)
     if writers["train"].num_docs == 0 or writers["val"].num_docs == 0:
         raise _too_small(d, stats)
     return {
@@ -207,6 +228,33 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
         "tokenizer": {"file": TOKENIZER_FILE, "how": how},
         "splits": {s: {"tokens": w.num_tokens, "documents": w.num_docs, "shards": files[s]}
                    for s, w in writers.items()},
+        "stats": stats.to_dict(),
+    }
+
+
+def _mixture_meta(d: DataConfig, tok: Tokenizer, dtype: np.dtype, how: str, stats: SourceStats,
+                  writers: dict[str, ShardWriter], files: dict[str, list[str]]) -> dict:
+    """meta.json of a mixture: the train split lists every source's shards (in source order, so a reader
+    of plain train shards sees the whole corpus) and, under "sources", each source's own."""
+    parts = [(name, writers[f"train-{name}"], files[f"train-{name}"]) for name, _ in d.mixture or []]
+    empty = [name for name, w, _ in parts if w.num_docs == 0]
+    if empty or writers["val"].num_docs == 0:
+        if stats.documents < 2 or not empty:
+            raise _too_small(d, stats)
+        raise DataError(f"data.sources entry {empty[0]!r} has no training documents ({stats.summary()}); "
+                        "a mixture needs text in every source: give it more text or remove it")
+    return {
+        "format": FORMAT, "lmforge_version": __version__, "vocab_size": tok.vocab_size,
+        "eos_id": tok.eos_id, "dtype": dtype.name, "tokenizer": {"file": TOKENIZER_FILE, "how": how},
+        "splits": {
+            "train": {"tokens": sum(w.num_tokens for _, w, _ in parts),
+                      "documents": sum(w.num_docs for _, w, _ in parts),
+                      "shards": [f for _, _, fs in parts for f in fs],
+                      "sources": [{"name": n, "tokens": w.num_tokens, "documents": w.num_docs, "shards": fs}
+                                  for n, w, fs in parts]},
+            "val": {"tokens": writers["val"].num_tokens, "documents": writers["val"].num_docs,
+                    "shards": files["val"]},
+        },
         "stats": stats.to_dict(),
     }
 
@@ -247,14 +295,6 @@ def _train_texts(d: DataConfig, seed: int, stats: SourceStats, fed: list[int]) -
             return
 
 
-def _write_chunk(tok: Tokenizer, chunk: list[tuple[str, str]], writers: dict[str, ShardWriter]) -> None:
-    if not chunk:
-        return
-    for (split, _), ids in zip(chunk, tok.encode_batch([doc for _, doc in chunk])):
-        ids.append(tok.eos_id)  # every document ends with EOS, so packed windows see where it ended
-        writers[split].add(ids)
-
-
 def _encode_long(tok: Tokenizer, doc: str) -> np.ndarray:
     """Ids of a document longer than _LONG_DOC_CHARS, EOS included, encoded some pieces at a time."""
     parts = []
@@ -286,7 +326,7 @@ def _pieces(text: str) -> Iterator[str]:
 
 def _too_small(d: DataConfig, stats: SourceStats) -> DataError:
     if stats.documents == 0:
-        return DataError(f"no documents found in data.sources {d.sources}: {stats.summary()}; "
+        return DataError(f"no documents found in data.sources {d.source_paths}: {stats.summary()}; "
                          "point data.sources at .txt/.md/.jsonl files or folders with text in them")
     return DataError(f"corpus too small: {stats.documents} documents ({stats.summary()}); "
                      "need at least 2 documents so that train and val each get one")
@@ -306,7 +346,7 @@ def _settings(cfg: Config) -> dict:
                   "train_chars": tok.train_chars}
     return {
         "format": FORMAT,
-        "sources": [_source_identity(s) for s in d.sources],
+        "sources": [_source_identity(s) for s in d.source_paths],
         "text_key": d.text_key,
         "val_fraction": d.val_fraction,
         "max_chars": d.max_chars,
@@ -318,6 +358,8 @@ def _settings(cfg: Config) -> dict:
         # only when set: data prepared before the key existed keeps its fingerprint
         **({"val_sources": [_source_identity(s) for s in d.val_sources]} if d.val_sources else {}),
         **({"encoder_tokens": True} if cfg.model.arch == "encoder" else {}),
+        # a mixture's shards are per source; its weights are read at load time and change nothing here
+        **({"mixture": [name for name, _ in d.mixture]} if d.mixture else {}),
     }
 
 

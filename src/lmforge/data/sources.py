@@ -90,10 +90,10 @@ def iter_documents(cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
     Raises DataError for a missing path or one that is not a file or folder, for a file that cannot
     be read, and for bad UTF-8 / bad JSON when the matching `on_bad_*` setting is "fail".
     """
-    for src in cfg.sources:  # fail on a bad path before yielding anything
+    for src in cfg.source_paths:  # fail on a bad path before yielding anything
         check_source(src)
     budget = cfg.max_chars
-    for src in cfg.sources:
+    for src in cfg.source_paths:
         stats.sources.append(src)
         for doc in _iter_source(src, cfg, stats):
             if not doc or doc.isspace():  # as `not doc.strip()`, without copying a huge document

@@ -96,7 +96,7 @@ def training_texts(
 
 def _pretraining(cfg: Config, stats: TrainingStats) -> Iterator[str]:
     d = cfg.data
-    stats.section, stats.sources = "data.sources", list(d.sources)
+    stats.section, stats.sources = "data.sources", list(d.source_paths)
     if not d.sources:
         raise DataError("data.sources is empty: the run names no training data to check against")
     source_stats = SourceStats()

@@ -114,6 +114,9 @@ class MetricsLogging(Callback):
         if trainer.skipped_steps:
             record["skipped_steps"] = trainer.skipped_steps
         record.update(trainer.monitor.collect(tps))
+        mix = getattr(trainer.run.train_loader, "metrics", None)  # a weighted mixture's per-source counts
+        if mix is not None:
+            record.update(mix())
         record.update(result.metrics)
         # Per-group detail of the window's last step (the console shows only the headline numbers).
         record.update({f"grad_norm/{k}": v for k, v in result.group_grad_norms.items()})

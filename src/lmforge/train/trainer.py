@@ -35,6 +35,7 @@ from lmforge.assembly.build import Documents
 from lmforge.checkpoint.manager import CheckpointManager, list_checkpoints
 from lmforge.config.load import as_config, save_config
 from lmforge.config.schema import Config
+from lmforge.data.length import pass_ended
 from lmforge.engine.evaluate import evaluate_loss
 from lmforge.engine.objectives import Objective
 from lmforge.engine.step import StepResult, Verdict
@@ -270,7 +271,8 @@ class Trainer(Recovery):
             self._emit("on_step_end", self.step, result)
             # before validation and checkpointing, which the budget does not count
             self.clock.stop()
-            if tc.eval_every and self.step % tc.eval_every == 0 and self.step < tc.max_steps:
+            at_eval = tc.eval_every and self.step % tc.eval_every == 0
+            if (at_eval or pass_ended(self.cfg, self.run.train_loader)) and self.step < tc.max_steps:
                 self.validate()
             if self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
                 self.save()
