@@ -250,6 +250,18 @@ def _build_training(cfg, purpose, world, device, model, train_data, eval_data, t
         raise
 
 
+def _add_head(cfg: Config, model: nn.Module, head: str) -> Config:
+    """The method's head (a score, value or classifier head) added with the run's seed; the config then
+    says so (model.<head>_head, model.num_labels)."""
+    from lmforge.models.transformer import add_head
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.run.seed)
+        add_head(model, head, outputs=method_facts(cfg).head_outputs)
+    heads = {f"{head}_head": True, "num_labels": model.cfg.num_labels}
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update=heads)})
+
+
 def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective, dims,
                     resumed, lock, say, stated_vocab: int | None = None,
                     user: UserOptimizer | None = None) -> Run:
@@ -282,13 +294,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
         vocab = cfg.model.vocab_size
     head = method_facts(cfg).scalar_head  # a reward model's score or PPO's value head: added, always trained
     if head and not custom:
-        from lmforge.models.transformer import add_head
-
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.run.seed)
-            add_head(model, head, outputs=method_facts(cfg).head_outputs)
-        heads = {f"{head}_head": True, "num_labels": model.cfg.num_labels}
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=heads)})
+        cfg = _add_head(cfg, model, head)
     if cfg.finetune.method != "full" or sft:
         say(apply_finetune(model, cfg.finetune, seed=cfg.run.seed).line())
         if head and not custom:
