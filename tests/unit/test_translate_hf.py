@@ -40,12 +40,21 @@ def test_the_core_fields_map():
     check_values(t)  # lmforge's schema takes them all
 
 
-def test_epochs_do_not_map_and_say_why():
-    t = hf({"num_train_epochs": 3.0, "max_steps": -1})
-    assert t.values == {}
-    assert "not epochs" in why(t, "num_train_epochs")
-    assert "train by epochs" in why(t, "max_steps")
+def test_whole_epochs_map_to_train_epochs_and_leave_fractions_of_the_run_unresolved():
+    t = hf({"num_train_epochs": 3.0, "max_steps": -1, "warmup_ratio": 0.1, "eval_steps": 0.5,
+            "eval_strategy": "steps", "logging_steps": 5})
+    assert values(t) == {"train.epochs": 3, "train.log_every": 5}
+    assert "not known" in why(t, "warmup_ratio") and "not known" in why(t, "eval_steps")
+    check_values(t)
     assert "max_steps overrides it" in why(hf({"num_train_epochs": 3.0, "max_steps": 10}), "num_train_epochs")
+    assert values(hf({"num_train_epochs": 3.0, "max_steps": 10})) == {"train.max_steps": 10}
+
+
+def test_fractional_epochs_do_not_map_and_say_why():
+    t = hf({"num_train_epochs": 2.5, "max_steps": -1, "warmup_ratio": 0.1})
+    assert "train.epochs" not in values(t)
+    assert "whole passes" in why(t, "num_train_epochs") and "train by epochs" in why(t, "max_steps")
+    assert values(t)["schedule.warmup_steps"] == 100  # the config's train.max_steps (1000) counts the run
 
 
 @pytest.mark.parametrize("kind,expect", [

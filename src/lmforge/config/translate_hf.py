@@ -5,8 +5,10 @@ Semantics are TrainingArguments' documented ones (transformers/training_args.py,
 - HF's schedules decay to 0 (linear, cosine) or to lr_end (polynomial); lmforge decays to
   schedule.min_lr_ratio x lr, so the translation sets that ratio. The warm-up is linear from 0 in both.
 - warmup_steps, logging_steps, eval_steps and save_steps below 1 are fractions of the total steps (HF
-  rounds up); warmup_ratio is the older name of the fraction. The total is max_steps, or (when the
-  arguments train by epochs) the lmforge config's train.max_steps.
+  rounds up); warmup_ratio is the older name of the fraction. The total is max_steps; when the
+  arguments train by epochs (max_steps <= 0) num_train_epochs maps to train.epochs, lmforge derives the
+  steps from the data at the start of the run, and such fractions are listed as not mapped (a fractional
+  num_train_epochs does not map: lmforge trains whole passes; the config's train.max_steps counts then).
 - "adamw_torch" / "adamw_torch_fused" are torch's AdamW, "sgd" torch's SGD (no momentum), "adafactor" HF's
   Adafactor with relative_step=False, scale_parameter=False, warmup_init=False (lmforge's defaults too).
 - weight_decay: HF skips biases and LayerNorm weights; lmforge also skips embeddings.
@@ -116,14 +118,24 @@ def translate_hf_args(data: dict[str, Any], source: str, world_size: int | None 
         steps = int(steps)
         t.set("train.max_steps", steps, "max_steps")
         total = steps
-    elif steps is not None:
-        t.skip("max_steps", steps, "-1: train by epochs (num_train_epochs), which lmforge does not; "
-               f"train.max_steps ({max_steps}) counts the run")
     epochs = take("num_train_epochs")
-    if epochs is not None:
-        t.skip("num_train_epochs", epochs, "max_steps overrides it (TrainingArguments' rule)" if steps and
-               steps > 0 else "lmforge counts optimizer steps, not epochs: set train.max_steps (one epoch is "
-               "the training tokens / (micro_batch_size x grad_accum_steps x processes x seq_len))")
+    whole = epochs is not None and is_number(epochs) and epochs >= 1 and epochs == int(epochs)
+    if steps is not None and steps > 0:
+        if epochs is not None:
+            t.skip("num_train_epochs", epochs, "max_steps overrides it (TrainingArguments' rule)")
+    elif whole:
+        # max_steps <= 0 (or absent): TrainingArguments trains num_train_epochs passes. lmforge derives
+        # train.max_steps from train.epochs once the data is loaded, so fractions of the run given in
+        # steps (warmup_ratio, eval_steps < 1, ...) cannot be resolved here.
+        t.set("train.epochs", int(epochs), "num_train_epochs")
+        total = None
+    else:
+        if steps is not None:
+            t.skip("max_steps", steps, "-1: train by epochs (num_train_epochs), but no whole number of "
+                   f"epochs is given; train.max_steps ({max_steps}) counts the run")
+        if epochs is not None:
+            t.skip("num_train_epochs", epochs, "lmforge trains whole passes (train.epochs, a whole number "
+                   f">= 1): set train.epochs, or train.max_steps ({max_steps}) counts the run")
     number("max_grad_norm", "train.grad_clip")  # 0 turns clipping off in both
     _optimizer(t, d, take)
     _schedule(t, d, take, total)
