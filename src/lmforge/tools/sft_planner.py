@@ -176,7 +176,7 @@ def _method(throughput: SftThroughput, model: ModelFacts, user: dict[str, Any], 
         steps = int(tps * train_s / step_tokens) if tps else 0
         why = ""
         if tps is None:
-            why = "not measured"
+            why = "not measured in the probe's time"
         elif name == "full" and not full_fits(model, throughput.memory_bytes):
             why = (f"does not fit: {model.params * FULL_BYTES_PER_PARAM / 2**30:.2f} GiB of weights, "
                    f"gradients and AdamW state > {FULL_MEMORY_SHARE:.0%} of "
