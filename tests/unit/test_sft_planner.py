@@ -47,9 +47,9 @@ def test_lora_where_full_does_not_fit_and_its_settings():
 
 
 def test_full_lr_follows_the_width():
-    wide = S.ModelFacts(params=4_500_000, d_model=512, n_layers=4, max_seq_len=256)
+    wide = S.ModelFacts(params=4_500_000, d_model=2 * S.RULES_WIDTH, n_layers=4, max_seq_len=256)
     s = S.plan_sft(120, table(), wide, TASKS, {"finetune.method": "full"}).settings
-    assert s["optim.lr"] == pytest.approx(S.FULL_LR_AT_256 / 2)
+    assert s["optim.lr"] == pytest.approx(S.FULL_LR / 2)
 
 
 def test_plan_is_deterministic():
@@ -109,3 +109,11 @@ def test_a_budget_too_small_names_the_smallest_that_works():
 def test_refusals(budget, user, message):
     with pytest.raises(ConfigError, match=message):
         S.plan_sft(budget, table(), DEMO, TASKS, user)
+
+
+def test_rules_agree_with_the_bench():
+    """The constants are the bench's results (bench/results/sft_planner_rules.json)."""
+    rules = json.loads((REPO / "bench" / "results" / "sft_planner_rules.json").read_text())["rules"]
+    assert S.LORA_R == rules["lora_r"] and S.LORA_LR == pytest.approx(rules["lora_lr"])
+    assert S.FULL_LR == pytest.approx(rules["full_lr"])
+    assert S.FULL_BEATS_LORA == rules["full_beats_lora"]

@@ -155,7 +155,8 @@ def probe(budget_s: float, cfg, model: ModelFacts, data: DataFacts, user: dict[s
         f"for at most {allot:.1f}s")
     # one tiny step first: the process's first step pays one-time costs (thread pools, the allocator, lazy
     # imports) of a second or more that would otherwise be charged to the first method measured
-    from lmforge.tools.planner_probe import Shape, _step_seconds as tiny_step
+    from lmforge.tools.planner_probe import Shape
+    from lmforge.tools.planner_probe import _step_seconds as tiny_step
 
     tiny_step(Shape(32, 1, 1, 1), 64, 1, 16, device, precision, 0.0)
     speeds: dict[str, float] = {}
