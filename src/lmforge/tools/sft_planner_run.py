@@ -35,7 +35,6 @@ from lmforge.tools.sft_planner import (
     check_budget,
     full_fits,
     micro_for,
-    phases_for,
     plan_sft,
     seq_for,
 )
@@ -287,5 +286,3 @@ def _exact_match(trainer, records: list[dict], deadline: Deadline, margin: float
     write = {"exact_match_by_task": {k: c / n for k, (c, n) in totals.items()}}
     return {"exact_match": correct / max(1, done), "exact_match_records": done, **write}
 
-
-__all__ = ["run_sft_budget", "phases_for"]
