@@ -64,7 +64,7 @@ def test_sft_budget_run_stays_within_budget(world, tmp_path):
     assert cfg["finetune"]["method"] == choices["finetune.method"]["value"]
     assert "| method | tokens/s | steps | why not |" in (run / "plan.md").read_text()
     out = proc.stdout
-    assert out.index("finetune.method") < out.index("exact match")  # the table comes before training
+    assert out.index("finetune.method") < out.index(f"budget {budget:g}s: ")  # the table, then the run
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("val_loss" in r for r in records)
 

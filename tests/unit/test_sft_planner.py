@@ -85,6 +85,10 @@ def test_user_keys_win_and_the_rest_is_planned_around_them():
     for k, v in user.items():
         assert s[k] == v and why[k] == "user"
     assert s["finetune.alpha"] == 8.0  # 2 x the user's rank
+    # a rank alone means adapters: full fine-tuning (which the rule prefers here) would ignore it
+    q = S.plan_sft(120, table(), DEMO, TASKS, {"finetune.r": 8})
+    assert q.settings["finetune.method"] == "lora" and q.settings["finetune.r"] == 8
+    assert {c.key: c.why for c in q.choices}["finetune.method"] == "you set finetune.r"
     # planned around the user's micro-batch and context: steps from their step's tokens
     assert p.predicted["steps"] == int(4000.0 * s["train.max_time"] / (8 * 128))
     # without exact-match records there is no exact-match phase: training gets its share

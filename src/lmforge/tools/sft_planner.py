@@ -36,6 +36,8 @@ LR_RANGE = (1e-5, 1e-2)
 # targets: every linear layer (QLoRA, Dettmers et al. 2023 sec. 4: adapters on all linear layers are what
 # match full fine-tuning; attention-only adapters fell short)
 TARGETS = ["all-linear"]
+# keys that only adapters read: set by the user, they choose LoRA (full fine-tuning would ignore them)
+ADAPTER_KEYS = ("finetune.r", "finetune.alpha", "finetune.targets", "finetune.dropout", "finetune.rslora")
 # tokens per micro-batch: 8 x 64 = 512 on a CPU (the bench's: many small steps in a budget of seconds; at
 # 16 x 128 a 40 s run made 12 steps there), 16,384 on a GPU (fills its matmuls; not measured here)
 MICRO_TOKENS = {"cpu": 512, "cuda": 16384}
@@ -188,6 +190,9 @@ def _method(throughput: SftThroughput, model: ModelFacts, user: dict[str, Any], 
     if "finetune.method" in user:
         return user["finetune.method"], "user", rows
     ok = {r["method"] for r in rows if not r["why"]}
+    adapter_keys = sorted(k for k in ADAPTER_KEYS if k in user)
+    if adapter_keys and "lora" in ok:  # an adapter setting of the user's is kept: it means adapters
+        return "lora", f"you set {', '.join(adapter_keys)}", rows
     if "full" in ok and (FULL_BEATS_LORA or "lora" not in ok):
         return "full", "rule: fits and gets its steps; full beat LoRA at the bench's budget", rows
     if "lora" in ok:
