@@ -15,6 +15,8 @@ class MethodVerb:
     # flags of the verb that, when given, run a function of the loaded config instead of training:
     # (flag, its help, "module:function")
     actions: tuple[tuple[str, str, str], ...] = ()
+    # "module:function" planning and running the method in a wall-clock budget (`--budget DURATION`)
+    budget: str | None = None
 
 
 # verb (= the method's objective.name) -> its verb, in `lmforge --help` order
@@ -26,7 +28,7 @@ METHOD_VERBS: dict[str, MethodVerb] = {
     "rl": MethodVerb("reinforcement learning on sampled completions scored by rewards (objective rl: GRPO "
                      "or RLOO by rl.algorithm), full or with adapters"),
     "sft": MethodVerb("fine-tune on chat data (objective sft): full, LoRA, DoRA or QLoRA (the finetune "
-                      "section)"),
+                      "section)", budget="lmforge.tools.sft_planner_run:run_sft_budget"),
     "distill": MethodVerb(
         "knowledge distillation (objective distill): a student learns a teacher's next-token distributions "
         "(forward / reverse KL, generalised JSD) mixed with the data loss",

@@ -115,6 +115,24 @@ def _train_budget(args: argparse.Namespace) -> int:
     return 0
 
 
+def _budget(args: argparse.Namespace, target: str) -> int:
+    """`lmforge VERB --budget 2m`: the method's planner (the clock is the process's, from its start)."""
+    from lmforge.config.train import parse_duration
+    from lmforge.tools.planner_probe import Deadline
+
+    try:
+        budget = parse_duration(args.budget)
+    except ValueError as e:
+        raise ConfigError(f"--budget: {e}") from None
+    if args.resume:
+        raise ConfigError("--budget plans a new run; --resume continues one: drop one of them")
+    started = getattr(args, "started", None)  # None: a command line, whose whole process counts
+    deadline = Deadline.from_process(budget) if started is None else Deadline.since(budget, started)
+    module, function = target.split(":")
+    getattr(importlib.import_module(module), function)(budget, args.config, args.set, deadline=deadline)
+    return 0
+
+
 def _train_objective(args: argparse.Namespace, name: str) -> int:
     """`lmforge train` with objective `name` (what the verb means), refusing a config naming another."""
     from lmforge.train.trainer import train
@@ -128,6 +146,12 @@ def _train_objective(args: argparse.Namespace, name: str) -> int:
     return 0
 
 
+BUDGET_HELP = ("wall-clock budget for the whole process (e.g. 2m): measure this machine, choose "
+               "method, LoRA rank, context, batch, lr and schedule for the base model (model.init_from) "
+               "and the data (keys you set are kept), then fine-tune and evaluate within it; the plan is "
+               "printed and saved in the run dir")
+
+
 def _method(name: str, spec: MethodVerb) -> Verb:
     """The verb that trains objective `name`, with the flags its method declares (method_verbs.py)."""
 
@@ -137,8 +161,12 @@ def _method(name: str, spec: MethodVerb) -> Verb:
             p.add_argument(flag, action="store_true", help=help_text)
         _resume_arg(p)
         _launcher_args(p)
+        if spec.budget:
+            p.add_argument("--budget", metavar="DURATION", help=BUDGET_HELP)
 
     def run(args: argparse.Namespace) -> int:
+        if getattr(args, "budget", None) is not None:
+            return _budget(args, spec.budget)
         for flag, _, target in spec.actions:
             if getattr(args, flag.lstrip("-").replace("-", "_")):
                 module, function = target.split(":")
