@@ -128,6 +128,9 @@ ROWS: list[Row] = [
          "--json", "{json}"], needs=["transformers", "peft"]),
     Row("qlora", "QLoRA step, Llama 1.1B NF4 vs bitsandbytes + PEFT", 45,
         ["qlora_step.py", "--json", "{json}"], None, needs=["bitsandbytes", "peft"]),
+    Row("tf32", "fp32 training step (no autocast), ~0.9B Llama shape at 4x1024: TF32 matmuls on vs off "
+        "(train.tf32), interleaved, and the first loss both ways", 45,
+        ["tf32_step.py", "--json", "{json}"], None),
     # Last: five minutes by definition, more than half of one call. It needs a call of its own (--only).
     Row("planner", "`lmforge train --budget 5m` on builtin:python: final val bpb, the planned shape, whole "
         "wall time vs the budget", 330,

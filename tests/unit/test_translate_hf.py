@@ -113,7 +113,10 @@ def test_precision():
     assert values(hf({"bf16": False, "fp16": False})) == {"train.precision": "fp32"}  # the Trainer's fp32
     with pytest.raises(ConfigError, match="bf16 and fp16 are both true"):
         hf({"bf16": True, "fp16": True})
-    assert "no TF32 switch" in why(hf({"tf32": True}), "tf32")
+    assert values(hf({"tf32": True})) == {"train.tf32": True}
+    assert values(hf({"tf32": False})) == {"train.tf32": False} and values(hf({"tf32": None})) == {}
+    with pytest.raises(ConfigError, match="tf32='yes' must be true, false or null"):
+        hf({"tf32": "yes"})
 
 
 @pytest.mark.parametrize("optim,expect", [

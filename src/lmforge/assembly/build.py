@@ -49,7 +49,7 @@ from lmforge.data.memory import token_stream
 from lmforge.data.mixture import train_loader as mixture_or_tokens
 from lmforge.data.sft import prepare_sft
 from lmforge.engine.objectives import Objective, build_objective
-from lmforge.engine.precision import Precision, probe_deadline, resolve_precision
+from lmforge.engine.precision import Precision, probe_deadline, resolve_precision, set_tf32
 from lmforge.engine.step import StepHook
 from lmforge.errors import ConfigError, DataError, LmforgeError
 from lmforge.finetune.setup import apply_finetune, load_finetuned
@@ -97,12 +97,15 @@ class Run:
     weights_from: Path | None = None  # eval/generate: the checkpoint (or HF dir) of the weights
     lock: RunLock | None = None  # train, rank 0: the run dir's lock, held until `release()`
     template: Any = None  # fine-tuned runs: the ChatTemplate their conversations were rendered with
+    on_release: list[Callable[[], None]] = field(default_factory=list)  # process settings to put back
 
     def release(self, refused: bool = False) -> None:
         """Give up the run dir's lock (the trainer does at the end of fit); `refused`: the run never
         trained, so what opening the run dir made goes too (RunLock.discard)."""
         if self.lock is not None:
             self.lock.discard() if refused else self.lock.release()
+        while self.on_release:
+            self.on_release.pop()()
 
     @property
     def run_dir(self) -> Path:
@@ -140,8 +143,15 @@ def build_run(
         return _build_inference(cfg, purpose, world, device, Path(weights_from), weights, objective)
     given = optimizer is not None or param_groups is not None
     user = UserOptimizer(optimizer, param_groups) if given else None
-    return _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective,
-                           resume, say, user)
+    restore_tf32 = set_tf32(cfg.train.tf32, device)  # before any work: a refusal leaves nothing behind
+    try:
+        run = _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective,
+                              resume, say, user)
+    except BaseException:
+        restore_tf32()
+        raise
+    run.on_release.append(restore_tf32)
+    return run
 
 
 def resolve_vocab_size(cfg: Config, tokenizer_vocab: int) -> int:

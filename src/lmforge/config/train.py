@@ -193,6 +193,12 @@ class TrainConfig(Section):
         "once without bf16 matrix units (AVX512-BF16, AMX, Arm BF16), else a bf16 and an fp32 step timed "
         "within 5 s (or 3% of train.max_time), the verdict cached per machine and shape in ~/.cache/lmforge."
     )
+    tf32: bool | None = Field(
+        None, description="TensorFloat-32 on CUDA (Ampere and later) for fp32 matmuls and convolutions, "
+        "including the fp32 parts of a mixed-precision step: true trades fp32's 23-bit mantissa for 10 bits "
+        "in the products for up to ~8x fp32 matmul speed; false forces IEEE fp32; null leaves torch's "
+        "defaults (IEEE matmuls, TF32 convolutions). true is refused on a device other than CUDA."
+    )
     master_weights: Literal["off", "fp32"] = Field(
         "off", description="fp32: store the matmul weights (Linear weights no embedding shares) in bf16 and "
         "keep fp32 master copies in the optimizer state, which steps them and copies them back as bf16 "

@@ -280,12 +280,15 @@ def _precision(t: Translation, d: dict, take) -> None:
         t.set("train.precision", "bf16" if bf16 else "fp16", "bf16" if bf16 else "fp16")
     elif bf16 is False and fp16 is False:
         t.set("train.precision", "fp32", "bf16/fp16")  # the Trainer then trains in fp32
-    for key in ("tf32", "bf16_full_eval", "fp16_full_eval", "half_precision_backend", "fp16_opt_level"):
+    tf32 = take("tf32")
+    if isinstance(tf32, bool):  # None: torch's default, in both
+        t.set("train.tf32", tf32, "tf32")
+    elif tf32 is not None:
+        raise ConfigError(f"{t.source}: tf32={tf32!r} must be true, false or null (lmforge train.tf32)")
+    for key in ("bf16_full_eval", "fp16_full_eval", "half_precision_backend", "fp16_opt_level"):
         v = take(key)
         if v not in (None, False, "auto", "O1"):
-            why = {"tf32": "lmforge has no TF32 switch yet (torch's default applies)"}.get(
-                key, "lmforge evaluates and trains in train.precision (autocast)")
-            t.skip(key, v, why)
+            t.skip(key, v, "lmforge evaluates and trains in train.precision (autocast)")
 
 
 def _intervals(t: Translation, d: dict, take, total: int | None) -> None:

@@ -124,6 +124,31 @@ def model_signature(model: torch.nn.Module) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
+def set_tf32(enabled: bool | None, device: torch.device) -> Callable[[], None]:
+    """Apply train.tf32 for this process's CUDA matmuls and cuDNN convolutions; returns what puts torch's
+    previous settings back (the Python API's caller keeps its own). Uses torch's fp32_precision API only:
+    mixing it with the legacy allow_tf32 flags makes torch raise."""
+    if enabled is None:
+        return lambda: None
+    if enabled and device.type != "cuda":
+        from lmforge.errors import ConfigError
+
+        raise ConfigError(f"train.tf32=true: TensorFloat-32 is a CUDA matmul mode, and this run's device is "
+                          f"{device.type}; remove train.tf32 (fp32 on {device.type} is always IEEE fp32)")
+    if device.type != "cuda":
+        return lambda: None  # false: nothing here computes in TF32
+    targets = [torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn]
+    before = [t.fp32_precision for t in targets]
+    for t in targets:
+        t.fp32_precision = "tf32" if enabled else "ieee"
+
+    def restore() -> None:
+        for t, value in zip(targets, before):
+            t.fp32_precision = value
+
+    return restore
+
+
 def probe_deadline(max_time: float | None) -> float:
     """Seconds the bf16 probe may take: DEADLINE_S, or BUDGET_FRACTION of a run's time budget if smaller."""
     return DEADLINE_S if not max_time else min(DEADLINE_S, BUDGET_FRACTION * max_time)
