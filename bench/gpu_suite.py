@@ -62,6 +62,12 @@ def _train_has_budget() -> str | None:
     return None if "--budget" in out.stdout else "lmforge train has no --budget"
 
 
+def _sm89() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
 def _throughput(row: str, est: float, what: str) -> Row:
     return Row(row, what, est,
                ["gpu_throughput.py", "--rows", row, "--rounds", "20", "--out", "{json}", "{nanogpt}"],
@@ -131,6 +137,10 @@ ROWS: list[Row] = [
     Row("tf32", "fp32 training step (no autocast), ~0.9B Llama shape at 4x1024: TF32 matmuls on vs off "
         "(train.tf32), interleaved, and the first loss both ways", 45,
         ["tf32_step.py", "--json", "{json}"], None),
+    Row("fp8", "FP8 (torchao float8 tensorwise/rowwise) vs bf16, compiled: loss over 200 steps at d1024 L8 "
+        "and tokens/s at Llama 1.1B (train.fp8)", 150,
+        ["fp8_train.py", "--json", "{json}"], None, needs=["torchao"],
+        check=lambda: None if _sm89() else "needs compute capability >= 8.9"),
     # Last: five minutes by definition, more than half of one call. It needs a call of its own (--only).
     Row("planner", "`lmforge train --budget 5m` on builtin:python: final val bpb, the planned shape, whole "
         "wall time vs the budget", 330,

@@ -193,6 +193,12 @@ class TrainConfig(Section):
         "once without bf16 matrix units (AVX512-BF16, AMX, Arm BF16), else a bf16 and an fp32 step timed "
         "within 5 s (or 3% of train.max_time), the verdict cached per machine and shape in ~/.cache/lmforge."
     )
+    fp8: Literal["none", "tensorwise", "rowwise"] = Field(
+        "none", description="FP8 training of the transformer blocks' Linear layers with torchao's float8 "
+        "recipe of that name (tensorwise: one scale per tensor, fastest; rowwise: one per row, closer to "
+        "bf16), under bf16 autocast; CUDA GPUs of compute capability >= 8.9 only, best with train.compile "
+        "(engine/fp8.py says what is converted)."
+    )
     tf32: bool | None = Field(
         None, description="TensorFloat-32 on CUDA (Ampere and later) for fp32 matmuls and convolutions, "
         "including the fp32 parts of a mixed-precision step: true trades fp32's 23-bit mantissa for 10 bits "
