@@ -52,6 +52,9 @@ VARIANTS = {
     "every_2": {"activation_checkpointing": "every_k", "ac_every": 2},
     "selective": {"activation_checkpointing": "selective"},
     "selective_alternate": {"activation_checkpointing": "selective", "ac_save": "alternate_matmuls"},
+    # train.activation_offload (CUDA only): saved tensors to pinned host memory, alone and with full
+    "offload": {"activation_checkpointing": "none", "activation_offload": True},
+    "full_offload": {"activation_checkpointing": "full", "activation_offload": True},
 }
 # CPU: big enough that activations outweigh the weights and a step takes seconds on 2 cores; CUDA: a
 # ~0.9B-parameter model whose uncheckpointed step fits an 80 GB GPU (lmforge estimate: ~46 GB)

@@ -116,9 +116,10 @@ ROWS: list[Row] = [
         ["gpu_throughput.py", "--memory", "--no-compile", "--chunks", "0,4096,8192", "--out", "{json}"],
         ["gpu_throughput.py", "--memory", "--tiny", "--device", "cpu", "--no-compile", "--chunks", "0,64",
          "--memory-steps", "1", "--out", "{json}"]),
-    Row("ac", "activation checkpointing none/full/selective: step time and peak memory", 50,
+    Row("ac", "activation checkpointing none/full/selective and activation offload alone/with full "
+        "(train.activation_offload): step time and peak memory", 80,
         ["activation_checkpointing.py", "--device", "cuda", "--rounds", "1",
-         "--variants", "none,full,selective", "--out", "{json}"],
+         "--variants", "none,full,selective,offload,full_offload", "--out", "{json}"],
         ["activation_checkpointing.py", "--device", "cpu", "--rounds", "1", "--variants", "none,selective",
          "--d-model", "64", "--layers", "2", "--heads", "4", "--vocab", "256", "--seq", "64", "--batch", "2",
          "--steps", "1", "--out", "{json}"]),

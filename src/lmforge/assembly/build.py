@@ -48,6 +48,7 @@ from lmforge.data.length import with_length
 from lmforge.data.memory import token_stream
 from lmforge.data.mixture import train_loader as mixture_or_tokens
 from lmforge.data.sft import prepare_sft
+from lmforge.engine.act_offload import check_activation_offload
 from lmforge.engine.fp8 import check_fp8, convert_fp8
 from lmforge.engine.objectives import Objective, build_objective
 from lmforge.engine.precision import Precision, probe_deadline, resolve_precision, set_tf32
@@ -145,6 +146,7 @@ def build_run(
     given = optimizer is not None or param_groups is not None
     user = UserOptimizer(optimizer, param_groups) if given else None
     check_fp8(cfg, device)  # before any work: a refusal leaves nothing behind
+    check_activation_offload(cfg, device)
     restore_tf32 = set_tf32(cfg.train.tf32, device)
     try:
         run = _build_training(cfg, purpose, world, device, model, train_data, eval_data, tokenizer, objective,
@@ -316,7 +318,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     objective.check_model(model)
     precision = Precision(on_rank0(lambda: resolve_precision(
         cfg.train.precision, device, model, cfg.train.micro_batch_size, cfg.seq_len, vocab, say=say,
-        deadline_s=probe_deadline(cfg.train.max_time))), device)
+        deadline_s=probe_deadline(cfg.train.max_time))), device, cfg.train.activation_offload)
     convert_fp8(model, cfg, precision.name, say)  # before compile and FSDP wrap the Linear layers
     masters = start_master_weights(cfg, dims, precision.name, model)  # bf16 weights before DDP wraps them
     # TP -> activation checkpointing -> compile -> FSDP/DDP, from outside the model.

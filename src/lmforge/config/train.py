@@ -193,6 +193,11 @@ class TrainConfig(Section):
         "once without bf16 matrix units (AVX512-BF16, AMX, Arm BF16), else a bf16 and an fp32 step timed "
         "within 5 s (or 3% of train.max_time), the verdict cached per machine and shape in ~/.cache/lmforge."
     )
+    activation_offload: bool = Field(
+        False, description="Move the tensors a training forward saves for its backward to pinned host memory "
+        "(torch's save_on_cpu; with activation_checkpointing only the checkpoints' inputs). CUDA only; "
+        "trades step time for GPU memory (engine/act_offload.py)."
+    )
     fp8: Literal["none", "tensorwise", "rowwise"] = Field(
         "none", description="FP8 training of the transformer blocks' Linear layers with torchao's float8 "
         "recipe of that name (tensorwise: one scale per tensor, fastest; rowwise: one per row, closer to "

@@ -252,6 +252,7 @@ class Precision:
 
     name: str
     device: torch.device
+    offload_activations: bool = False  # train.activation_offload (engine/act_offload.py)
 
     def __post_init__(self) -> None:
         self.dtype = _DTYPES[self.name]
@@ -262,6 +263,15 @@ class Precision:
         if self.name == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def training_forward(self):
+        """Autocast, and with train.activation_offload the saved tensors to host memory."""
+        from lmforge.engine.act_offload import offloading
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.autocast())
+        stack.enter_context(offloading(self.offload_activations, self.device))
+        return stack
 
     def state_dict(self) -> dict:
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}

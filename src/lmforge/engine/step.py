@@ -176,7 +176,7 @@ def train_step(
     scaler = precision.scaler
     for i, batch in enumerate(batches):
         with comm.grad_sync(model, enabled=i == len(batches) - 1):
-            with precision.autocast():
+            with precision.training_forward():
                 out = run(batch)
             if balance is not None:
                 balance.observe()
