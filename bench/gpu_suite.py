@@ -138,6 +138,9 @@ ROWS: list[Row] = [
     Row("tf32", "fp32 training step (no autocast), ~0.9B Llama shape at 4x1024: TF32 matmuls on vs off "
         "(train.tf32), interleaved, and the first loss both ways", 45,
         ["tf32_step.py", "--json", "{json}"], None),
+    Row("opt_offload", "train.optimizer_offload=cpu vs on the device, ~0.9B Llama shape bf16: device memory "
+        "held between steps and step time", 60,
+        ["optimizer_offload.py", "--json", "{json}"], None),
     Row("fp8", "FP8 (torchao float8 tensorwise/rowwise) vs bf16, compiled: loss over 200 steps at d1024 L8 "
         "and tokens/s at Llama 1.1B (train.fp8)", 150,
         ["fp8_train.py", "--json", "{json}"], None, needs=["torchao"],

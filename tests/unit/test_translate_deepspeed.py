@@ -39,7 +39,11 @@ def test_offload_maps_with_stage_3_and_is_explained_without_it():
     assert "no tuning keys" in why(t, "zero_optimization.offload_optimizer.pin_memory")
     t = ds({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
     assert "parallel.cpu_offload" not in t.values
-    assert "only with FSDP" in why(t, "zero_optimization.offload_optimizer.device")
+    assert "not with stages 1-2" in why(t, "zero_optimization.offload_optimizer.device")
+    t = ds({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}})
+    assert values(t)["train.optimizer_offload"] == "cpu" and "parallel.cpu_offload" not in t.values
+    t = ds({"zero_optimization": {"stage": 0, "offload_param": {"device": "cpu"}}})
+    assert "parameters only with stage 3" in why(t, "zero_optimization.offload_param.device")
     t = ds({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})
     assert "no NVMe" in why(t, "zero_optimization.offload_param.device")
     t = ds({"zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_wat": 1}})

@@ -58,6 +58,7 @@ from lmforge.finetune.setup import apply_finetune, load_finetuned
 from lmforge.optim.batch_ramp import BatchRamp
 from lmforge.optim.builder import SPECS, OptimizerFactory, UserOptimizer, build_optimizer
 from lmforge.optim.master import keep_masters, start_master_weights
+from lmforge.optim.offload import start_optimizer_offload
 from lmforge.optim.schedule import LRSchedule
 from lmforge.parallel.api import ParallelModel, parallelize
 from lmforge.parallel.coord import on_rank0, rank0_first
@@ -327,6 +328,7 @@ def _training_parts(cfg, purpose, world, device, model, train_data, eval_data, t
     own = user is not None and user.brings_optimizer  # the logged lr is then its first group's
     if masters is not None:
         keep_masters(optimizer, masters)
+    start_optimizer_offload(cfg, dims, device, optimizer)
     tc = cfg.train
     # Every rank must run the same number of evaluation batches (their forwards are collective);
     # a pipeline splits each one into its micro-batches.

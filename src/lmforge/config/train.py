@@ -193,6 +193,11 @@ class TrainConfig(Section):
         "once without bf16 matrix units (AVX512-BF16, AMX, Arm BF16), else a bf16 and an fp32 step timed "
         "within 5 s (or 3% of train.max_time), the verdict cached per machine and shape in ~/.cache/lmforge."
     )
+    optimizer_offload: Literal["none", "cpu"] = Field(
+        "none", description="cpu: keep the optimizer state in host memory and run the update there (weights "
+        "and gradients copied down, weights back up each step); one process or DDP (FSDP: "
+        "parallel.cpu_offload). Frees the optimizer state's device memory for step time (optim/offload.py)."
+    )
     activation_offload: bool = Field(
         False, description="Move the tensors a training forward saves for its backward to pinned host memory "
         "(torch's save_on_cpu; with activation_checkpointing only the checkpoints' inputs). CUDA only; "

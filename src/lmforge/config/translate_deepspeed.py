@@ -201,9 +201,15 @@ def _offload(t: Translation, key: str, sec: Any, stage: int | None) -> bool:
     if device != "cpu":
         raise ConfigError(f"{t.source}: zero_optimization.{key}.device={device!r}: DeepSpeed takes cpu, nvme "
                           "or none")
+    if stage in (None, 0) and key == "offload_optimizer":
+        # no partitioning: every rank a replica, its optimizer state and update in host memory
+        t.set("train.optimizer_offload", "cpu", f"zero_optimization.{key}.device")
+        return False
     if stage != 3:
-        t.skip(f"zero_optimization.{key}.device", device, "lmforge offloads to CPU only with FSDP "
-               "(ZeRO stage 3, parallel.zero=3), which keeps params, grads and optimizer state there")
+        t.skip(f"zero_optimization.{key}.device", device, "lmforge offloads the optimizer to CPU without "
+               "partitioning (ZeRO stage 0: train.optimizer_offload=cpu) or with FSDP (stage 3, "
+               "parallel.cpu_offload, which keeps params, grads and optimizer state there); not with "
+               "stages 1-2, and parameters only with stage 3")
         return False
     return True
 

@@ -358,6 +358,12 @@ def _optimizer_rows(cfg: Config, layout: Layout, device_type: str, trainable, ra
     if layout.fsdp and layout.cpu_offload:
         host["optimizer state"] = opt_bytes
         rows["optimizer state"] = 0
+    elif cfg.train.optimizer_offload == "cpu" and not layout.fsdp:
+        # optim/offload.py: state, and a host copy of each trained weight and of its gradient
+        host["optimizer state"] = opt_bytes
+        host["optimizer's host copies (weights + gradients)"] = 2 * 4 * sum(t.local for t in opt_tensors)
+        rows["optimizer state"] = 0
+        notes.append("train.optimizer_offload=cpu: the optimizer state and the update are in host memory")
     else:
         rows["optimizer state"] = opt_bytes
     return opt_tensors
