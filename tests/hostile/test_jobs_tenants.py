@@ -76,6 +76,9 @@ def naming(key: str, value: str) -> dict:
         step = {"blocklist_files": "harmful", "eval_files": "decontaminate"}[leaf]
         cfg["curate"] = {"steps": [{"step": step, leaf: [value]}]}
         return cfg
+    if key == "data.sources.path":  # a weighted mixture entry (config/data.py)
+        cfg["data"]["sources"] = [{"path": value, "weight": 1.0}]
+        return cfg
     if key == "logging.mlflow.tracking_uri":
         value = "file:" + value
     if key == "rl.reward_model":

@@ -92,6 +92,8 @@ def _naming(key: str, value: Path) -> list[str]:
     if key.startswith("curate.steps."):
         step = {"blocklist_files": "harmful", "eval_files": "decontaminate"}[key.rsplit(".", 1)[1]]
         return [f"curate.steps=[{{step: {step}, {key.rsplit('.', 1)[1]}: [{value}]}}]"]
+    if key == "data.sources.path":  # a weighted mixture entry (config/data.py)
+        return [f"data.sources=[{{path: {value}, weight: 1.0}}]"]
     node = load_config(TINY, []).model_dump()
     for k in key.split("."):
         node = node[k]

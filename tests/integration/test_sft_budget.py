@@ -38,6 +38,7 @@ def sets(w: SimpleNamespace, run_dir, *extra: str) -> list[str]:
     return [a for k in keys for a in ("--set", k)]
 
 
+@pytest.mark.slow  # 24 s; the default tier holds train --budget's own whole-process run (test_budget.py)
 def test_sft_budget_run_stays_within_budget(world, tmp_path):
     # 30 s: issue 36 asks the default suite to hold a 20-40 s budget to +5% on any machine
     budget = 30.0
