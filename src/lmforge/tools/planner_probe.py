@@ -73,6 +73,28 @@ class Deadline:
         return self.budget_s - self.elapsed
 
 
+def timed_steps(model, opt, prec, vocab: int, micro: int, seq: int, device, until: float) -> float:
+    """The fastest of two training steps of `model` on a random (micro, seq) batch (the first allocates,
+    the optimizer's state included) and, if time allows before `until`, a third."""
+    import torch
+
+    from lmforge.data.batch import TokenBatch
+    from lmforge.engine.step import train_step
+
+    x = torch.randint(0, vocab, (micro, seq + 1), device=device)
+    batch = TokenBatch(x[:, :-1], x[:, 1:])
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        train_step(model, [batch], opt, prec).loss  # noqa: B018  (reading the loss synchronises)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 2 and time.perf_counter() + times[-1] > until:
+            break
+    return min(times)
+
+
 def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precision: str,
                   until: float) -> tuple[float, Any]:
     """Seconds of one training step of `shape` and the model (for the precision probe): the fastest of two
@@ -80,9 +102,7 @@ def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precis
     third."""
     import torch
 
-    from lmforge.data.batch import TokenBatch
     from lmforge.engine.precision import Precision
-    from lmforge.engine.step import train_step
     from lmforge.models import build_model
 
     with torch.random.fork_rng(devices=[]):  # measuring never changes the run's random stream
@@ -90,18 +110,7 @@ def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precis
         model = build_model(model_config(shape, vocab, seq), device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         prec = Precision(precision, device)
-        x = torch.randint(0, vocab, (micro, seq + 1), device=device)
-        batch = TokenBatch(x[:, :-1], x[:, 1:])
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            train_step(model, [batch], opt, prec).loss  # noqa: B018  (reading the loss synchronises)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            if len(times) >= 2 and time.perf_counter() + times[-1] > until:
-                break  # the first step allocates (the optimizer's state too): always time a second
-    return min(times), model
+        return timed_steps(model, opt, prec, vocab, micro, seq, device, until), model
 
 
 def probe(budget_s: float, user: dict[str, Any], deadline: Deadline, device_name: str = "auto",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from lmforge.errors import ConfigError, DataError, LmforgeError
-from lmforge.tools.planner_probe import Deadline
+from lmforge.tools.planner_probe import Deadline, timed_steps
 from lmforge.tools.planner_run import DeadlineStop, PlanFiles, _EvalUntil, user_keys
 from lmforge.tools.sft_planner import (
     EXACT_RECORDS,
@@ -95,9 +95,7 @@ def _step_seconds(cfg, method: str, r: int, micro: int, seq: int, device, precis
     import torch
 
     from lmforge.config.train import FinetuneConfig
-    from lmforge.data.batch import TokenBatch
     from lmforge.engine.precision import Precision
-    from lmforge.engine.step import train_step
     from lmforge.finetune.setup import apply_finetune
     from lmforge.models import build_model
 
@@ -109,18 +107,7 @@ def _step_seconds(cfg, method: str, r: int, micro: int, seq: int, device, precis
         apply_finetune(model, ft)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         prec = Precision(precision, device)
-        x = torch.randint(0, cfg.model.vocab_size, (micro, seq + 1), device=device)
-        batch = TokenBatch(x[:, :-1], x[:, 1:])
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            train_step(model, [batch], opt, prec).loss  # noqa: B018  (reading the loss synchronises)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            if len(times) >= 2 and time.perf_counter() + times[-1] > until:
-                break
-    return min(times)
+        return timed_steps(model, opt, prec, cfg.model.vocab_size, micro, seq, device, until)
 
 
 def _memory(device) -> int:
