@@ -182,3 +182,29 @@ def test_prepare_with_unigram_and_config_refusals(tmp_path):
                  f"data.tokenizer.path={data / 'tokenizer.json'}", cwd=tmp_path)
     assert r.returncode == 2 and "drop one of the two" in r.stderr
     assert (data / "meta.json").read_bytes() == before
+
+
+def test_python_api_trains_the_configured_kind(tmp_path, capsys):
+    """Texts handed to lmforge.Trainer without a tokenizer train one of data.tokenizer.kind too."""
+    import torch
+    from torch import nn
+
+    import lmforge
+
+    class Tiny(nn.Module):
+        def __init__(self, vocab: int) -> None:
+            super().__init__()
+            self.emb, self.head = nn.Embedding(vocab, 16), nn.Linear(16, vocab)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.emb(ids))
+
+    cfg = {"run": {"dir": str(tmp_path / "run")},
+           "data": {"tokenizer": {"vocab_size": 400, "kind": "unigram"}},
+           "schedule": {"name": "constant", "warmup_steps": 0}, "checkpoint": {"every": 0},
+           "train": {"max_steps": 2, "seq_len": 32, "micro_batch_size": 2, "precision": "fp32",
+                     "eval_every": 0}}
+    trainer = lmforge.Trainer(model=Tiny(400), train_data=_corpus(), config=cfg)
+    trainer.fit()
+    assert "training a 400-token Unigram" in capsys.readouterr().out
+    assert trainer.run.tokenizer.model_type == "Unigram"
