@@ -144,4 +144,5 @@ def test_train_budget_reports_bits_per_byte_per_tokenizer(tmp_path):
         # over its tokens, over its bytes, the same bytes for both tokenizers
         assert r["eval_bytes"] == r["bytes"] == rows["bpe-300"]["bytes"]
         assert r["bpb"] == pytest.approx(r["loss"] * r["eval_tokens"] / math.log(2) / r["bytes"])
-        assert (work / "runs" / label / "config.yaml").is_file()
+        assert (work / "runs" / r["run"] / "config.yaml").is_file()
+    assert [rows[k]["run"] for k in rows] == ["0-bpe-300", "1-wordpiece-300"]

@@ -230,8 +230,9 @@ class Tokenizer:
         covers at most as many characters as its vocabulary entry has (bytes, for a byte-level BPE), so
         this many characters hold n_tokens + TEXT_SLACK tokens, the slack being margin for a cut that
         lands inside a word. Renders and tokenization cut text here, so a record far longer than the
-        sequence costs what a sequence costs. (A normalizer that deletes characters could make the text
-        hold fewer; its first tokens are still the text's first tokens.)"""
+        sequence costs what a sequence costs. (A normalizer that deletes characters, or a WordPiece's [UNK]
+        standing for a whole long word, could make the text hold fewer; its first tokens are still the
+        text's first tokens.)"""
         if self._longest is None:
             self._longest = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
         return (n_tokens + TEXT_SLACK) * max(self._longest, 1)

@@ -118,23 +118,24 @@ def _with_bpb(args, budget, work, toks, held, rows, say) -> dict[str, dict]:
 
     scratch = Path(tempfile.mkdtemp(prefix="lmforge-tokenizer-compare-")) if work is None else work
     try:
+        # run dir names: the labels made file-name safe, numbered so that two never meet
+        names = {label: f"{i}-{_safe(label)}" for i, label in enumerate(toks)}
         files = {}
         (scratch / "tokenizers").mkdir(parents=True, exist_ok=True)
         for label, tok in toks.items():
-            files[label] = scratch / "tokenizers" / f"{_safe(label)}.json"
-            tok.save(files[label])
+            files[names[label]] = scratch / "tokenizers" / f"{names[label]}.json"
+            tok.save(files[names[label]])
         budget_held, room = [], args.eval_chars
         for doc in held:
             if room <= 0:
                 break
             budget_held.append(doc[:room])
             room -= len(budget_held[-1])
-        got = budget_bpb(args.config, args.set, {_safe(k): v for k, v in files.items()}, budget_held, budget,
-                         scratch / "runs", say)
+        got = budget_bpb(args.config, args.set, files, budget_held, budget, scratch / "runs", say)
     finally:
         if work is None:
             shutil.rmtree(scratch, ignore_errors=True)
-    return {label: {**row, **got[_safe(label)]} for label, row in rows.items()}
+    return {label: {**row, **got[names[label]], "run": names[label]} for label, row in rows.items()}
 
 
 def _safe(label: str) -> str:
