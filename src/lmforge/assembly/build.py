@@ -48,6 +48,7 @@ from lmforge.data.length import with_length
 from lmforge.data.memory import token_stream
 from lmforge.data.mixture import train_loader as mixture_or_tokens
 from lmforge.data.sft import prepare_sft
+from lmforge.data.tokenizer import KIND_NAMES
 from lmforge.engine.act_offload import check_activation_offload
 from lmforge.engine.fp8 import check_fp8, convert_fp8
 from lmforge.engine.objectives import Objective, build_objective
@@ -435,10 +436,10 @@ def _training_data(cfg, train_data, eval_data, tokenizer, say):
         tok = Tokenizer.of(tokenizer)
     elif any(isinstance(d, str) for d in docs):
         tc = cfg.data.tokenizer
-        say(
-            f"training a {tc.vocab_size}-token byte-level BPE on train_data (pass tokenizer= to use your own)"
-        )
-        tok = Tokenizer.train((d for d in docs if isinstance(d, str)), tc.vocab_size, tc.min_frequency)
+        say(f"training a {tc.vocab_size}-token {KIND_NAMES[tc.kind]} on train_data (pass tokenizer= to use "
+            "your own)")
+        tok = Tokenizer.train((d for d in docs if isinstance(d, str)), tc.vocab_size, tc.min_frequency,
+                              tc.kind)
     else:
         tok = None
     train = token_stream(docs, tok, "train_data")

@@ -6,7 +6,7 @@ import re
 from pathlib import PurePath
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from lmforge.config.section import SEED_MAX, Section
 
@@ -20,15 +20,40 @@ class RunConfig(Section):
     )
 
 
+_MIN_FREQUENCY = 2
+
+
 class TokenizerConfig(Section):
     path: str | None = Field(
-        None, description="Existing tokenizer.json to use; when unset a byte-level BPE is trained."
+        None, description="Existing tokenizer.json to use; when unset a tokenizer of `kind` is trained."
     )
-    vocab_size: int = Field(8192, ge=260, le=1_000_000, description="Vocabulary size of a trained BPE.")
-    min_frequency: int = Field(2, ge=1, description="Minimum pair frequency for a BPE merge.")
+    kind: Literal["bpe", "wordpiece", "unigram"] = Field(
+        "bpe", description="What to train when no path is given: 'bpe' (byte-level, GPT-2 style: any text, "
+        "exact round trip), 'wordpiece' (BERT-cased normalisation and splitting, [UNK] for a word it cannot "
+        "spell; decoding loses whitespace) or 'unigram' (SentencePiece-style with byte fallback: any text, "
+        "exact round trip). See the tokenize page."
+    )
+    vocab_size: int = Field(8192, ge=260, le=1_000_000, description="Vocabulary size of a trained "
+                            "tokenizer (a unigram's includes its 256 byte tokens).")
+    min_frequency: int = Field(_MIN_FREQUENCY, ge=1, description="Minimum pair frequency for a BPE or "
+                               "WordPiece merge (a unigram has none: a value other than 2 is refused "
+                               "with kind unigram).")
     train_chars: int = Field(
         50_000_000, ge=1000, description="At most this many characters of the corpus train the tokenizer."
     )
+
+    @model_validator(mode="after")
+    def _kind_fits(self) -> TokenizerConfig:
+        # honoured or refused, never ignored: kind and min_frequency describe a tokenizer to train
+        if self.path is not None and self.kind != "bpe":
+            raise ValueError(f"kind={self.kind!r} says what to train, but path={self.path!r} gives a "
+                             "tokenizer already trained (its own file says its kind); drop one of the two")
+        # (compared with the default, not model_fields_set: a run's saved config.yaml spells every key)
+        if self.kind == "unigram" and self.min_frequency != _MIN_FREQUENCY:
+            raise ValueError(f"min_frequency={self.min_frequency} is a BPE / WordPiece merge threshold; a "
+                             "unigram tokenizer prunes its pieces by likelihood and has none: drop "
+                             "min_frequency, or use kind bpe or wordpiece")
+        return self
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -33,7 +33,7 @@ from lmforge.data.sources import (
     iter_documents,
     walk_files,
 )
-from lmforge.data.tokenizer import ENCODER_TOKEN_SETS, Tokenizer
+from lmforge.data.tokenizer import ENCODER_TOKEN_SETS, KIND_NAMES, Tokenizer
 from lmforge.errors import DataError
 
 FORMAT = 1  # bump when the layout of a prepared dir changes, so old dirs are not silently reused
@@ -170,11 +170,11 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
         tok = Tokenizer.load(d.tokenizer.path)
         how = f"loaded {d.tokenizer.path}"
     else:
-        console(f"training a byte-level BPE (vocab {d.tokenizer.vocab_size:,}) on up to "
+        console(f"training a {KIND_NAMES[d.tokenizer.kind]} (vocab {d.tokenizer.vocab_size:,}) on up to "
                 f"{d.tokenizer.train_chars:,} chars of the train documents")
         pass_stats, fed = SourceStats(), [0]
         tok = Tokenizer.train(_train_texts(d, seed, pass_stats, fed), d.tokenizer.vocab_size,
-                              d.tokenizer.min_frequency)
+                              d.tokenizer.min_frequency, d.tokenizer.kind)
         if fed[0] == 0:  # no train document means the pass read the whole corpus
             raise _too_small(d, pass_stats)
         how = f"trained on {fed[0]:,} chars"
@@ -343,7 +343,8 @@ def _settings(cfg: Config) -> dict:
         tok_id: dict = {"path": str(Path(tok.path).resolve()), "sha256": _file_sha256(Path(tok.path))}
     else:
         tok_id = {"vocab_size": tok.vocab_size, "min_frequency": tok.min_frequency,
-                  "train_chars": tok.train_chars}
+                  "train_chars": tok.train_chars,
+                  **({"kind": tok.kind} if tok.kind != "bpe" else {})}  # a BPE's fingerprint is as it was
     return {
         "format": FORMAT,
         "sources": [_source_identity(s) for s in d.source_paths],

@@ -1,4 +1,8 @@
-"""Byte-level BPE (GPT-2 style) on top of Hugging Face `tokenizers`: train, load, save, encode, decode.
+"""Tokenizers on top of Hugging Face `tokenizers`: train, load, save, encode, decode.
+
+Three kinds train (`data.tokenizer.kind`): a byte-level BPE (GPT-2 style, the default), a WordPiece
+(BERT's cased normalisation and pre-tokenisation, [UNK] for a word it cannot spell) and a Unigram
+(SentencePiece-style: spaces as "▁", byte fallback, so no text is unknown). Any tokenizer.json loads.
 
 Text never produces control tokens: a document that literally contains "<|endoftext|>" is encoded
 as ordinary text, so only the data pipeline decides where documents end.
@@ -13,14 +17,21 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from lmforge.errors import DataError
 from lmforge.utils.io import atomic_write_text
 from lmforge.utils.jsontext import loads
 
 EOS_TOKEN = "<|endoftext|>"
+KINDS = ("bpe", "wordpiece", "unigram")  # what Tokenizer.train makes (data.tokenizer.kind)
+KIND_NAMES = {"bpe": "byte-level BPE", "wordpiece": "WordPiece", "unigram": "Unigram"}  # in messages
+UNK_TOKENS = {"wordpiece": "[UNK]", "unigram": "<unk>"}  # id 1 of those kinds (id 0 is EOS_TOKEN)
+# A Unigram's pieces that text must never produce (the control tokens, the byte-fallback "<0xNN>") keep
+# this score: the Viterbi path then always takes the characters' own pieces (or their bytes) instead,
+# as SentencePiece does by excluding them from matching.
+_NEVER = -1e9
 # End-of-document tokens of common tokenizer families, tried in this order when loading one.
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[SEP]")
 # What a masked-LM encoder frames and corrupts sequences with, as (cls, sep, mask, pad): BERT's names, or
@@ -59,8 +70,19 @@ class Tokenizer:
         return self._tok
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2) -> Tokenizer:
-        """Train a byte-level BPE whose first id is the EOS token; every byte is in the vocab."""
+    def train(cls, texts: Iterable[str], vocab_size: int, min_frequency: int = 2,
+              kind: str = "bpe") -> Tokenizer:
+        """Train a tokenizer of `kind` (KINDS) whose first id is the EOS token: a byte-level BPE (every
+        byte in the vocab), a WordPiece or a Unigram with byte fallback (see the module docstring).
+        `min_frequency` is the BPE's and WordPiece's least pair count for a merge; a Unigram prunes by
+        likelihood and has none."""
+        if kind == "wordpiece":
+            return cls._train_wordpiece(texts, vocab_size, min_frequency)
+        if kind == "unigram":
+            return cls._train_unigram(texts, vocab_size)
+        if kind != "bpe":
+            raise DataError(f"tokenizer kind {kind!r} is not one lmforge trains; give one of "
+                            f"{', '.join(KINDS)}")
         tok = HFTokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
@@ -73,6 +95,59 @@ class Tokenizer:
             show_progress=False,
         )
         tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok, tok.token_to_id(EOS_TOKEN))
+
+    @classmethod
+    def _train_wordpiece(cls, texts: Iterable[str], vocab_size: int, min_frequency: int) -> Tokenizer:
+        """BERT-cased style: control characters dropped, whitespace and punctuation split words (and are
+        gone from the ids: decoding puts one space between words), "##" marks a word's later pieces, and
+        a word with a character the vocabulary lacks is one [UNK]."""
+        tok = HFTokenizer(models.WordPiece(unk_token=UNK_TOKENS["wordpiece"]))
+        tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                                    strip_accents=False, lowercase=False)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
+                                            special_tokens=[EOS_TOKEN, UNK_TOKENS["wordpiece"]],
+                                            show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)
+        return cls(tok, tok.token_to_id(EOS_TOKEN))
+
+    @classmethod
+    def _train_unigram(cls, texts: Iterable[str], vocab_size: int) -> Tokenizer:
+        """SentencePiece style: a space is "▁" and a run of them starts the next word (never prepended,
+        so decoding gives the text back exactly; a run stays one word, as SentencePiece's
+        allow_whitespace_only_pieces, so code's indentation is a piece, not a token per space: 3.2 bytes
+        per token on held-out stdlib code against 1.9 split at each space), other whitespace characters are
+        pieces of their own (so a long document cut before whitespace encodes as it would whole:
+        prepare._pieces), and the 256 byte tokens "<0x00>".."<0xFF>" (the last ids) spell any character
+        the vocabulary lacks."""
+        unk = UNK_TOKENS["unigram"]
+        tok = HFTokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"[\t\n\r\f\v]"), "isolated"),
+            pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never", split=False),
+            pre_tokenizers.Split(Regex("\u2581+"), "merged_with_next")])
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+        # Every character of the never-matched pieces is a piece of its own: a character the vocabulary
+        # lacked would get an unknown node scored below _NEVER, and the lattice would then take the whole
+        # piece ("<0x41>" read as "A").
+        spelled = sorted(set(EOS_TOKEN + unk + "<0x0123456789ABCDEF>"))
+        # the byte tokens come on top of what the trainer learns, within vocab_size
+        trainer = trainers.UnigramTrainer(vocab_size=max(vocab_size - 256, 3),
+                                          special_tokens=[EOS_TOKEN, unk], unk_token=unk,
+                                          initial_alphabet=spelled, show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer)
+        model = json.loads(tok.to_str())["model"]
+        controls = {EOS_TOKEN, unk}
+        vocab = [(p, _NEVER if p in controls else score) for p, score in model["vocab"]]
+        have = {p for p, _ in vocab}
+        if missing := [c for c in spelled if c not in have]:  # the trainer keeps its alphabet; if it did not
+            low = min((score for p, score in vocab if p not in controls), default=0.0)
+            vocab += [(c, low) for c in missing]
+        vocab += [(b, _NEVER) for b in (f"<0x{i:02X}>" for i in range(256)) if b not in have]
+        tok.model = models.Unigram(vocab, model["unk_id"], True)
         return cls(tok, tok.token_to_id(EOS_TOKEN))
 
     @classmethod
@@ -128,6 +203,8 @@ class Tokenizer:
             "model_max_length": model_max_length,
             "clean_up_tokenization_spaces": False,
         }
+        if (unk := self._unk_token()) is not None:  # WordPiece's, Unigram's (a BPE's config is as it was)
+            config["unk_token"] = unk
         if chat_template is not None:
             config["chat_template"] = chat_template
         if (enc := self.encoder_ids()) is not None:  # what transformers' fill-mask pipeline looks for
@@ -153,8 +230,9 @@ class Tokenizer:
         covers at most as many characters as its vocabulary entry has (bytes, for a byte-level BPE), so
         this many characters hold n_tokens + TEXT_SLACK tokens, the slack being margin for a cut that
         lands inside a word. Renders and tokenization cut text here, so a record far longer than the
-        sequence costs what a sequence costs. (A normalizer that deletes characters could make the text
-        hold fewer; its first tokens are still the text's first tokens.)"""
+        sequence costs what a sequence costs. (A normalizer that deletes characters, or a WordPiece's [UNK]
+        standing for a whole long word, could make the text hold fewer; its first tokens are still the
+        text's first tokens.)"""
         if self._longest is None:
             self._longest = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
         return (n_tokens + TEXT_SLACK) * max(self._longest, 1)
@@ -210,12 +288,17 @@ class Tokenizer:
     def token_byte_lengths(self) -> np.ndarray:
         """UTF-8 bytes each id stands for (int64, one entry per id; special tokens 0), for bits per byte.
 
-        Exact for byte-level BPE; for SentencePiece-style vocabularies "▁" counts as a space and
-        "<0xNN>" byte-fallback tokens as one byte.
+        A token's bytes are those of the text it decodes to, so the ids of a text sum to the text's bytes:
+        exactly for byte-level BPE, and for SentencePiece-style vocabularies ("▁" counts as a space,
+        "<0xNN>" byte-fallback tokens as one byte; a literal "▁" in the text, which they cannot tell from
+        a space, counts 1 byte where it had 3). A WordPiece drops whitespace and "##" only marks a later
+        piece of a word, so its ids sum to the bytes of the normalised text without whitespace, and an
+        [UNK] (special) counts 0 (the docs' tokenize page states it).
         """
         lengths = np.zeros(self.vocab_size, dtype=np.int64)
         added = self._tok.get_added_tokens_decoder()
         byte_map = byte_level_decoder_map() if self._is_byte_level() else None
+        prefix = self._tok.model.continuing_subword_prefix if self.model_type == "WordPiece" else None
         for token, i in self._tok.get_vocab(with_added_tokens=True).items():
             if i in added:  # added tokens are stored as plain text, not in the model's alphabet
                 lengths[i] = 0 if added[i].special else len(added[i].content.encode("utf-8"))
@@ -223,9 +306,31 @@ class Tokenizer:
                 lengths[i] = len(token)  # one stand-in character per byte
             elif _BYTE_FALLBACK.fullmatch(token):
                 lengths[i] = 1
+            elif prefix and token.startswith(prefix) and len(token) > len(prefix):
+                lengths[i] = len(token[len(prefix):].encode("utf-8"))
             else:
                 lengths[i] = len(token.replace("\u2581", " ").encode("utf-8"))
         return lengths
+
+    def _unk_token(self) -> str | None:
+        """The unknown token of a WordPiece or Unigram model, else None."""
+        if self.model_type not in ("WordPiece", "Unigram"):
+            return None
+        return None if self.unk_id is None else self._tok.id_to_token(self.unk_id)
+
+    @property
+    def unk_id(self) -> int | None:
+        """The id the model gives what it cannot encode (WordPiece's [UNK], a Unigram's unk_id, a BPE's
+        unk_token), None when it has none (a byte-level BPE encodes everything)."""
+        if self.model_type == "Unigram":
+            return json.loads(self._tok.to_str())["model"].get("unk_id")
+        unk = getattr(self._tok.model, "unk_token", None)
+        return None if unk is None else self._tok.token_to_id(unk)
+
+    @property
+    def model_type(self) -> str:
+        """The model's algorithm as tokenizer.json names it: "BPE", "WordPiece", "Unigram" or "WordLevel"."""
+        return type(self._tok.model).__name__
 
     def _is_byte_level(self) -> bool:
         dec = json.loads(self._tok.to_str()).get("decoder") or {}

@@ -1,6 +1,7 @@
 """The table of `lmforge` verbs: one module per verb group, each verb its help, arguments and handler.
 
     data.py          prepare, data, tasks
+    tokenizer.py     tokenizer and its modes (compare)
     training.py      train, dpo, reward, rl, sft, distill
     constitution.py  constitution
     evaluate.py      eval and its modes (eval_run.py: what each mode runs and prints)
@@ -18,11 +19,23 @@ from __future__ import annotations
 import argparse
 from typing import NamedTuple
 
-from lmforge.cli.verbs import compress, constitution, convert, data, evaluate, generate, plan, serve, training
+from lmforge.cli.verbs import (
+    compress,
+    constitution,
+    convert,
+    data,
+    evaluate,
+    generate,
+    plan,
+    serve,
+    tokenizer,
+    training,
+)
 from lmforge.cli.verbs.base import Verb
 
 VERBS: tuple[Verb, ...] = (
-    data.PREPARE, data.DATA, training.TRAIN, *training.METHODS, constitution.CONSTITUTION, data.TASKS,
+    data.PREPARE, tokenizer.TOKENIZER,
+    data.DATA, training.TRAIN, *training.METHODS, constitution.CONSTITUTION, data.TASKS,
     evaluate.EVAL, generate.GENERATE, serve.SERVE,
     serve.JOBS, convert.IMPORT, convert.EXPORT, convert.MERGE, compress.PRUNE, compress.QUANTIZE,
     plan.CONFIG, plan.PLOT_SCHEDULE, plan.ESTIMATE, plan.LR_FIND, plan.SCALING, plan.SWEEP,
