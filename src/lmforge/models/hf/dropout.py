@@ -46,5 +46,6 @@ def check_dropouts(cfg: ModelConfig, hf: dict[str, Any], model_type: str) -> Non
     ]
     if problems:
         raise LmforgeError(f"this model cannot be exported as Hugging Face {model_type!r} without losing its "
-                           f"dropout: {'; '.join(problems)}; set it to null (model.dropout applies) or 0, "
-                           "or export as a family whose config.json has the field")
+                           f"dropout: {'; '.join(problems)}; dropout acts only in training, so the weights "
+                           "are the same without it: set it to 0 (or null: model.dropout) in the model "
+                           "section of the source's config.yaml, or export as a family that has the field")
