@@ -173,3 +173,14 @@ def test_a_set_zero_needs_no_field():
 
     cfg = ModelConfig(**LLAMA, dropout=0.1, hidden_dropout=0.0)
     check_dropouts(cfg, model_config_to_hf(cfg), "llama")
+
+
+def test_a_run_may_choose_its_own_dropouts_over_imported_weights(tmp_path):
+    # dropout is the run's choice, not the architecture's: load_pretrained does not compare it
+    from lmforge.models.hf import load_pretrained
+
+    torch.manual_seed(0)
+    to_hf(build_model(ModelConfig(**LLAMA, attention_dropout=0.1)), tmp_path)
+    model = build_model(ModelConfig(**LLAMA, attention_dropout=0.3, hidden_dropout=0.2))
+    load_pretrained(tmp_path, model)
+    assert model.layers[0].attn.dropout == 0.3
