@@ -316,7 +316,6 @@ def test_impossible_combinations_are_refused(kw, needle):
     ("olmo2", "hidden_act", "gelu"),
     ("gemma2", "hidden_activation", "gelu"),
     ("gemma2", "use_bidirectional_attention", True),
-    ("gemma2", "attention_dropout", 0.1),
     ("gemma2", "sliding_window", None),
     ("gemma3", "attn_logit_softcapping", 20.0),
     ("gemma3", "layer_types", "sliding_attention"),

@@ -334,7 +334,6 @@ def base_config(model_type: str) -> dict:
         ("llama", {"hidden_act": "gelu"}, "hidden_act"),
         ("llama", {"mlp_bias": True}, "mlp_bias"),
         ("llama", {"attention_bias": True}, "attention_bias"),
-        ("llama", {"attention_dropout": 0.1}, "attention_dropout"),
         ("llama", {"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e4}},
          "rope_type.*proportional"),
         ("llama", {"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "short_factor"),
@@ -345,7 +344,7 @@ def base_config(model_type: str) -> dict:
         ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ("gpt2", {"reorder_and_upcast_attn": True}, "reorder_and_upcast_attn"),
         ("gpt2", {"activation_function": "relu"}, "activation_function"),
-        ("gpt2", {"attn_pdrop": 0.1}, "attn_pdrop"),
+        ("gpt2", {"resid_pdrop": 0.1}, "resid_pdrop"),
         ("gpt2", {"model_type": "falcon"}, "model_type 'falcon'"),
     ],
 )

@@ -98,7 +98,7 @@ def run_tokenizer_file(cfg: Config) -> Path | None:
 
 
 # Keys of the model section that do not change the architecture: they may differ from the source.
-_FREE_KEYS = {"init_from", "dropout", "init_std", "preset"}
+_FREE_KEYS = {"init_from", "dropout", "attention_dropout", "hidden_dropout", "init_std", "preset"}
 # Keys a fine-tuning run derives on top of its source and records in its config.yaml: the vocabulary grown
 # for a chat template's new tokens, the scalar head its objective adds. A run started from that file (to
 # resume it) states them again; they are the run's, not the source's, so with `derived` they are left to
@@ -124,7 +124,8 @@ def resolve_init_from(cfg: Config, say=print, derived: bool = False) -> Config:
     if conflicts:
         raise ConfigError(f"model.init_from={src}: these keys contradict the weights: "
                           f"{'; '.join(conflicts)}; remove them (the architecture comes from the weights)")
-    keep = {k: getattr(cfg.model, k) for k in ("dropout",) if k in cfg.model.model_fields_set}
+    keep = {k: getattr(cfg.model, k) for k in ("dropout", "attention_dropout", "hidden_dropout")
+            if k in cfg.model.model_fields_set}
     update: dict = {"model": source.model_copy(update={**keep, "init_from": src, "preset": None})}
     if cfg.data.tokenizer.path is None:
         tok = source_tokenizer(src)

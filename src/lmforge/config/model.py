@@ -253,7 +253,15 @@ class ModelConfig(Section):
     value_head: bool = Field(False, description="A scalar head `value` (d_model -> 1, no bias): PPO's critic "
                              "on the policy's own hidden states (objective rl, rl.algorithm=ppo); not "
                              "exported.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention, residual and embeddings.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on attention, residual and embeddings "
+                           "(each overridable by attention_dropout / hidden_dropout).")
+    attention_dropout: float | None = Field(
+        None, ge=0.0, lt=1.0, description="Dropout on the attention probabilities (null: model.dropout); "
+        "HF: attention_probs_dropout_prob (BERT), attention_dropout (Llama-like), attn_pdrop (GPT-2).")
+    hidden_dropout: float | None = Field(
+        None, ge=0.0, lt=1.0, description="Dropout on the residual branches (attention and MLP outputs) and "
+        "the embeddings (null: model.dropout); HF: hidden_dropout_prob (BERT), resid_pdrop and embd_pdrop "
+        "(GPT-2).")
     sliding_window: int | None = Field(
         None, ge=1, description="Attend to at most this many previous tokens (Mistral style)."
     )
@@ -488,6 +496,19 @@ class ModelConfig(Section):
     @property
     def resolved_kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def resolved_attention_dropout(self) -> float:
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
+
+    @property
+    def resolved_hidden_dropout(self) -> float:
+        return self.dropout if self.hidden_dropout is None else self.hidden_dropout
+
+    @property
+    def any_dropout(self) -> bool:
+        """Whether any dropout acts in training (attention, residual or embeddings)."""
+        return self.resolved_attention_dropout > 0 or self.resolved_hidden_dropout > 0
 
     @property
     def resolved_head_dim(self) -> int:

@@ -40,7 +40,7 @@ class EncoderBlock(nn.Module):
         self.attn_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
         self.mlp_norm = build_norm(cfg)
-        self.drop = _dropout(cfg.dropout)
+        self.drop = _dropout(cfg.resolved_hidden_dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = self.attn_norm(x + self.drop(self.attn(x, None, mask)))  # (B, T, d_model)
@@ -89,7 +89,7 @@ class Encoder(nn.Module):
             if cfg.type_vocab_size:
                 self.type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.d_model)
             self.emb_norm = build_norm(cfg)
-            self.drop = _dropout(cfg.dropout)
+            self.drop = _dropout(cfg.resolved_hidden_dropout)
             self.layers = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.n_layers))
             if cfg.score_head:  # a sequence classifier (BERT's pooler and classifier) instead of the MLM head
                 self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=True)

@@ -87,7 +87,7 @@ class Block(nn.Module):
             self.moe = MoE(cfg)
         else:
             self.mlp = MLP(cfg)
-        self.drop = _dropout(cfg.dropout)
+        self.drop = _dropout(cfg.resolved_hidden_dropout)
 
     def forward(
         self,
@@ -139,7 +139,7 @@ class Transformer(nn.Module):
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
             if cfg.pos_embedding == "learned":
                 self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model)
-            self.drop = _dropout(cfg.dropout)
+            self.drop = _dropout(cfg.resolved_hidden_dropout)
             self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = build_norm(cfg)
             if not cfg.tie_embeddings:
@@ -293,7 +293,7 @@ class Transformer(nn.Module):
     def _packed_kernel(self, device: torch.device) -> str:
         if self.cfg.attn_logit_softcap is not None:
             return "mask"  # soft-capped scores run the explicit attention, which takes a dense mask
-        dropout = self.cfg.dropout if self.training else 0.0
+        dropout = self.cfg.resolved_attention_dropout if self.training else 0.0
         if self.cfg.attn_sinks:
             return "mask"  # flex attention has no sink logit: sink_attention takes the dense mask
         return packed_kernel(self.packed_attention, device, dropout, self.cfg.resolved_head_dim)

@@ -145,11 +145,13 @@ class ParallelDims:
                         f"model.{key}={n} is not divisible by parallel.tp={self.tp}: tensor parallelism "
                         f"gives each rank whole heads; use a parallel.tp that divides {n}"
                     )
-        if self.tp > 1 and model.dropout > 0:
+        if self.tp > 1 and model.any_dropout:
+            named = ", ".join(f"model.{k}={getattr(model, k)}" for k in ("dropout", "attention_dropout",
+                              "hidden_dropout") if (getattr(model, k) or 0) > 0)
             raise ConfigError(
-                f"model.dropout={model.dropout} with parallel.tp={self.tp}: tensor-parallel ranks hold "
+                f"{named} with parallel.tp={self.tp}: tensor-parallel ranks hold "
                 "copies of the same activations and would draw different dropout masks for them; "
-                "set model.dropout=0 or parallel.tp=1"
+                "set them to 0 or parallel.tp=1"
             )
         ep, moe = self.cfg.ep, getattr(model, "moe", None)
         if ep > 1 and moe is None:

@@ -120,7 +120,7 @@ def _adapters(cfg: Config, layout, head: str) -> Adapters:
         raise ConfigError(f"{what} is modelled by lmforge estimate on one process or with DDP (parallel."
                           f"dp_replicate), not with the layout {layout.name}: {_MEASURE}")
     for bad, why in ((m.moe is not None, "on a mixture of experts (model.moe)"),
-                     (m.dropout > 0, f"with model.dropout={m.dropout}"),
+                     (m.any_dropout, "with model.dropout (or attention_dropout / hidden_dropout) > 0"),
                      (cfg.train.activation_checkpointing == "selective",
                       "with train.activation_checkpointing=selective")):
         if bad:
@@ -221,7 +221,8 @@ def dense_packed_mask(cfg: Config, device_type: str) -> bool:
     from lmforge.models.common.attention import packed_kernel
 
     m = cfg.model
-    return packed_kernel("auto", torch.device(device_type), m.dropout, m.resolved_head_dim) == "mask"
+    return packed_kernel("auto", torch.device(device_type), m.resolved_attention_dropout,
+                         m.resolved_head_dim) == "mask"
 
 
 def trainable_elements(held, layers: list[int], method: Method) -> tuple[int, list[int]] | None:

@@ -272,9 +272,8 @@ def block_saved(cfg: Config, B: int, T: int, precision: str, tp: int = 1, sp: bo
     norm = (2 * d + 1) * 4 if m.norm == "rmsnorm" else (d + 2) * 4
     attn_in = 3 * d * c if low else d * 4
     mlp_in = (2 if m.mlp == "swiglu" else 1) * d * c if low else d * 4
-    drop = m.dropout > 0
     attn = (2 * h + 2 * hk) * D * c + h * 4  # q, k, v, output, logsumexp
-    if drop:
+    if m.resolved_attention_dropout > 0:
         # SDPA with dropout runs the math kernel: q, k and v expanded to h heads, its output (wo's
         # input is then a copy), the softmax, the dropout mask (a float tensor) and the dropped
         # probabilities; no logsumexp
@@ -288,7 +287,7 @@ def block_saved(cfg: Config, B: int, T: int, precision: str, tp: int = 1, sp: bo
     total = 2 * n_norm * norm + N * (attn_in + attn + mlp_in + mlp)
     if m.moe is not None:
         total += moe_saved(cfg, N, precision, ep, grouped)
-    if drop:
+    if m.resolved_hidden_dropout > 0:
         total += 2 * n_norm * d * 4  # residual dropout masks (float, like the fp32 residual stream)
     if low and m.pos_embedding == "rope":
         total += 4 * T * D * c  # cos and sin cast for q and for k
@@ -310,7 +309,8 @@ def selective_kept(cfg: Config, B: int, T: int, precision: str, tp: int = 1, ep:
     N, d, D = B * T, m.d_model, m.resolved_head_dim
     h, hk, F = m.n_heads // tp, m.resolved_kv_heads // tp, m.resolved_d_ff // tp
     mm = [N * h * D * c, N * hk * D * c, N * hk * D * c, N * d * c]  # wq, wk, wv, wo
-    kept = B * h * T * T * c + N * h * D * c if m.dropout > 0 else N * h * D * c + N * h * 4
+    attn_drop = m.resolved_attention_dropout > 0
+    kept = B * h * T * T * c + N * h * D * c if attn_drop else N * h * D * c + N * h * 4
     if m.moe is not None:
         E, k, Fe, Fs = m.moe.n_experts, m.moe.top_k, expert_d_ff(m), shared_d_ff(m)
         M, local = moe_rows(cfg, N), E // ep
@@ -340,7 +340,7 @@ def selective_kept(cfg: Config, B: int, T: int, precision: str, tp: int = 1, ep:
                   (d, m.n_heads * D), (m.resolved_d_ff, d), w_down]
         if m.mlp == "swiglu":
             shapes.append((m.resolved_d_ff, d))
-        if m.dropout > 0 or shapes.count(w_down) > 1:
+        if m.resolved_hidden_dropout > 0 or shapes.count(w_down) > 1:
             mm.append(N * d * c)
     every = 2 if cfg.train.ac_save == "alternate_matmuls" else 1
     return kept + sum(mm[::every])
@@ -436,7 +436,7 @@ def activation_profile(cfg: Config, B: int, T: int, precision: str, device_type:
         per_block.append(kept if checkpointed else full)
     table_grad = first and (not frozen or adapters.token_rows)  # the embedding takes a gradient
     stem = N * 8 if table_grad else 0  # token ids (embedding backward)
-    if first and m.dropout > 0:
+    if first and m.resolved_hidden_dropout > 0:
         stem += N * d * 4  # embedding dropout mask
     if first and packed and m.pos_embedding == "rope":
         stem += 2 * N * D * 4  # cos and sin gathered at the rows' own positions, shared by all blocks

@@ -214,7 +214,7 @@ class Attention(nn.Module):
         self.scale = cfg.attention_multiplier
         # gpt-oss: one learned softmax logit per query head (see sink_attention); None costs nothing.
         self.sinks = nn.Parameter(torch.empty(self.n_heads)) if cfg.attn_sinks else None
-        self.dropout = cfg.dropout
+        self.dropout = cfg.resolved_attention_dropout
         # Gemma: scores scaled by query_pre_attn_scalar ** -0.5, and optionally soft-capped (then
         # `softcapped_attention` replaces SDPA).
         if cfg.query_pre_attn_scalar is not None:

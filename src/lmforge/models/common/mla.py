@@ -91,7 +91,7 @@ class MLA(nn.Module):
         self.low_rank_q = m.q_lora_rank is not None
         self.rotate = apply_rope_interleaved if m.rope_interleave else apply_rope
         self.scale = qk_dim**-0.5 * yarn_softmax_factor(cfg)
-        self.dropout = cfg.dropout
+        self.dropout = cfg.resolved_attention_dropout
 
     def forward(
         self,

@@ -79,9 +79,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             unsupported(key, True, "false (a masked-LM encoder)")
     if not hf.get("tie_word_embeddings", True):
         unsupported("tie_word_embeddings", False, "true (the MLM decoder is the word embedding)")
-    drops = {k: float(hf.get(k, 0.1)) for k in ("hidden_dropout_prob", "attention_probs_dropout_prob")}
-    if len(set(drops.values())) > 1:
-        unsupported("hidden_dropout_prob/attention_probs_dropout_prob", drops, "one value for both")
+    hidden, attention = (float(hf.get(k, 0.1))
+                         for k in ("hidden_dropout_prob", "attention_probs_dropout_prob"))
     d_model, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     offset = 0
     if kind == "roberta":
@@ -110,7 +109,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         mlp=_ACTIVATIONS[act],
         bias=True,
         tie_embeddings=True,
-        dropout=drops["hidden_dropout_prob"],
+        dropout=hidden,
+        attention_dropout=attention if attention != hidden else None,  # None: one value for both
         init_std=float(hf.get("initializer_range", 0.02)),
     )
 
@@ -149,8 +149,8 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len + cfg.position_offset,
         "type_vocab_size": cfg.type_vocab_size,
         "layer_norm_eps": cfg.norm_eps,
-        "hidden_dropout_prob": cfg.dropout,
-        "attention_probs_dropout_prob": cfg.dropout,
+        "hidden_dropout_prob": cfg.resolved_hidden_dropout,
+        "attention_probs_dropout_prob": cfg.resolved_attention_dropout,
         "initializer_range": cfg.init_std,
         "position_embedding_type": "absolute",
         "is_decoder": False,

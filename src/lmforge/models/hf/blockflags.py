@@ -77,10 +77,12 @@ def attention_bias_problems(cfg: ModelConfig) -> list[str]:
     return []
 
 
+def attention_dropout_of(hf: dict[str, Any]) -> float | None:
+    """model.attention_dropout for a family whose only dropout is `attention_dropout` (None: none)."""
+    return float(hf.get("attention_dropout") or 0.0) or None
+
+
 def refuse_common(hf: dict[str, Any]) -> None:
     """The settings of both families that our blocks do not build."""
-    if float(hf.get("attention_dropout") or 0.0) > 0:
-        unsupported("attention_dropout", hf["attention_dropout"],
-                    "0.0 (lmforge's one dropout also acts on residuals and embeddings: set model.dropout)")
     if hf.get("use_bidirectional_attention"):
         unsupported("use_bidirectional_attention", hf["use_bidirectional_attention"], "false (causal)")

@@ -43,6 +43,7 @@ from lmforge.models.hf import (
     smollm3,
     variants,
 )
+from lmforge.models.hf.dropout import check_dropouts
 from lmforge.models.hf.keymap import unsupported
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 from lmforge.utils.tensorfile import SafetensorsFile
@@ -360,7 +361,8 @@ def from_hf(
 
 
 _NOT_ARCHITECTURE = {"preset", "n_kv_heads", "head_dim", "d_ff", "max_seq_len", "score_head", "value_head",
-                     "num_labels", "dropout", "init_std", "init", "init_from", "quant", "moe", "rope_scaling"}
+                     "num_labels", "dropout", "attention_dropout", "hidden_dropout", "init_std", "init",
+                     "init_from", "quant", "moe", "rope_scaling"}
 
 
 def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
@@ -481,6 +483,7 @@ def to_hf(
     cfg = model.cfg
     family = _export_family(cfg, model_type)
     model_type = family.model_type_for(cfg, model_type)
+    check_dropouts(cfg, family.config_to_hf(cfg, model_type), model_type)  # before anything is written
     state = {k: v.detach() for k, v in model.state_dict().items()}
     out_dtype = dtype or next(iter(state.values())).dtype
 

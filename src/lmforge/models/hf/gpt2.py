@@ -59,9 +59,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         if bool(hf.get(key, not bad)) == bad:
             unsupported(key, bad, str(not bad).lower())
     drops = {k: float(hf.get(k, 0.1)) for k in ("attn_pdrop", "resid_pdrop", "embd_pdrop")}
-    if len(set(drops.values())) > 1:
-        # Our single dropout acts where these three act; differing values have no equivalent.
-        unsupported("attn_pdrop/resid_pdrop/embd_pdrop", drops, "one value for all three")
+    if drops["resid_pdrop"] != drops["embd_pdrop"]:
+        # model.hidden_dropout acts on both the residual branches and the embeddings.
+        unsupported("resid_pdrop/embd_pdrop", drops, "one value for both (model.hidden_dropout)")
     d_model = int(hf["n_embd"])
     return dict(
         vocab_size=int(hf["vocab_size"]),
@@ -76,7 +76,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         mlp=_ACTIVATIONS[act],
         bias=True,
         tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        dropout=drops["attn_pdrop"],
+        dropout=drops["resid_pdrop"],
+        attention_dropout=drops["attn_pdrop"] if drops["attn_pdrop"] != drops["resid_pdrop"] else None,
     )
 
 
@@ -114,9 +115,9 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         "n_positions": cfg.max_seq_len,
         "activation_function": "gelu_new" if cfg.mlp == "gelu_tanh" else "gelu",
         "layer_norm_epsilon": cfg.norm_eps,
-        "attn_pdrop": cfg.dropout,
-        "resid_pdrop": cfg.dropout,
-        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.resolved_attention_dropout,
+        "resid_pdrop": cfg.resolved_hidden_dropout,
+        "embd_pdrop": cfg.resolved_hidden_dropout,
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,

@@ -17,7 +17,7 @@ import torch
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.models.hf import rope
-from lmforge.models.hf.blockflags import feature_problems
+from lmforge.models.hf.blockflags import attention_dropout_of, feature_problems
 from lmforge.models.hf.keymap import KeyMap, unsupported
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -96,11 +96,6 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         unsupported("hidden_act", act, "silu (SwiGLU)")
-    if float(hf.get("attention_dropout") or 0.0) > 0:
-        unsupported(
-            "attention_dropout", hf["attention_dropout"],
-            "0.0 (lmforge's one dropout also acts on residuals and embeddings: set model.dropout instead)",
-        )
     bias = qkv_bias = False
     if model_type == "llama":
         attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
@@ -139,6 +134,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         qkv_bias=qkv_bias,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         dropout=0.0,
+        # model.attention_dropout: the family has no residual or embedding dropout (hidden stays 0)
+        attention_dropout=attention_dropout_of(hf),
         sliding_window=_window_from_hf(hf, model_type, n_layers),
     )
 
@@ -204,9 +201,10 @@ def config_to_hf(cfg: ModelConfig, model_type: str) -> dict[str, Any]:
         "max_position_embeddings": max_pos,
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings,
-        # Dropout is a training setting; HF's Llama family has attention dropout only, so ours
-        # (attention + residual + embeddings) cannot be expressed: exports are for inference / fine-tuning.
-        "attention_dropout": 0.0,
+        # HF's Llama family has attention dropout only: model.attention_dropout where set (a set
+        # hidden_dropout is refused by check_dropouts); model.dropout alone acts on residuals and
+        # embeddings too, which the family cannot say, and exports as 0.0 as it always has.
+        "attention_dropout": cfg.attention_dropout or 0.0,
         # Both RoPE forms: 4.x reads rope_theta + rope_scaling, 5.x rope_parameters (or rope_scaling).
         "rope_theta": cfg.rope_theta,
         "rope_parameters": {**rope_dict, "rope_theta": cfg.rope_theta},

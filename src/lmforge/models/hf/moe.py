@@ -28,7 +28,7 @@ import torch
 from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.models.hf import llama, qwen3
-from lmforge.models.hf.blockflags import feature_problems
+from lmforge.models.hf.blockflags import attention_dropout_of, feature_problems
 from lmforge.models.hf.keymap import KeyMap, unsupported
 from lmforge.models.hf.variants import extra_flags
 
@@ -124,8 +124,6 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     model_type = hf["model_type"]
     if hf.get("hidden_act", "silu") != "silu":
         unsupported("hidden_act", hf["hidden_act"], "silu (SwiGLU experts)")
-    if float(hf.get("attention_dropout") or 0.0) > 0:
-        unsupported("attention_dropout", hf["attention_dropout"], "0.0 (set model.dropout instead)")
     if float(hf.get("router_jitter_noise") or 0.0) > 0:
         unsupported("router_jitter_noise", hf["router_jitter_noise"], "0.0 (no router noise)")
     if hf.get("clip_qkv") is not None:
@@ -176,6 +174,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         qkv_bias=model_type == "qwen2_moe" and bool(hf.get("qkv_bias", True)),
         qk_norm=model_type in ("olmoe", "qwen3_moe"),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), dropout=0.0,
+        attention_dropout=attention_dropout_of(hf),
         sliding_window=_window(hf, n_layers), moe=moe,
     )
     if model_type == "qwen3_moe":  # Qwen3's attention: per-head q/k norm, attention_bias on q/k/v/o

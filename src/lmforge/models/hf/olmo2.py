@@ -21,6 +21,7 @@ from lmforge.models.hf.blockflags import (
     OTHER_FLAGS_OFF,
     attention_bias,
     attention_bias_problems,
+    attention_dropout_of,
     feature_problems,
     refuse_common,
     shape_kwargs,
@@ -64,7 +65,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         norm_eps=float(hf.get("rms_norm_eps", _DEFAULTS["rms_norm_eps"])),
         pos_embedding="rope", rope_theta=theta, rope_scaling=scaling, mlp="swiglu",
         tie_embeddings=bool(hf.get("tie_word_embeddings", _DEFAULTS["tie_word_embeddings"])),
-        dropout=0.0, norm_placement="post", qk_norm=True, **attention_bias(hf),
+        dropout=0.0, attention_dropout=attention_dropout_of(hf), norm_placement="post", qk_norm=True,
+        **attention_bias(hf),
     )
 
 
