@@ -171,6 +171,11 @@ def check_shapes(path: Path, meta: dict[str, Any], model: nn.Module) -> None:
     if differ:
         k = differ[0]
         detail = f"{k} is {tuple(saved[k])} in the checkpoint but {tuple(current[k])} in the config"
+    elif missing == ["final_norm.bias", "final_norm.weight"] or missing == ["final_norm.weight"]:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} holds an encoder with Post-LN blocks, but the config builds Pre-LN ones "
+            "(model.norm_placement: pre); set model.norm_placement: post_ln (BERT's; configs written "
+            "before norm_placement applied to encoders say pre for it) in the run's config.yaml")
     elif missing:
         detail = f"the config's model has {missing[0]!r}, which the checkpoint lacks"
     else:

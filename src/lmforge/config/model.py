@@ -305,9 +305,12 @@ class ModelConfig(Section):
         default_factory=list, description="Indices of the layers that apply no RoPE (NoPE; SmolLM3's "
         "no_rope_layers); the other layers rotate q and k as usual. Needs pos_embedding=rope.")
     # [issue-34 area: gemma-olmo2]
-    norm_placement: Literal["pre", "post", "sandwich"] = Field(
-        "pre", description="Where each block's norms sit: pre x + f(norm(x)) (Llama); post x + norm(f(x)) "
-        "(OLMo 2: norms on the outputs only); sandwich x + norm(f(norm(x))) (Gemma 2 / 3)."
+    norm_placement: Literal["pre", "post", "sandwich", "post_ln"] | None = Field(
+        None, description="Where each block's norms sit: pre x + f(norm(x)) (Pre-LN: Llama, GPT-2); post "
+        "x + norm(f(x)) (OLMo 2: norms on the sub-layers' outputs); sandwich x + norm(f(norm(x))) (Gemma "
+        "2 / 3); post_ln norm(x + f(x)) (Post-LN, the norm after the residual add: the original "
+        "Transformer, BERT). Unset: pre for the decoder, post_ln for the encoder. An encoder takes pre "
+        "(then a final norm follows the last block) or post_ln."
     )
     norm_weight_offset: float = Field(
         0.0, description="RMSNorm scales by (offset + weight), in float32: 1.0 for Gemma's (1 + w) norms, "
@@ -401,6 +404,10 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
+        if self.norm_placement is None:
+            # The family's own placement, resolved once so that every reader sees a value; set past the
+            # frozen guard and out of model_fields_set (the user did not set it: init_from may differ).
+            object.__setattr__(self, "norm_placement", "post_ln" if self.arch == "encoder" else "pre")
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={kv}")
@@ -452,7 +459,8 @@ class ModelConfig(Section):
         if self.rope_local_theta is not None and (types is None or "sliding_attention" not in types):
             raise ValueError("rope_local_theta is the RoPE base of sliding_attention layers; layer_types has "
                              "none: set layer_types or unset rope_local_theta")
-        gemma = dict(norm_placement=self.norm_placement != "pre", norm_weight_offset=self.norm_weight_offset,
+        gemma = dict(norm_placement=self.norm_placement in ("post", "sandwich"),
+                     norm_weight_offset=self.norm_weight_offset,
                      embed_scale=self.embed_scale, attn_logit_softcap=self.attn_logit_softcap,
                      final_logit_softcap=self.final_logit_softcap,
                      query_pre_attn_scalar=self.query_pre_attn_scalar, layer_types=self.layer_types)

@@ -1,7 +1,8 @@
 """The bidirectional encoder of masked language modelling: BERT and RoBERTa differ by config flags only
 (`model.arch: encoder`; `type_vocab_size`, `position_offset`, `norm_eps`).
 
-Against our decoder it attends both ways (a padding mask, no causal one), uses post-norm blocks, sums
+Against our decoder it attends both ways (a padding mask, no causal one), uses Post-LN blocks (or Pre-LN
+with `norm_placement: pre`, plus `final_norm`: not a BERT checkpoint then, so no HF export), sums
 word, learned position and token-type embeddings into an embedding LayerNorm, and predicts through an
 MLM head (dense + activation + LayerNorm, then the tied embedding with a bias of its own). Attention
 and MLP are the decoder's modules, so the parameter names below are the checkpoint format (the HF key
@@ -29,13 +30,16 @@ def _dropout(p: float) -> nn.Module:
 
 
 class EncoderBlock(nn.Module):
-    """Post-norm block (BERT): x = norm(x + attn(x)), then x = norm(x + mlp(x)).
+    """Post-LN block (BERT, `norm_placement: post_ln`): x = norm(x + attn(x)), then x = norm(x + mlp(x));
+    Pre-LN (`pre`): x = x + attn(norm(x)), then x = x + mlp(norm(x)) (the encoder then ends in
+    `final_norm`). The same two norms, `attn_norm` and `mlp_norm`, either way.
 
     `block(x, mask)`: x (B, T, d_model); mask boolean (B, 1, 1, T) True = attend, or None (every key).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.pre = cfg.norm_placement == "pre"
         self.attn = Attention(cfg)
         self.attn_norm = build_norm(cfg)
         self.mlp = MLP(cfg)
@@ -43,6 +47,9 @@ class EncoderBlock(nn.Module):
         self.drop = _dropout(cfg.resolved_hidden_dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pre:  # a Python constant
+            x = x + self.drop(self.attn(self.attn_norm(x), None, mask))  # (B, T, d_model)
+            return x + self.drop(self.mlp(self.mlp_norm(x)))
         x = self.attn_norm(x + self.drop(self.attn(x, None, mask)))  # (B, T, d_model)
         return self.mlp_norm(x + self.drop(self.mlp(x)))
 
@@ -91,6 +98,8 @@ class Encoder(nn.Module):
             self.emb_norm = build_norm(cfg)
             self.drop = _dropout(cfg.resolved_hidden_dropout)
             self.layers = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.n_layers))
+            if cfg.norm_placement == "pre":  # Pre-LN leaves the residual stream unnormalised
+                self.final_norm = build_norm(cfg)
             if cfg.score_head:  # a sequence classifier (BERT's pooler and classifier) instead of the MLM head
                 self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=True)
                 self.score = nn.Linear(cfg.d_model, cfg.num_labels, bias=True)
@@ -159,6 +168,8 @@ class Encoder(nn.Module):
             mask = keep[:, None, None, :]  # (B, 1, 1, T)
         for layer in self.layers:
             x = layer(x, mask)
+        if self.cfg.norm_placement == "pre":
+            x = self.final_norm(x)
         if select is not None:
             x = x[select]  # (N, d_model)
         if head is not None:

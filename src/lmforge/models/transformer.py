@@ -53,9 +53,10 @@ def _refill_buffers(module: Transformer, _incompatible_keys) -> None:
 
 class Block(nn.Module):
     """Transformer block, by `cfg.norm_placement`: pre x + attn(norm(x)), then x + mlp(norm(x));
-    post x + norm(attn(x)) (OLMo 2); sandwich x + norm(attn(norm(x))) (Gemma). The norms before the
-    sub-layers are `attn_norm` / `mlp_norm` (identities under post), those after `attn_post_norm` /
-    `mlp_post_norm` (absent under pre).
+    post x + norm(attn(x)) (OLMo 2); sandwich x + norm(attn(norm(x))) (Gemma); post_ln
+    norm(x + attn(x)) (the original Transformer). The norms before the sub-layers are `attn_norm` /
+    `mlp_norm` (identities under post; after the residual add under post_ln), those after
+    `attn_post_norm` / `mlp_post_norm` (under post and sandwich only).
 
     Call as `block(x, rope, mask=None, kv=None)`:
       x     (B, T, d_model) hidden states;
@@ -73,8 +74,9 @@ class Block(nn.Module):
         self.index = index  # the layer's place in the model, for per-layer settings
         self.use_rope = index not in cfg.nope_layers
         self.residual_multiplier = cfg.residual_multiplier
-        pre = cfg.norm_placement != "post"
-        self.post = cfg.norm_placement != "pre"
+        pre = cfg.norm_placement != "post"  # post_ln keeps these two, applied after the residual add
+        self.post = cfg.norm_placement in ("post", "sandwich")
+        self.post_ln = cfg.norm_placement == "post_ln"
         self.attn_norm = build_norm(cfg) if pre else nn.Identity()
         self.attn = Attention(cfg) if cfg.mla is None else MLA(cfg)
         self.mlp_norm = build_norm(cfg) if pre else nn.Identity()
@@ -96,6 +98,8 @@ class Block(nn.Module):
         mask: torch.Tensor | None = None,
         kv: LayerKV | None = None,
     ) -> torch.Tensor:
+        if self.post_ln:  # a Python constant
+            return self._post_ln(x, rope, mask, kv)
         out = self.attn(self.attn_norm(x), rope if self.use_rope else None, mask, kv)  # (B, T, d_model)
         if self.post:  # a Python constant: no op when off
             out = self.attn_post_norm(out)
@@ -109,6 +113,13 @@ class Block(nn.Module):
         if self.residual_multiplier != 1.0:
             out = out * self.residual_multiplier
         return x + self.drop(out)
+
+    def _post_ln(self, x, rope, mask, kv) -> torch.Tensor:
+        """Post-LN: x = norm(x + attn(x)), then x = norm(x + mlp(x)) (the original Transformer)."""
+        out = self.attn(x, rope if self.use_rope else None, mask, kv)  # (B, T, d_model)
+        x = self.attn_norm(x + self.drop(out * self.residual_multiplier))
+        out = (self.moe if self.is_moe else self.mlp)(x)
+        return self.mlp_norm(x + self.drop(out * self.residual_multiplier))
 
 
 class Transformer(nn.Module):

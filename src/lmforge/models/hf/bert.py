@@ -104,6 +104,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         position_offset=offset,
         type_vocab_size=int(hf.get("type_vocab_size", 2)),
         norm="layernorm",
+        norm_placement="post_ln",
         norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
         pos_embedding="learned",
         mlp=_ACTIVATIONS[act],
@@ -124,6 +125,7 @@ def model_type_for(cfg: ModelConfig, requested: str | None = None) -> str:
     checks = (
         (cfg.arch == "encoder", f"arch={cfg.arch} (needs encoder)"),
         (cfg.norm == "layernorm", f"norm={cfg.norm} (needs layernorm)"),
+        (cfg.norm_placement == "post_ln", f"norm_placement={cfg.norm_placement} (BERT is post_ln)"),
         (cfg.mlp in ("gelu", "gelu_tanh"), f"mlp={cfg.mlp} (needs gelu or gelu_tanh)"),
         (cfg.bias, "bias=false (BERT has biases everywhere)"),
         (cfg.resolved_kv_heads == cfg.n_heads, "n_kv_heads != n_heads (no grouped-query attention)"),
