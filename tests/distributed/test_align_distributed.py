@@ -15,6 +15,10 @@ from pathlib import Path
 import pytest
 from test_sft_distributed import PARAM_TOL, STEPS, TOL, curve, final_weights, launch
 
+# Slow tier (CI runs it): two 2-rank launches (~30 s); DDP itself stays in the default tier
+# (test_two_ranks.py) and DPO/reward/GRPO in one process (tests/integration).
+pytestmark = pytest.mark.slow
+
 B = 2  # pairs / prompts per rank per micro-batch; the single process takes 2 * B
 DDP = ("parallel.dp_replicate=2", "parallel.dp_shard=1")
 MU2 = ("rl.iterations=2",)

@@ -29,6 +29,10 @@ import pytest
 from dist_harness import assert_matches, launch, merged_params, reference, selected
 from safetensors.torch import load_file
 
+# Slow tier (CI runs it): ~25 s of launches; expert parallelism stays in the default tier through
+# test_family_gpt_oss_ep.py.
+pytestmark = pytest.mark.slow
+
 LOSS_TOL, NORM_RTOL, PARAM_TOL, SGD_PARAM_TOL = 1e-5, 1e-5, 1e-5, 1e-7
 SGD = {"name": "sgd", "lr": 0.5, "sgd": {"momentum": 0.9}}
 MOE = {"moe": {"n_experts": 4, "top_k": 2, "d_ff_expert": 48, "n_shared_experts": 1, "shared_gate": True,

@@ -21,6 +21,10 @@ import torch
 from dist_harness import assert_matches, launch, merged_params, reference, selected
 from safetensors.torch import load_file
 
+# Slow tier (CI runs it): 4 ranks on CI's 2 cores take ~35 s; the 2-rank layouts (test_two_ranks.py: DDP,
+# ZeRO, FSDP, TP, PP) stay in the default tier.
+pytestmark = pytest.mark.slow
+
 LOSS_TOL, NORM_RTOL, PARAM_TOL, SGD_PARAM_TOL = 1e-5, 1e-5, 1e-5, 1e-7
 SGD = {"name": "sgd", "lr": 0.5, "sgd": {"momentum": 0.9}}
 TIED = {"tie_embeddings": True}

@@ -32,6 +32,9 @@ from dist_harness import SRC, global_batches, make_config  # noqa: E402
 
 from lmforge.parallel.local_ranks import run_ranks  # noqa: E402
 
+# Slow tier (CI runs it): ~12 s of launches; fp16 loss scaling stays in the default tier in one process.
+pytestmark = pytest.mark.slow
+
 # Scales 2**16 and 2**24 lie far (32x, 8x) on either side of where this model's fp16 backward starts to
 # overflow (about 2**21): whether a step overflows does not hang on how ranks round their sums.
 SCALER = dict(init_scale=2.0**16, growth_factor=2.0**8, backoff_factor=2.0**-8, growth_interval=2)

@@ -20,6 +20,10 @@ from pathlib import Path
 import pytest
 from dist_harness import SRC, run_ranks
 
+# Slow tier (CI runs it): ~25 s of launches; DDP/FSDP stay in the default tier (test_two_ranks.py), SFT in
+# one process (tests/integration/test_sft.py).
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 COMPARED = ("loss", "grad_norm", "lr", "val_loss", "val_bpb")
 TOL, PARAM_TOL = 1e-5, 1e-6
