@@ -191,6 +191,18 @@ def test_results_and_pairs_feed_dpo(api, tmp_path):
     assert client.get(f"/v1/studies/{sid}", headers=tok["ann"]).status_code == 404
 
 
+def test_rate_page_is_served_locked_down_and_never_assigns_html(api):
+    from lmforge.jobserver.dashboard import CSP, STATIC
+
+    client, _, _ = api
+    page = client.get("/rate")
+    assert page.status_code == 200 and page.headers["content-security-policy"] == CSP
+    assert page.text == (STATIC / "rate.html").read_text()
+    js = client.get("/static/rate.js")
+    assert js.status_code == 200
+    assert "innerHTML" not in js.text and "outerHTML" not in js.text and "insertAdjacentHTML" not in js.text
+
+
 def test_answers_generated_from_a_finished_train_job(tmp_path, tiny_cfg):
     """x: {"job"}: the server writes the run's greedy replies in the background; the study is rateable once
     they are in, and a server that stops mid-way leaves the study failed, not half-filled and ready."""

@@ -22,8 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import FileResponse, PlainTextResponse, Response
 
+from lmforge.jobserver.dashboard import _HEADERS, STATIC
 from lmforge.jobserver.jobs import RequestError, _source
 from lmforge.jobserver.rating import (
     CHOICES,
@@ -104,6 +105,12 @@ def rating_router(state: JobsState, user_of: Callable, ratings: RatingStore) -> 
     _study_routes(router, state, user_of, access)
     _rater_routes(router, user_of, access)
     _owner_routes(router, user_of, access)
+
+    @router.get("/rate", include_in_schema=False)
+    async def page() -> FileResponse:
+        # the page holds no data (it asks for a token), like the dashboard's, with the same headers
+        return FileResponse(STATIC / "rate.html", media_type="text/html", headers=_HEADERS)
+
     return router
 
 
