@@ -241,6 +241,13 @@ def test_answers_generated_from_a_finished_train_job(tmp_path, tiny_cfg):
             "raters": ["ann"], "prompts": prompts, "x": {"job": "job-00000000000000b2"},
             "y": {"answers": ["a", "b"]}})
         assert bad.status_code == 404 and bad.json()["error"]["param"] == "x.job"
+        running = Job(id="job-00000000000000c3", user="owner", kind="train", name="t", status="running",
+                      created_at=time.time(), queued_at=time.time())
+        (ws / "jobs" / running.id / "run" / "checkpoints").mkdir(parents=True)
+        store.add_job(running)
+        bad = client.post("/v1/studies", headers=tok["owner"], json={
+            "raters": ["ann"], "prompts": prompts, "x": {"answers": ["a", "b"]}, "y": {"job": running.id}})
+        assert bad.status_code == 409 and bad.json()["error"]["param"] == "y.job", bad.text
     db = sqlite3.connect(ws / "ratings.db")
     db.execute("UPDATE studies SET status = 'generating'")
     db.commit()

@@ -129,6 +129,9 @@ def _study_routes(router: APIRouter, state: JobsState, user_of: Callable, access
                     job = _source(spec["job"], user, state.store.get, state.workspace)
                 except RequestError as e:
                     raise RequestError(e.status, f"{side}.job: {e}", f"{side}.job", e.code) from None
+                if job.status != "succeeded":  # a run still training would answer from a moving checkpoint
+                    raise RequestError(409, f"{side}.job: job {job.id} is {job.status}; a study needs a "
+                                       "train job that succeeded", f"{side}.job", "source_not_ready")
                 runs[side] = state.job_dir(job) / "run"
         s = await asyncio.to_thread(ratings.create, req)
         if runs:
