@@ -125,6 +125,7 @@ def test_saving_is_idempotent_resumable_and_replaces(api):
     ({"raters": ["<b>"]}, "raters"),
     ({"name": "<script>"}, "name"),
     ({"seed": -1}, "seed"),
+    ({"max_new_tokens": 64}, "max_new_tokens"),  # no side is generated: refused, not ignored
     ({"colour": "red"}, "colour"),
     ({"x": {"job": "job-0123456789abcdef"}}, "x.job"),
 ])

@@ -201,6 +201,9 @@ def parse_study(body: Any, owner: str) -> dict[str, Any]:
             raise RequestError(400, f"{side}.answers: {len(answers)} answers for {len(prompts)} prompts; "
                                "give one per prompt, in the same order", f"{side}.answers")
         sides[side] = {"label": label, "job": None, "answers": answers}
+    if "max_new_tokens" in body and all(s["job"] is None for s in sides.values()):
+        raise RequestError(400, "max_new_tokens: only for a side the server generates ({\"job\": ...}); both "
+                           "sides' answers are given", "max_new_tokens")
     if sides["x"]["label"] == sides["y"]["label"]:
         raise RequestError(400, "y.label: the two sides need different labels", "y.label")
     secret = hashlib.sha256(f"lmforge-study\0{seed}".encode()).hexdigest() if seed is not None \
