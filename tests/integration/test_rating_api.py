@@ -157,17 +157,20 @@ def test_results_and_pairs_feed_dpo(api, tmp_path):
     # ann prefers X on items 0-5 and ties 6-7; bob prefers X on 0-3, Y on 4-7. Choices are sent as the
     # letters each rater saw, so this also checks the letter -> run mapping.
     want = {"ann": ["x"] * 6 + ["tie"] * 2, "bob": ["x"] * 4 + ["y"] * 4}
+    sent = []
     for rater, winners in want.items():
         for i, w in enumerate(winners):
             shown = client.get(f"/v1/studies/{sid}/items/{i}", headers=tok[rater]).json()
             x_is_a = shown["a"] == X_ANSWERS[i]
             choice = "tie" if w == "tie" else ("A" if (w == "x") == x_is_a else "B")
+            sent.append(choice)
             assert client.post(f"/v1/studies/{sid}/items/{i}", json={"choice": choice},
                                headers=tok[rater]).status_code == 200
     res = client.get(f"/v1/studies/{sid}/results", headers=tok["owner"]).json()
     assert res["x"] == "run-alpha" and res["per_rater"]["ann"]["win_rate_x"] == pytest.approx(7 / 8)
     assert res["per_rater"]["bob"]["win_rate_x"] == pytest.approx(0.5)
     assert res["pooled"]["win_rate_x"] == pytest.approx(11 / 16)
+    assert res["position"] == {k: sent.count(k) for k in ("A", "B", "tie")}
     lo, hi = res["pooled"]["ci95"]
     assert lo < 11 / 16 < hi
     # Cohen's kappa by hand: agreement 4/8; ann's marginals x 6/8, tie 2/8; bob's x 4/8, y 4/8 -> pe 3/8

@@ -68,6 +68,7 @@ def test_results_count_ties_half_and_use_wilson():
     assert ag["statistic"] == "cohen" and ag["items"] == 4
     assert ag["kappa"] == pytest.approx(cohen_kappa(["x", "x", "tie", "y"], ["x", "tie", "tie", "y"]))
     md = markdown(res)
+    assert sum(res["position"].values()) == 8 and res["position"]["tie"] == 3
     assert "| pooled | 8 | 3 | 3 | 2 | 56.2% |" in md and "run\\|y" in md and "Cohen's kappa" in md
 
 

@@ -13,6 +13,8 @@ Decisions, stated once:
 - **Agreement** on the three categories x / y / tie (the run favoured, not the display position):
   Cohen's kappa for two raters over the items both rated; Fleiss' kappa for three or more over the items
   every rater rated. None (with the reason) when there are no such items or chance agreement is total.
+- **Position**: how many choices went to the answer shown as A and as B, whichever run it was: a large
+  gap means raters favour a position, which the per-item random order keeps out of the win rate.
 - **Preference pairs**: one per item, chosen by the majority of its non-tie ratings; an item whose
   ratings split evenly (or are all ties) gives no pair, nor does one whose two answers are equal.
 """
@@ -23,6 +25,8 @@ import json
 import math
 from collections import Counter
 from typing import Any
+
+from lmforge.jobserver.rating import choice_of, x_is_a
 
 Z95 = 1.959963984540054
 CATEGORIES = ("x", "y", "tie")
@@ -101,11 +105,13 @@ def results(study, ratings: list[Any]) -> dict[str, Any]:
         by_rater.setdefault(r["rater"], {})[r["idx"]] = r["winner"]
     per_rater = {name: _win_rate(list(v.values())) for name, v in sorted(by_rater.items())}
     pooled = _win_rate([w for v in by_rater.values() for w in v.values()])
+    # Position bias: how often the answer shown first won, whichever run wrote it.
+    shown = Counter(choice_of(r["winner"], x_is_a(study.secret, r["rater"], r["idx"])) for r in ratings)
     return {"object": "lmforge.study.results", "id": study.id, "name": study.name,
             "x": study.labels["x"], "y": study.labels["y"], "items": study.n_items,
             "raters": study.raters, "ties": "counted as half a win for each side",
             "interval": "Wilson score, 95%", "pooled": pooled, "per_rater": per_rater,
-            "agreement": agreement(by_rater)}
+            "agreement": agreement(by_rater), "position": {k: shown[k] for k in ("A", "B", "tie")}}
 
 
 def _pct(v: float | None) -> str:
@@ -138,6 +144,8 @@ def markdown(res: dict[str, Any]) -> str:
     what = {"cohen": "Cohen's kappa", "fleiss": "Fleiss' kappa", None: "kappa"}[a["statistic"]]
     lines += ["", f"Agreement: {what} = {kappa} over {a['items']} items" + (f" ({a['note']})" if a.get("note")
                                                                              else "") + "."]
+    p = res["position"]
+    lines += [f"Position: the answer shown as A won {p['A']} times, B {p['B']}, ties {p['tie']}."]
     return "\n".join(lines) + "\n"
 
 
