@@ -183,6 +183,9 @@ function markChoice() {
   $('progress').textContent = `item ${S.index + 1} of ${st.items} \u00b7 ${st.rated.size} rated`;
   $('progress').dataset.rated = String(st.rated.size);
   $('all-done').hidden = st.rated.size < st.items;
+  for (const tr of $('studies-table').tBodies[0].rows) {
+    if (tr.dataset.id === st.id) tr.cells[2].textContent = String(st.rated.size);
+  }
 }
 
 async function save(choice) {
