@@ -36,7 +36,7 @@ def test_the_job_api_keeps_every_route(tmp_path):
     spec = create_app(tmp_path / "ws", start_runner=False).openapi()
     ops = {(m.upper(), p, op["operationId"], tuple(op["tags"]))
            for p, item in spec["paths"].items() for m, op in item.items()}
-    j, a = ("jobs",), ("artifacts",)
+    j, a, r = ("jobs",), ("artifacts",), ("rating",)
     assert ops == {
         ("GET", "/health", "health_health_get", ("server",)),
         ("POST", "/v1/jobs", "create_v1_jobs_post", j),
@@ -50,6 +50,16 @@ def test_the_job_api_keeps_every_route(tmp_path):
         ("GET", "/v1/jobs/{job_id}/events", "events_v1_jobs__job_id__events_get", j),
         ("GET", "/v1/jobs/{job_id}/artifacts", "artifacts_v1_jobs__job_id__artifacts_get", a),
         ("GET", "/v1/jobs/{job_id}/artifacts/{name}", "artifact_v1_jobs__job_id__artifacts__name__get", a),
+        # human evaluation (routes/rating.py)
+        ("POST", "/v1/studies", "create_v1_studies_post", r),
+        ("GET", "/v1/studies", "list_studies_v1_studies_get", r),
+        ("GET", "/v1/studies/{study_id}", "get_study_v1_studies__study_id__get", r),
+        ("DELETE", "/v1/studies/{study_id}", "delete_v1_studies__study_id__delete", r),
+        ("GET", "/v1/studies/{study_id}/items/{index}",
+         "get_item_v1_studies__study_id__items__index__get", r),
+        ("POST", "/v1/studies/{study_id}/items/{index}", "rate_v1_studies__study_id__items__index__post", r),
+        ("GET", "/v1/studies/{study_id}/results", "get_results_v1_studies__study_id__results_get", r),
+        ("GET", "/v1/studies/{study_id}/pairs", "get_pairs_v1_studies__study_id__pairs_get", r),
     }
 
 

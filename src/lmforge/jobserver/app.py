@@ -12,6 +12,7 @@
                                                 `lmforge serve` (jobserver/publish.py; with --publish-url)
     DELETE /v1/jobs/{id}?artifacts=true         refused while it runs; artifacts=true removes its dir
     GET    /v1/jobs/{id}/artifacts[/{name}]     metrics.jsonl, curves.png, config.yaml, eval reports...
+    /v1/studies...                              human evaluation: blind rating studies (routes/rating.py)
 
 Every /v1 route needs `Authorization: Bearer <token>`; a job of another user answers 404 exactly as a
 missing one does, so ids do not leak. Errors are {"error": {"message", "type", "param", "code"}}.
@@ -34,11 +35,13 @@ from lmforge.jobserver.http import MAX_BODY_BYTES, BodyLimit, install_error_hand
 from lmforge.jobserver.limits import Limits
 from lmforge.jobserver.progress import Progress
 from lmforge.jobserver.publish import Publisher
+from lmforge.jobserver.rating import RatingStore
 from lmforge.jobserver.routes.artifacts import artifacts_router
 from lmforge.jobserver.routes.auth import bearer_user
 from lmforge.jobserver.routes.health import health_router
 from lmforge.jobserver.routes.jobs import jobs_router
 from lmforge.jobserver.routes.publish import publish_router
+from lmforge.jobserver.routes.rating import rating_router
 from lmforge.jobserver.routes.state import JobsState
 from lmforge.jobserver.routes.watch import watch_router
 from lmforge.jobserver.runner import Runner
@@ -75,6 +78,7 @@ def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tupl
         yield
         runner.stop()
         store.close()
+        ratings.close()
 
     app = FastAPI(title="lmforge job server", version="1", lifespan=lifespan,
                   description="Submit, watch, stop and resume lmforge runs. Every /v1 route needs a bearer "
@@ -88,6 +92,8 @@ def create_app(workspace: str | Path, *, max_running: int = 1, allow_roots: tupl
     app.include_router(publish_router(state, user_of, publisher))
     app.include_router(artifacts_router(state, user_of))
     app.include_router(watch_router(state, user_of))
+    ratings = RatingStore(workspace)  # human evaluation: rating studies and the /rate page
+    app.include_router(rating_router(state, user_of, ratings))
 
     from lmforge.jobserver.dashboard import mount_dashboard  # the web page at /: a client of the routes above
 

@@ -7,6 +7,7 @@
     watch.py      a job's logs and its server-sent event stream
     artifacts.py  a job's files: the list and one file's bytes
     publish.py    a finished adapter onto a running `lmforge serve`
+    rating.py     human evaluation: blind side-by-side rating studies, their results and the /rate page
 
 The dashboard (the page at / and /static) is jobserver/dashboard.py.
 """
