@@ -135,7 +135,9 @@ def _study_routes(router: APIRouter, state: JobsState, user_of: Callable, access
                 runs[side] = state.job_dir(job) / "run"
         s = await asyncio.to_thread(ratings.create, req)
         if runs:
-            start_filling(ratings, s.id, runs, req["prompts"], req["max_new_tokens"])
+            start_filling(ratings, s.id, runs, req["prompts"], req["max_new_tokens"],
+                          state.limits.max_memory_per_job, state.limits.max_threads_per_job,
+                          state.workspace / "rating-work")
         return access.view(s, user)
 
     @router.get("/v1/studies", tags=["rating"])
