@@ -206,10 +206,19 @@ class ClassifyObjective(_Method):
                            head_outputs=cfg.classify.num_labels)
 
 
+class PrefixLMObjective(_Method):
+    name: Literal["prefix_lm"] = Field("prefix_lm", description="Prefix language modelling of a decoder on "
+                                       "the pretraining data: each document's prefix attended both ways, "
+                                       "its continuation predicted (the prefix_lm section).")
+    # the loss is the continuation's cross-entropy: its perplexity and bits per byte
+    token_loss: ClassVar[bool] = True
+    settings_section: ClassVar[str | None] = "prefix_lm"
+
+
 METHOD_CONFIGS: dict[str, type[_Method]] = {
     "causal_lm": CausalLMObjective, "sft": SFTObjective, "dpo": DPOObjective, "reward": RewardObjective,
     "rl": RLObjective, "distill": DistillObjective, "mlm": MLMObjective, "gkd": GKDObjective,
-    "classify": ClassifyObjective,
+    "classify": ClassifyObjective, "prefix_lm": PrefixLMObjective,
 }
 
 

@@ -28,6 +28,7 @@ from lmforge.models.common.attention import Attention, KVCache, LayerKV, documen
 from lmforge.models.common.mla import MLA
 from lmforge.models.common.mlp import MLP
 from lmforge.models.common.norm import RMSNorm, build_norm
+from lmforge.models.common.prefix_masks import check_prefix_inputs, prefix_mask
 from lmforge.models.common.rope import (
     attention_factor,
     length_dependent_inv_frequencies,
@@ -338,6 +339,7 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         segment_ids: torch.Tensor | None = None,
+        prefix_end: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size) in the model's dtype.
 
@@ -350,6 +352,8 @@ class Transformer(nn.Module):
         segment_ids: (B, T) ints, for rows that pack several sequences: a position attends only to
         earlier positions with the same id (pass position_ids restarting per sequence with it). Not
         with a cache or an attention_mask.
+        prefix_end: (B, T) ints, with segment_ids: each segment attends both ways over its positions
+        before prefix_end and causally after (prefix LM, GLM; models/common/prefix_masks.py).
         head: replaces the output projection: called as head(hidden (B, T, d_model) after the final
         norm, output weight (vocab_size, d_model)) and its result returned instead of the logits, so a
         loss can consume the projection chunk by chunk without the whole logits tensor existing.
@@ -374,7 +378,10 @@ class Transformer(nn.Module):
             raise ValueError(f"segment_ids must be (batch, positions) = {(B, T)}, without a cache or an "
                              "attention_mask")
         kinds = self.cfg.layer_types
-        if kinds is None:
+        if prefix_end is not None:
+            check_prefix_inputs(B, T, segment_ids, prefix_end, cache, attention_mask, self.cfg)
+            mask = prefix_mask(segment_ids, prefix_end, self._packed_kernel(input_ids.device))
+        elif kinds is None:
             window = self.cfg.sliding_window
             mask = self._mask(start, T, input_ids.device, attention_mask, segment_ids, window)
         else:
