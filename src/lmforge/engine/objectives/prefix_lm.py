@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -57,9 +57,10 @@ class PrefixBatch(PaddedRows):
         return iter((self.input_ids, self.targets))
 
     def _map(self, fn) -> PrefixBatch:
-        n = self.n_targets if self.n_targets is not None else self.target_count()  # counted on the host
-        return PrefixBatch(fn(self.input_ids), fn(self.targets), fn(self.position_ids), fn(self.segment_ids),
-                           fn(self.prefix_end), self.real_tokens, n)
+        """The batch (of its own class) with `fn` applied to every tensor; the targets counted first."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        kw = {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        return type(self)(**{**kw, "n_targets": self.target_count()})  # counted while on the host
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PrefixBatch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -71,6 +72,8 @@ class PrefixBatch(PaddedRows):
         if self.n_targets is not None:
             return self.n_targets
         return int((self.targets != IGNORE_INDEX).sum())
+
+    model_kwarg_names: ClassVar[tuple[str, ...]] = ("position_ids", "segment_ids", "prefix_end")
 
     def model_kwargs(self) -> dict[str, torch.Tensor]:
         """What the model's forward takes beside the ids."""
@@ -167,7 +170,7 @@ class PrefixLM(TokenObjective):
         if why is not None:
             raise ConfigError(f"objective {self.name}: {why}")
         params = inspect.signature(model.forward).parameters
-        needed = ("position_ids", "segment_ids", "prefix_end") + (("head",) if self.chunk_tokens else ())
+        needed = (*self.batch_type.model_kwarg_names, *(("head",) if self.chunk_tokens else ()))
         if any(p not in params for p in needed):
             raise ConfigError(f"objective {self.name} needs a model whose forward takes {', '.join(needed)} "
                               f"(lmforge's Transformer); {type(model).__name__} does not")

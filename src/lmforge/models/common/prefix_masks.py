@@ -20,7 +20,7 @@ def prefix_dense_mask(segment_ids: torch.Tensor, prefix_end: torch.Tensor) -> to
     T = segment_ids.size(1)
     q = torch.arange(T, device=segment_ids.device)[:, None]  # (T, 1)
     k = torch.arange(T, device=segment_ids.device)[None, :]  # (1, T)
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]  # (B, T, T)
+    same = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] >= 0)  # (B, T, T)
     visible = (k <= q)[None] | (k[None] < prefix_end[:, :, None])  # (B, T, T)
     return ((same & visible) | (k == q)[None])[:, None]  # (B, 1, T, T)
 
@@ -30,7 +30,7 @@ def prefix_block_mask(segment_ids: torch.Tensor, prefix_end: torch.Tensor):
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q_idx, kv_idx):
-        same = segment_ids[b, q_idx] == segment_ids[b, kv_idx]
+        same = (segment_ids[b, q_idx] == segment_ids[b, kv_idx]) & (segment_ids[b, q_idx] >= 0)
         visible = (kv_idx <= q_idx) | (kv_idx < prefix_end[b, q_idx])
         return (same & visible) | (kv_idx == q_idx)
 
