@@ -202,3 +202,24 @@ def test_cli_refusals_exit_2(tmp_path, setting, message):
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and message in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_forward_refuses_a_prefix_it_cannot_honour():
+    model = build_model(ModelConfig(vocab_size=24, d_model=32, n_layers=1, n_heads=2, max_seq_len=32))
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="prefix_end needs segment_ids"):
+        model(ids, prefix_end=torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="block_position_embedding=true"):
+        model(ids, block_position_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_loss_chunk_tokens_is_honoured():
+    """train.loss_chunk_tokens: the same loss with the output projection taken a chunk at a time."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=24, d_model=32, n_layers=1, n_heads=2, max_seq_len=32))
+    ids = torch.randint(1, 24, (2, 20))
+    ids[0, 7] = EOS
+    whole, chunked = PrefixLM(seed=1).bind(EOS), PrefixLM(seed=1, chunk_tokens=8).bind(EOS)
+    batch = whole.batch_of(TokenBatch(ids, torch.roll(ids, -1, 1)))
+    with torch.no_grad():
+        torch.testing.assert_close(chunked(model, batch).loss, whole(model, batch).loss, atol=1e-4, rtol=1e-6)
