@@ -21,6 +21,8 @@ EXPECTED = {  # name: (data, token_loss, data_section, extra models, scalar head
     "mlm": ("tokens", False, "data", (), None),
     "gkd": ("chat", True, "sft", ("teacher",), None),
     "classify": ("labelled", False, "classify", (), "score"),
+    "prefix_lm": ("tokens", True, "data", (), None),
+    "glm": ("tokens", False, "data", (), None),
 }
 
 
@@ -82,7 +84,7 @@ def test_each_fine_tuning_method_names_its_verb():
     from lmforge.cli.verbs.method_verbs import METHOD_VERBS
     from lmforge.config.methods import METHOD_CONFIGS
 
-    # causal_lm, mlm: lmforge train
+    # causal_lm, mlm, prefix_lm, glm: lmforge train
     assert sorted(METHOD_VERBS) == ["classify", "distill", "dpo", "gkd", "reward", "rl", "sft"]
     for verb, spec in METHOD_VERBS.items():
         assert METHOD_CONFIGS[verb].model_fields["name"].default == verb and spec.help.startswith(

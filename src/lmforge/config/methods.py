@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
+from lmforge.config.infill import GLM_TOKENS
 from lmforge.config.section import SEED_MAX, Section
 
 if TYPE_CHECKING:
@@ -48,6 +49,7 @@ class MethodFacts:
     scalar_head: Literal["score", "value"] | None = None  # a head it adds to the model and trains
     batch_rows: int = 1  # sequences per example of a batch (a pair: 2)
     head_outputs: int = 1  # outputs of the scalar head (a classifier's: its number of labels)
+    tokens: tuple[str, ...] = ()  # special tokens its data needs; `lmforge prepare` adds those missing
 
     @property
     def chat(self) -> bool:
@@ -206,10 +208,31 @@ class ClassifyObjective(_Method):
                            head_outputs=cfg.classify.num_labels)
 
 
+class PrefixLMObjective(_Method):
+    name: Literal["prefix_lm"] = Field("prefix_lm", description="Prefix language modelling of a decoder on "
+                                       "the pretraining data: each document's prefix attended both ways, "
+                                       "its continuation predicted (the prefix_lm section).")
+    # the loss is the continuation's cross-entropy: its perplexity and bits per byte
+    token_loss: ClassVar[bool] = True
+    settings_section: ClassVar[str | None] = "prefix_lm"
+
+
+class GLMObjective(_Method):
+    name: Literal["glm"] = Field("glm", description="GLM's autoregressive blank infilling of a decoder on "
+                                 "the pretraining data: spans become [MASK] in a bidirectional part A and "
+                                 "are predicted after it with 2-D positions (the glm section; needs "
+                                 "model.block_position_embedding=true).")
+    settings_section: ClassVar[str | None] = "glm"
+
+    @classmethod
+    def facts(cls, cfg: Config) -> MethodFacts:
+        return MethodFacts("glm", "tokens", False, "data", "glm", tokens=GLM_TOKENS)
+
+
 METHOD_CONFIGS: dict[str, type[_Method]] = {
     "causal_lm": CausalLMObjective, "sft": SFTObjective, "dpo": DPOObjective, "reward": RewardObjective,
     "rl": RLObjective, "distill": DistillObjective, "mlm": MLMObjective, "gkd": GKDObjective,
-    "classify": ClassifyObjective,
+    "classify": ClassifyObjective, "prefix_lm": PrefixLMObjective, "glm": GLMObjective,
 }
 
 

@@ -225,6 +225,11 @@ class ModelConfig(Section):
     pos_embedding: Literal["rope", "learned"] = Field(
         "rope", description="Rotary position embedding or a learned absolute position table."
     )
+    block_position_embedding: bool = Field(
+        False, description="GLM's second position (objective glm): a learned table of max_seq_len rows, "
+        "indexed by each token's position inside its blank (0 for ordinary text), added to the token "
+        "embeddings; the first position stays pos_embedding's. No Hugging Face family has it: export refuses."
+    )
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base frequency.")
     mlp: Literal["swiglu", "gelu", "gelu_tanh", "geglu"] = Field(
         "swiglu", description="MLP type: SwiGLU (Llama), GELU (erf), GELU tanh approximation (GPT-2), or "
@@ -423,6 +428,9 @@ class ModelConfig(Section):
         if rs is not None and rs.type == "llama3" and rs.original_max_position_embeddings is None:
             raise ValueError("rope_scaling.type=llama3 needs rope_scaling.original_max_position_embeddings "
                              "(the context length the model was pre-trained with, e.g. 8192)")
+        if self.arch == "encoder" and self.block_position_embedding:
+            raise ValueError("model.block_position_embedding (GLM's blank positions) is for decoders; "
+                             "model.arch=encoder has none: set it to false")
         if self.arch == "encoder" and (self.pos_embedding != "learned" or not self.tie_embeddings):
             raise ValueError("model.arch=encoder needs pos_embedding=learned and tie_embeddings=true (the "
                              "BERT / RoBERTa layout)")

@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 from lmforge.config.classify import ClassifyConfig
 from lmforge.config.curate import CurateConfig
 from lmforge.config.data import DataConfig, RunConfig, TokenizerConfig
+from lmforge.config.infill import GLMConfig, PrefixLMConfig
 from lmforge.config.methods import (
     CausalLMObjective,
     DistillConfig,
@@ -54,6 +55,7 @@ __all__ = [
     "SFTConfig", "ScheduleConfig", "StabilityConfig", "TokenizerConfig", "TrainConfig", "WandbConfig",
     "parse_duration",
     "ClassifyConfig",  # objective classify's section (config/classify.py)
+    "PrefixLMConfig", "GLMConfig",  # objectives prefix_lm's and glm's sections (config/infill.py)
 ]
 
 
@@ -69,7 +71,8 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
     objective: ObjectiveConfig = Field(default_factory=CausalLMObjective, description="Training method: "
                                      "objective.name picks one (causal_lm, sft, dpo, reward, rl, distill, "
-                                     "mlm, gkd, classify); its settings sit in its own section.")
+                                     "mlm, gkd, classify, prefix_lm, glm); its settings sit in its own "
+                                     "section.")
     sft: SFTConfig = Field(default_factory=SFTConfig,
                            description="Supervised fine-tuning data (objective sft).")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
@@ -82,6 +85,10 @@ class Config(Section):
     mlm: MLMConfig = Field(default_factory=MLMConfig, description="Masking of objective mlm.")
     gkd: GKDConfig = Field(default_factory=GKDConfig, description="Teacher, divergence and on-policy "
                            "sampling of generalized knowledge distillation (objective gkd).")
+    prefix_lm: PrefixLMConfig = Field(default_factory=PrefixLMConfig, description="Prefix boundaries of "
+                                      "objective prefix_lm.")
+    glm: GLMConfig = Field(default_factory=GLMConfig, description="Blanks of objective glm (GLM's "
+                           "autoregressive blank infilling).")
     classify: ClassifyConfig = Field(default_factory=ClassifyConfig, description="Labelled data and head "
                                      "of sequence classification / regression (objective classify).")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from lmforge._version import __version__
+from lmforge.config.methods import method_facts
 from lmforge.config.schema import Config, DataConfig
 from lmforge.data.encode_pool import ChunkEncoder, resolve_workers
 from lmforge.data.shards import ShardWriter, dtype_for_vocab, read_meta, write_meta
@@ -182,6 +183,9 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
         # Appended after the BPE's ids, which stay as they are: the shards equal a decoder's.
         tok.add_special_tokens(ENCODER_TOKEN_SETS[0])
         how += f", {' '.join(ENCODER_TOKEN_SETS[0])} added"
+    if missing := [t for t in method_facts(cfg).tokens if tok.token_id(t) is None]:
+        tok.add_special_tokens(missing)  # the method's own (GLM's blanks), appended like the encoder's
+        how += f", {' '.join(missing)} added"
     tok.save(dir / TOKENIZER_FILE)
 
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -359,6 +363,7 @@ def _settings(cfg: Config) -> dict:
         # only when set: data prepared before the key existed keeps its fingerprint
         **({"val_sources": [_source_identity(s) for s in d.val_sources]} if d.val_sources else {}),
         **({"encoder_tokens": True} if cfg.model.arch == "encoder" else {}),
+        **({"method_tokens": list(method_facts(cfg).tokens)} if method_facts(cfg).tokens else {}),
         # a mixture's shards are per source; its weights are read at load time and change nothing here
         **({"mixture": [name for name, _ in d.mixture]} if d.mixture else {}),
     }

@@ -28,6 +28,7 @@ from lmforge.models.common.attention import Attention, KVCache, LayerKV, documen
 from lmforge.models.common.mla import MLA
 from lmforge.models.common.mlp import MLP
 from lmforge.models.common.norm import RMSNorm, build_norm
+from lmforge.models.common.prefix_masks import check_prefix_inputs, prefix_mask
 from lmforge.models.common.rope import (
     attention_factor,
     length_dependent_inv_frequencies,
@@ -150,6 +151,8 @@ class Transformer(nn.Module):
             self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
             if cfg.pos_embedding == "learned":
                 self.pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+            if cfg.block_position_embedding:  # GLM's intra-span positions (objective glm)
+                self.block_pos_embeddings = nn.Embedding(cfg.max_seq_len, cfg.d_model)
             self.drop = _dropout(cfg.resolved_hidden_dropout)
             self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
             self.norm = build_norm(cfg)
@@ -349,6 +352,8 @@ class Transformer(nn.Module):
         position_ids: torch.Tensor | None = None,
         head: Callable[[torch.Tensor, torch.Tensor], Any] | None = None,
         segment_ids: torch.Tensor | None = None,
+        prefix_end: torch.Tensor | None = None,
+        block_position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids (B, T) -> logits (B, T, vocab_size) in the model's dtype.
 
@@ -361,6 +366,9 @@ class Transformer(nn.Module):
         segment_ids: (B, T) ints, for rows that pack several sequences: a position attends only to
         earlier positions with the same id (pass position_ids restarting per sequence with it). Not
         with a cache or an attention_mask.
+        prefix_end: (B, T) ints, with segment_ids: each segment attends both ways over its positions
+        before prefix_end and causally after (prefix LM, GLM; models/common/prefix_masks.py).
+        block_position_ids: (B, T) GLM's second positions (model.block_position_embedding; None: all 0).
         head: replaces the output projection: called as head(hidden (B, T, d_model) after the final
         norm, output weight (vocab_size, d_model)) and its result returned instead of the logits, so a
         loss can consume the projection chunk by chunk without the whole logits tensor existing.
@@ -376,7 +384,7 @@ class Transformer(nn.Module):
         if input_ids.is_floating_point():
             x = input_ids  # (B, T, d_model): the previous pipeline stage's output
         else:
-            x = self._embed(input_ids, start, end, position_ids)  # (B, T, d_model)
+            x = self._embed(input_ids, start, end, position_ids, block_position_ids)  # (B, T, d_model)
         rope = None
         if self.cfg.pos_embedding == "rope":
             rope = self._rope(start, end, position_ids, seq_len)
@@ -385,7 +393,10 @@ class Transformer(nn.Module):
             raise ValueError(f"segment_ids must be (batch, positions) = {(B, T)}, without a cache or an "
                              "attention_mask")
         kinds = self.cfg.layer_types
-        if kinds is None:
+        if prefix_end is not None:
+            check_prefix_inputs(B, T, segment_ids, prefix_end, cache, attention_mask, self.cfg)
+            mask = prefix_mask(segment_ids, prefix_end, self._packed_kernel(input_ids.device))
+        elif kinds is None:
             window = self.cfg.sliding_window
             mask = self._mask(start, T, input_ids.device, attention_mask, segment_ids, window)
         else:
@@ -443,7 +454,8 @@ class Transformer(nn.Module):
         return seq_len
 
     def _embed(
-        self, input_ids: torch.Tensor, start: int, end: int, position_ids: torch.Tensor | None
+        self, input_ids: torch.Tensor, start: int, end: int, position_ids: torch.Tensor | None,
+        block_position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids (B, T) -> the first block's input (B, T, d_model): embeddings, their scales, learned
         positions, dropout."""
@@ -457,6 +469,11 @@ class Transformer(nn.Module):
                 x = x + self.pos_embeddings.weight[start:end]  # (T, d_model) broadcast over B
             else:
                 x = x + self.pos_embeddings(position_ids)  # (B, T, d_model)
+        if block_position_ids is not None and not self.cfg.block_position_embedding:
+            raise ValueError("block_position_ids needs model.block_position_embedding=true")
+        if self.cfg.block_position_embedding:  # ordinary text is block position 0, as GLM's part A
+            x = x + (self.block_pos_embeddings.weight[0] if block_position_ids is None
+                     else self.block_pos_embeddings(block_position_ids))
         return self.drop(x)
 
     def _logits(

@@ -109,8 +109,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
         else:
             parallelize_module(table, tp_mesh, RowwiseParallel(
                 input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=False))
-    if getattr(model, "pos_embeddings", None) is not None:
-        replicate_on(model.pos_embeddings, tp_mesh, local_output=False)
+    for name in ("pos_embeddings", "block_pos_embeddings"):  # learned position tables (GPT-2; GLM's)
+        if getattr(model, name, None) is not None:
+            replicate_on(getattr(model, name), tp_mesh, local_output=False)
 
     # -- blocks -----------------------------------------------------------------------------
     blocks = list(model.layers.children())

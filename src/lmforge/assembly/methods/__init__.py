@@ -7,8 +7,10 @@ from lmforge.assembly.methods.base import MethodSetup, SetupContext
 from lmforge.assembly.methods.classify import ClassifySetup
 from lmforge.assembly.methods.distill import DistillSetup
 from lmforge.assembly.methods.gkd import GKDSetup
+from lmforge.assembly.methods.glm import GLMSetup
 from lmforge.assembly.methods.mlm import MLMSetup
 from lmforge.assembly.methods.preference import PreferenceSetup
+from lmforge.assembly.methods.prefix_lm import PrefixLMSetup
 from lmforge.assembly.methods.rl import RLSetup
 from lmforge.assembly.methods.sft import SFTSetup
 from lmforge.assembly.methods.tokens import CausalLMSetup
@@ -16,7 +18,8 @@ from lmforge.config.methods import METHOD_CONFIGS
 from lmforge.config.schema import Config
 
 SETUPS: tuple[MethodSetup, ...] = (CausalLMSetup(), SFTSetup(), PreferenceSetup(), RLSetup(), DistillSetup(),
-                                   MLMSetup(), GKDSetup(), ClassifySetup())
+                                   MLMSetup(), GKDSetup(), ClassifySetup(), PrefixLMSetup(),
+                                   GLMSetup())
 SETUP_OF: dict[str, MethodSetup] = {name: setup for setup in SETUPS for name in setup.names}
 assert set(SETUP_OF) == set(METHOD_CONFIGS), "every method in the config union has a setup"
 

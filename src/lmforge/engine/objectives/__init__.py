@@ -8,16 +8,19 @@ from lmforge.engine.objectives.causal_lm import CausalLM
 from lmforge.engine.objectives.classify import Classify
 from lmforge.engine.objectives.distill import Distill, TopK
 from lmforge.engine.objectives.gkd import GKD
+from lmforge.engine.objectives.glm import GLM
 from lmforge.engine.objectives.mlm import MaskedLM
 from lmforge.engine.objectives.policy_gradient import PolicyGradient
 from lmforge.engine.objectives.preference import Preference
+from lmforge.engine.objectives.prefix_lm import PrefixLM
 from lmforge.engine.objectives.reward import RewardModel
 from lmforge.engine.objectives.sft import SFT
 
 OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT, Preference.name: Preference,
                                           PolicyGradient.name: PolicyGradient, RewardModel.name: RewardModel,
                                           Distill.name: Distill, MaskedLM.name: MaskedLM,
-                                          GKD.name: GKD, Classify.name: Classify}
+                                          GKD.name: GKD, Classify.name: Classify, PrefixLM.name: PrefixLM,
+                                          GLM.name: GLM}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -27,4 +30,4 @@ def build_objective(cfg: Config) -> Objective:
 
 __all__ = ["OBJECTIVES", "SFT", "CausalLM", "Distill", "GKD", "MaskedLM", "TopK", "PolicyGradient",
            "Preference", "RewardModel", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
-           "build_objective", "Classify"]
+           "build_objective", "Classify", "PrefixLM", "GLM"]

@@ -174,6 +174,10 @@ def export_model_type(cfg: ModelConfig, model_type: str | None = None) -> str:
 
 
 def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
+    if cfg.block_position_embedding:  # no Hugging Face family adds a second position table
+        raise LmforgeError("this model has GLM's block position embedding (model.block_position_embedding, "
+                           "objective glm), which no Hugging Face family can represent: it cannot be "
+                           "exported")
     family = _export_family_of(cfg, model_type)
     if family is not gpt_oss and (only := gpt_oss.foreign_features(cfg)):
         name = model_type or family.MODEL_TYPES[0]
