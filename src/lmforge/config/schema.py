@@ -35,6 +35,7 @@ from lmforge.config.runtime import (
     WandbConfig,
 )
 from lmforge.config.section import Section
+from lmforge.config.token_classify import TokenClassifyConfig
 from lmforge.config.train import (
     UNIT_SUFFIX,
     AveragingConfig,
@@ -54,6 +55,7 @@ __all__ = [
     "SFTConfig", "ScheduleConfig", "StabilityConfig", "TokenizerConfig", "TrainConfig", "WandbConfig",
     "parse_duration",
     "ClassifyConfig",  # objective classify's section (config/classify.py)
+    "TokenClassifyConfig",  # objective tag's section (config/token_classify.py)
 ]
 
 
@@ -69,7 +71,8 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
     objective: ObjectiveConfig = Field(default_factory=CausalLMObjective, description="Training method: "
                                      "objective.name picks one (causal_lm, sft, dpo, reward, rl, distill, "
-                                     "mlm, gkd, classify); its settings sit in its own section.")
+                                     "mlm, gkd, classify, tag); its settings sit in its own "
+                                     "section.")
     sft: SFTConfig = Field(default_factory=SFTConfig,
                            description="Supervised fine-tuning data (objective sft).")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
@@ -84,6 +87,9 @@ class Config(Section):
                            "sampling of generalized knowledge distillation (objective gkd).")
     classify: ClassifyConfig = Field(default_factory=ClassifyConfig, description="Labelled data and head "
                                      "of sequence classification / regression (objective classify).")
+    token_classify: TokenClassifyConfig = Field(default_factory=TokenClassifyConfig, description="Tagged "
+                                                "words and per-token head of token classification (objective "
+                                                "tag).")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
                                      description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")

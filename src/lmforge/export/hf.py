@@ -47,6 +47,11 @@ def export_run(
     if is_hf_dir(Path(src)):
         return export_hf(src, out, overwrite, max_shard_size, say, weights)
     cfg, _ = run_config(src)
+    if cfg.model.score_head and cfg.model.score_reads != "sequence":
+        from lmforge.errors import LmforgeError
+
+        raise LmforgeError(f"{src} has a per-token head (model.score_reads={cfg.model.score_reads}); its "
+                           "Hugging Face export is not supported yet")
     template = run_template(cfg)
     if cfg.model.quant is not None:
         say(f"note: {src} is quantized (int{cfg.model.quant.bits}); it is exported with its weights "

@@ -88,6 +88,8 @@ def _tasks_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labelled", action="store_true", help="write the shipped labelled set "
                    "instead (sentiment-like reviews {sentence, label} for objective classify; --test-out: "
                    "validation)")
+    p.add_argument("--tagged", action="store_true", help="write the shipped tagged set instead (code lines "
+                   "{tokens, tags} with BIO tags for objective tag; --test-out: validation)")
 
 
 def _tasks(args: argparse.Namespace) -> int:
@@ -110,15 +112,20 @@ def _tasks(args: argparse.Namespace) -> int:
     for path in (args.out, args.test_out):
         if path:
             check_new_file(path, args.overwrite)  # both, before any record is made or written
-    if args.labelled:
+    shipped = [k for k in ("labelled", "tagged") if getattr(args, k)]
+    if len(shipped) > 1:
+        raise LmforgeError(f"give one of --{' / --'.join(shipped)}")
+    if shipped:
         from lmforge.data.labelled_tasks import labelled_split
+        from lmforge.data.tagged_tasks import tagged_split
 
         if not args.out:
-            raise LmforgeError("--labelled writes its training records to -o/--out: give a .jsonl path")
-        train, val = labelled_split(args.n, args.n_test if args.test_out else 0, args.seed)
+            raise LmforgeError(f"--{shipped[0]} writes its training records to -o/--out: give a .jsonl path")
+        split = {"labelled": labelled_split, "tagged": tagged_split}[shipped[0]]
+        train, val = split(args.n, args.n_test if args.test_out else 0, args.seed)
         n = write_jsonl(train, args.out, overwrite=args.overwrite)
         n_val = write_jsonl(val, args.test_out, overwrite=args.overwrite) if args.test_out else 0
-        print(f"wrote {n:,} labelled records to {args.out}" + (f" and {n_val:,} validation records to "
+        print(f"wrote {n:,} {shipped[0]} records to {args.out}" + (f" and {n_val:,} validation records to "
                                                                 f"{args.test_out}" if args.test_out else ""))
         return 0
     tasks = args.tasks.split(",") if args.tasks else None

@@ -13,11 +13,13 @@ from lmforge.engine.objectives.policy_gradient import PolicyGradient
 from lmforge.engine.objectives.preference import Preference
 from lmforge.engine.objectives.reward import RewardModel
 from lmforge.engine.objectives.sft import SFT
+from lmforge.engine.objectives.token_classify import TokenClassify
 
 OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT, Preference.name: Preference,
                                           PolicyGradient.name: PolicyGradient, RewardModel.name: RewardModel,
                                           Distill.name: Distill, MaskedLM.name: MaskedLM,
-                                          GKD.name: GKD, Classify.name: Classify}
+                                          GKD.name: GKD, Classify.name: Classify,
+                                          TokenClassify.name: TokenClassify}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -27,4 +29,4 @@ def build_objective(cfg: Config) -> Objective:
 
 __all__ = ["OBJECTIVES", "SFT", "CausalLM", "Distill", "GKD", "MaskedLM", "TopK", "PolicyGradient",
            "Preference", "RewardModel", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
-           "build_objective", "Classify"]
+           "build_objective", "Classify", "TokenClassify"]
