@@ -226,10 +226,24 @@ class TokenClassifyObjective(_Method):
                            head_reads="token")
 
 
+class QAObjective(_Method):
+    name: Literal["qa"] = Field("qa", description="Extractive question answering on the SQuAD-like records "
+                                "of the qa section: a start/end head on every token of question + context.")
+    data: ClassVar[DataKind] = "spans"
+    encoder: ClassVar[bool | None] = None  # a decoder or an encoder
+    data_section: ClassVar[str] = "qa"
+    settings_section: ClassVar[str | None] = "qa"
+
+    @classmethod
+    def facts(cls, cfg: Config) -> MethodFacts:
+        return MethodFacts("qa", "spans", False, "qa", "qa", scalar_head="score", head_outputs=2,
+                           head_reads="span")
+
+
 METHOD_CONFIGS: dict[str, type[_Method]] = {
     "causal_lm": CausalLMObjective, "sft": SFTObjective, "dpo": DPOObjective, "reward": RewardObjective,
     "rl": RLObjective, "distill": DistillObjective, "mlm": MLMObjective, "gkd": GKDObjective,
-    "classify": ClassifyObjective, "tag": TokenClassifyObjective,
+    "classify": ClassifyObjective, "tag": TokenClassifyObjective, "qa": QAObjective,
 }
 
 

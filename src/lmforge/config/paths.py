@@ -82,6 +82,8 @@ PATH_KEYS: dict[str, PathKey] = {
     "classify.val_data": _FILES,
     "token_classify.data": _FILES,
     "token_classify.val_data": _FILES,
+    "qa.data": _FILES,
+    "qa.val_data": _FILES,
     "finetune.init_adapter": _FILES,
     "curate.inputs": PathKey(INPUT, names=("builtin:python",), path_prefixes=("hf:",)),
     "curate.steps.blocklist_files": _FILES,
@@ -101,6 +103,7 @@ NOT_PATHS: frozenset[str] = frozenset({
     "sft.template_kwargs", "model.hf_model_type", "optim.param_groups.match",
     "classify.text_field", "classify.text_pair_field", "classify.label_field",
     "token_classify.tokens_field", "token_classify.tags_field", "token_classify.label_names",
+    "qa.context_field", "qa.question_field", "qa.answers_field",
     "data.sources.name",
 })
 

@@ -26,6 +26,7 @@ from lmforge.config.methods import (
 )
 from lmforge.config.model import MLAConfig, ModelConfig, MoEConfig, QuantConfig, RopeScalingConfig
 from lmforge.config.optim import AdamWConfig, OptimConfig
+from lmforge.config.qa import QAConfig
 from lmforge.config.runtime import (
     EvalConfig,
     GenerateConfig,
@@ -55,7 +56,7 @@ __all__ = [
     "SFTConfig", "ScheduleConfig", "StabilityConfig", "TokenizerConfig", "TrainConfig", "WandbConfig",
     "parse_duration",
     "ClassifyConfig",  # objective classify's section (config/classify.py)
-    "TokenClassifyConfig",  # objective tag's section (config/token_classify.py)
+    "TokenClassifyConfig", "QAConfig",  # objectives tag and qa (config/token_classify.py, config/qa.py)
 ]
 
 
@@ -71,7 +72,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
     objective: ObjectiveConfig = Field(default_factory=CausalLMObjective, description="Training method: "
                                      "objective.name picks one (causal_lm, sft, dpo, reward, rl, distill, "
-                                     "mlm, gkd, classify, tag); its settings sit in its own "
+                                     "mlm, gkd, classify, tag, qa); its settings sit in its own "
                                      "section.")
     sft: SFTConfig = Field(default_factory=SFTConfig,
                            description="Supervised fine-tuning data (objective sft).")
@@ -90,6 +91,8 @@ class Config(Section):
     token_classify: TokenClassifyConfig = Field(default_factory=TokenClassifyConfig, description="Tagged "
                                                 "words and per-token head of token classification (objective "
                                                 "tag).")
+    qa: QAConfig = Field(default_factory=QAConfig, description="SQuAD-like data and span head of extractive "
+                         "question answering (objective qa).")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
                                      description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")

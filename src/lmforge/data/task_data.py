@@ -32,7 +32,7 @@ from lmforge.errors import DataError
 LABELS_FILE = "labels.json"
 FORMAT = 1
 # a method's data kind (config/methods.py) -> the module that prepares and batches it
-MODULES = {"tagged": "lmforge.data.labelled_tokens"}
+MODULES = {"tagged": "lmforge.data.labelled_tokens", "spans": "lmforge.data.squad"}
 
 
 def task_kinds() -> tuple[str, ...]:
@@ -135,6 +135,7 @@ class Built:
     counts: dict[str, dict[str, int]]
     labels: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # more of the meta (a kind's own facts)
+    files: dict[str, str] = field(default_factory=dict)  # more files of the dir: name -> text
 
 
 def prepare_dir(cfg: Any, kind: str, settings: dict, tok: Tokenizer, build: Callable[[], Built],
@@ -164,6 +165,8 @@ def prepare_dir(cfg: Any, kind: str, settings: dict, tok: Tokenizer, build: Call
             for name, arr in arrays.items():
                 np.save(tmp / f"{split}_{name}.npy", arr, allow_pickle=False)
         (tmp / LABELS_FILE).write_text(json.dumps(built.labels), encoding="utf-8")
+        for name, text in built.files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
         meta = {"kind": kind, "format": FORMAT, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                 "base_vocab": tok.vocab_size, "added_tokens": [], "labels": built.labels, "arrays": names,
                 "splits": built.counts, **built.extra, "fingerprint": fingerprint, "settings": settings}

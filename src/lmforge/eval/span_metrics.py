@@ -1,6 +1,6 @@
 """Span metrics of the understanding tasks, over a whole split: entity-level precision / recall / F1 of a
 tagger's BIO / IOB2 tags (seqeval's definitions) and exact match / F1 of an extractive reader's answers
-(the SQuAD v1.1 evaluation script's), and `lmforge tag --report`.
+(the SQuAD v1.1 evaluation script's), and `lmforge tag --report` / `lmforge qa --report`.
 
 Entities (seqeval 1.2.2's default, lenient mode, `get_entities`): the sentences are read as one sequence
 with an O between them; a tag is split into its prefix (B, I, E, S, or O) and type (what follows the
@@ -187,3 +187,77 @@ def format_tag_report(out: dict[str, Any]) -> str:
         lines.append(f"  {json.dumps(row['label'])[:20]:<20} {row['precision']:>9.4f} {row['recall']:>9.4f} "
                      f"{row['f1']:>9.4f} {row['support']:>8}")
     return "\n".join(lines)
+
+
+# -- lmforge qa --report ------------------------------------------------------------------------------
+def best_span(start: torch.Tensor, end: torch.Tensor, valid: torch.Tensor, max_tokens: int
+              ) -> tuple[float, int, int] | None:
+    """(score, first, last) of the span of context tokens (`valid`) with the highest start + end logit,
+    first <= last and at most max_tokens long (run_qa's rule); None when no token is valid."""
+    t = start.numel()
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    ok = valid[:, None] & valid[None, :] & (j >= i) & (j - i < max_tokens)
+    if not bool(ok.any()):
+        return None
+    scores = (start[:, None] + end[None, :]).masked_fill(~ok, float("-inf"))
+    k = int(scores.flatten().argmax())
+    return float(scores.flatten()[k]), k // t, k % t
+
+
+@torch.no_grad()
+def qa_predictions(run, split: str, max_batches: int | None = None) -> tuple[list[str], list[list[str]]]:
+    """(predicted answer, gold answers) of each record of `split` whose windows the evaluation reads: the
+    best valid span over all its windows ("" when none has one)."""
+    from lmforge.data import data_dir
+    from lmforge.data.squad import read_examples
+    from lmforge.engine.objectives.qa import span_logits
+
+    loader, model = run.val_loader, run.model
+    examples = read_examples(data_dir(run.cfg), split)
+    windows = loader.split
+    size = run.cfg.train.micro_batch_size
+    limit = len(windows) if max_batches is None else min(len(windows), max_batches * size)
+    max_tokens = run.cfg.qa.max_answer_tokens
+    best: dict[int, tuple[float, str]] = {}
+    model.eval()
+    for b in range(0, limit, size):
+        rows = np.arange(b, min(b + size, limit))
+        start, end = span_logits(model, loader.collate(rows).to(run.device))
+        for r, w in enumerate(rows):
+            k = int(windows.example[w])
+            cs, ce = windows.rows("char_start", int(w)), windows.rows("char_end", int(w))
+            found = best_span(start[r, : len(cs)].cpu(), end[r, : len(cs)].cpu(), torch.from_numpy(cs >= 0),
+                              max_tokens)
+            if found is None:
+                best.setdefault(k, (float("-inf"), ""))
+                continue
+            score, s, e = found
+            if k not in best or score > best[k][0]:
+                best[k] = (score, examples[k]["context"][int(cs[s]): int(ce[e])].strip())
+    seen = sorted(best)
+    return [best[k][1] for k in seen], [examples[k]["answers"] for k in seen]
+
+
+def qa_report(cfg, say=print) -> dict[str, Any]:
+    """`lmforge qa --report`: the run at run.dir evaluated on eval.split, printed and written to
+    qa_<split>_step_N.json in the run dir."""
+    from lmforge.assembly import build_run
+    from lmforge.checkpoint.runs import run_config
+    from lmforge.config.methods import method_facts
+    from lmforge.errors import ConfigError
+    from lmforge.utils.io import atomic_write_json
+
+    saved, source = run_config(cfg.run.dir, [f"eval.split={cfg.eval.split}"])
+    if method_facts(saved).data != "spans":
+        raise ConfigError(f"{cfg.run.dir} is a run of objective {saved.objective.name}, not a question "
+                          "answerer: --report evaluates the run.dir of an `lmforge qa` run")
+    run = build_run(saved, "eval", weights_from=source)
+    preds, golds = qa_predictions(run, saved.eval.split, saved.eval.max_batches)
+    out = {"step": run.step, "split": saved.eval.split, **squad_metrics(preds, golds),
+           "samples": [{"prediction": p, "answers": g} for p, g in list(zip(preds, golds))[:20]]}
+    written = Path(run.run_dir) / f"qa_{saved.eval.split}_step_{run.step:08d}.json"
+    atomic_write_json(written, out)
+    say(f"{out['split']} ({out['questions']:,} questions, step {out['step']}): exact match "
+        f"{out['exact_match']:.2f}  F1 {out['f1']:.2f}")
+    say(f"results: {written}")
+    return out

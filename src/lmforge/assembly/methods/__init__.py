@@ -9,6 +9,7 @@ from lmforge.assembly.methods.distill import DistillSetup
 from lmforge.assembly.methods.gkd import GKDSetup
 from lmforge.assembly.methods.mlm import MLMSetup
 from lmforge.assembly.methods.preference import PreferenceSetup
+from lmforge.assembly.methods.qa import QASetup
 from lmforge.assembly.methods.rl import RLSetup
 from lmforge.assembly.methods.sft import SFTSetup
 from lmforge.assembly.methods.token_classify import TokenClassifySetup
@@ -18,7 +19,7 @@ from lmforge.config.schema import Config
 
 SETUPS: tuple[MethodSetup, ...] = (CausalLMSetup(), SFTSetup(), PreferenceSetup(), RLSetup(), DistillSetup(),
                                    MLMSetup(), GKDSetup(), ClassifySetup(),
-                                   TokenClassifySetup())
+                                   TokenClassifySetup(), QASetup())
 SETUP_OF: dict[str, MethodSetup] = {name: setup for setup in SETUPS for name in setup.names}
 assert set(SETUP_OF) == set(METHOD_CONFIGS), "every method in the config union has a setup"
 

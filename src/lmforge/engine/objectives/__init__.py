@@ -11,6 +11,7 @@ from lmforge.engine.objectives.gkd import GKD
 from lmforge.engine.objectives.mlm import MaskedLM
 from lmforge.engine.objectives.policy_gradient import PolicyGradient
 from lmforge.engine.objectives.preference import Preference
+from lmforge.engine.objectives.qa import QA
 from lmforge.engine.objectives.reward import RewardModel
 from lmforge.engine.objectives.sft import SFT
 from lmforge.engine.objectives.token_classify import TokenClassify
@@ -19,7 +20,7 @@ OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT
                                           PolicyGradient.name: PolicyGradient, RewardModel.name: RewardModel,
                                           Distill.name: Distill, MaskedLM.name: MaskedLM,
                                           GKD.name: GKD, Classify.name: Classify,
-                                          TokenClassify.name: TokenClassify}
+                                          TokenClassify.name: TokenClassify, QA.name: QA}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -29,4 +30,4 @@ def build_objective(cfg: Config) -> Objective:
 
 __all__ = ["OBJECTIVES", "SFT", "CausalLM", "Distill", "GKD", "MaskedLM", "TopK", "PolicyGradient",
            "Preference", "RewardModel", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
-           "build_objective", "Classify", "TokenClassify"]
+           "build_objective", "Classify", "TokenClassify", "QA"]
