@@ -179,6 +179,9 @@ def test_encoder_reads_questions(world, tmp_path):
     saved = load_config(run / "config.yaml")
     assert (saved.model.arch, saved.model.score_reads) == ("encoder", "span")
     assert main(["qa", "--report", "--set", f"run.dir={run}"]) == 0
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 0
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["architectures"] == ["BertForQuestionAnswering"]
 
 
 Q = {"context": "import os", "question": "Which?"}

@@ -230,5 +230,10 @@ def test_integer_tags_with_label_names_and_report_refusal(world, tmp_path, capsy
                                         f"token_classify.label_names={names}", "train.max_steps=1",
                                         "checkpoint.every=0", "train.eval_every=0")]) == 0
     assert json.loads((run / "labels.json").read_text()) == TAGS
+    # the export is transformers' token classifier, its labels named by the tag map
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 0
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf["architectures"] == ["LlamaForTokenClassification"]
+    assert hf["id2label"] == {str(i): t for i, t in enumerate(TAGS)}
     assert main(["tag", "--report", "--set", f"run.dir={world.base}"]) == 2
     assert "not a tagger" in capsys.readouterr().err

@@ -19,6 +19,7 @@ preparation with its file and line: a tagger trained around dropped tags is a di
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -199,6 +200,20 @@ def prepare(cfg: Any, console=print, replace: bool = False):
     prepared = prepare_dir(cfg, KIND, settings_of(c, cfg, tok_file, KIND), tok, build, console, replace)
     console("tag map (labels.json): " + ", ".join(f"{i}={v}" for i, v in enumerate(prepared.labels[:20])))
     return prepared
+
+
+def name_hf_tags(hf_dir: Path, prepared: Path, num_labels: int) -> None:
+    """An exported tagger's config.json with its tag map's names as id2label / label2id (LABEL_i for
+    outputs the map does not name)."""
+    from lmforge.utils.io import atomic_write_json
+
+    tags = json.loads((prepared / "labels.json").read_text(encoding="utf-8"))
+    names = [str(tags[i]) if i < len(tags) else f"LABEL_{i}" for i in range(num_labels)]
+    path = hf_dir / "config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    config.update(id2label={str(i): n for i, n in enumerate(names)},
+                  label2id={n: i for i, n in enumerate(names)})
+    atomic_write_json(path, config)
 
 
 # -- batches ------------------------------------------------------------------------------------------

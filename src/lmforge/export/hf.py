@@ -47,11 +47,6 @@ def export_run(
     if is_hf_dir(Path(src)):
         return export_hf(src, out, overwrite, max_shard_size, say, weights)
     cfg, _ = run_config(src)
-    if cfg.model.score_head and cfg.model.score_reads != "sequence":
-        from lmforge.errors import LmforgeError
-
-        raise LmforgeError(f"{src} has a per-token head (model.score_reads={cfg.model.score_reads}); its "
-                           "Hugging Face export is not supported yet")
     template = run_template(cfg)
     if cfg.model.quant is not None:
         say(f"note: {src} is quantized (int{cfg.model.quant.bits}); it is exported with its weights "
@@ -72,6 +67,10 @@ def export_run(
         from lmforge.data.labelled import name_hf_labels
 
         name_hf_labels(Path(written), data_dir(cfg), cfg.model.num_labels)
+    if method_facts(cfg).data == "tagged":  # a tagger: its tag map names transformers' labels
+        from lmforge.data.labelled_tokens import name_hf_tags
+
+        name_hf_tags(Path(written), data_dir(cfg), cfg.model.num_labels)
     return written
 
 
