@@ -102,9 +102,12 @@ def test_fine_tunes_and_reports_seqeval_metrics(world, tmp_path, capsys, method)
     assert report["entity_f1"] == pytest.approx(seqeval.f1_score(t, p), abs=1e-12)
     assert report["entity_precision"] == pytest.approx(seqeval.precision_score(t, p), abs=1e-12)
     assert report["entity_recall"] == pytest.approx(seqeval.recall_score(t, p), abs=1e-12)
+    capsys.readouterr()
+    assert main(["eval", "loss", str(run)]) == 0
+    assert "accuracy" in capsys.readouterr().out
 
 
-def test_resume_is_exact(world, tmp_path):
+def test_resume_is_exact(world, tmp_path, capsys):
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     extra = ("token_classify.class_weights=balanced",)
     assert main(["tag", *cli(world, straight, *extra)]) == 0
@@ -115,6 +118,18 @@ def test_resume_is_exact(world, tmp_path):
     keys = ("step", "loss", "accuracy", "grad_norm", "val_loss", "val_accuracy")
     curve = lambda d: [{k: r[k] for k in keys if k in r} for r in read_metrics(d / "metrics.jsonl")]  # noqa: E731
     assert curve(straight) == curve(crashed)
+    assert json.loads((crashed / "labels.json").read_text()) == TAGS
+    # resumed on data that maps the tags otherwise: refused, the run left as it was
+    renamed = tmp_path / "renamed.jsonl"
+    renamed.write_text("".join(json.dumps({**r, "tags": [t.lower() for t in r["tags"]]}) + "\n"
+                               for r in _records(world.train)))
+    before = (crashed / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["tag", *cli(world, crashed, *extra, f"token_classify.data=[{renamed}]",
+                             "token_classify.val_data=[]", f"data.dir={tmp_path / 'other'}",
+                             "train.max_steps=8"), "--resume"]) == 2
+    assert "keeps its label map" in capsys.readouterr().err
+    assert (crashed / "metrics.jsonl").read_text() == before
 
 
 def test_subword_alignment_and_weighted_loss(world, tmp_path):

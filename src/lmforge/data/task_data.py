@@ -11,6 +11,7 @@ method's facts (its data kind) or by the dir's meta.
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import importlib
 import json
@@ -184,7 +185,7 @@ def prepare_dir(cfg: Any, kind: str, settings: dict, tok: Tokenizer, build: Call
     return load_task_data(out)
 
 
-class TaskLoader:
+class TaskLoader(abc.ABC):
     """Batches of one split, an example per row, in the seeded epoch order of `EpochSampler` (rank r of W
     takes every W-th example); Stateful and resumable exactly, as LabelledLoader. A kind's loader gives
     `collate`."""
@@ -230,8 +231,9 @@ class TaskLoader:
             out[r, : lengths[r]] = self.split.rows(name, int(i))
         return out
 
+    @abc.abstractmethod
     def collate(self, rows: np.ndarray):
-        raise NotImplementedError
+        """The batch of the examples `rows`."""
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()

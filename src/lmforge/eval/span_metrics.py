@@ -206,8 +206,9 @@ def best_span(start: torch.Tensor, end: torch.Tensor, valid: torch.Tensor, max_t
 
 @torch.no_grad()
 def qa_predictions(run, split: str, max_batches: int | None = None) -> tuple[list[str], list[list[str]]]:
-    """(predicted answer, gold answers) of each record of `split` whose windows the evaluation reads: the
-    best valid span over all its windows ("" when none has one)."""
+    """(predicted answer, gold answers) of each record of `split` whose windows the evaluation reads
+    (eval.max_batches batches of them; a record cut off by that limit is left out): the best valid span
+    over all its windows ("" when none has one)."""
     from lmforge.data import data_dir
     from lmforge.data.squad import read_examples
     from lmforge.engine.objectives.qa import span_logits
@@ -234,7 +235,8 @@ def qa_predictions(run, split: str, max_batches: int | None = None) -> tuple[lis
             score, s, e = found
             if k not in best or score > best[k][0]:
                 best[k] = (score, examples[k]["context"][int(cs[s]): int(ce[e])].strip())
-    seen = sorted(best)
+    cut = set(windows.example[limit:].tolist())  # records whose later windows were not read
+    seen = sorted(k for k in best if k not in cut)
     return [best[k][1] for k in seen], [examples[k]["answers"] for k in seen]
 
 
