@@ -45,7 +45,7 @@ from lmforge.models.hf import (
 )
 from lmforge.models.hf.dropout import check_dropouts
 from lmforge.models.hf.keymap import unsupported
-from lmforge.models.hf.task_heads import head_config, with_head
+from lmforge.models.hf.task_heads import head_config, head_of, with_head
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 from lmforge.utils.tensorfile import SafetensorsFile
 
@@ -255,8 +255,10 @@ def _stream_into(model: Transformer, path: str | os.PathLike,
     """Check names, then feed every HF tensor of `path`, renamed and reshaped, to place(ours, tensor,
     row), row None for a whole parameter, else the row of a stacked parameter the tensor fills."""
     cfg = model.cfg
-    model_type = read_hf_config(path).get("model_type")
-    family = with_head(_family(model_type), cfg, model_type)  # a tagger's or reader's head: its names
+    hf_cfg = read_hf_config(path)
+    model_type = hf_cfg.get("model_type")
+    # a tagger's or reader's checkpoint: its names (the head's and, for some readers, the backbone's)
+    family = with_head(_family(model_type), cfg, model_type, reads=head_of(hf_cfg))
     files = weight_files(path)
     # Parameters and persistent buffers (a router's balancing bias): everything a checkpoint holds.
     shapes = {n: tuple(p.shape) for n, p in model.state_dict(keep_vars=True).items()}

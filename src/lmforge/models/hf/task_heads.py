@@ -105,9 +105,13 @@ class _Renamed:
             yield self._theirs(name), t
 
 
-def with_head(family: ModuleType, cfg, model_type: str | None) -> ModuleType | _Renamed:
-    """`family` as it reads and writes `cfg`'s head: itself for a language model or a sequence head."""
-    reads = getattr(cfg, "score_reads", "sequence")
-    if not getattr(cfg, "score_head", False) or reads == "sequence":
+def with_head(family: ModuleType, cfg, model_type: str | None, reads: str | None = None
+              ) -> ModuleType | _Renamed:
+    """`family` as it reads and writes `cfg`'s head (or the head `reads` of the checkpoint it reads:
+    its backbone's names follow the checkpoint's class): itself for a language model or a sequence
+    head."""
+    if reads is None:
+        reads = getattr(cfg, "score_reads", "sequence") if getattr(cfg, "score_head", False) else None
+    if reads in (None, "sequence"):
         return family
     return _Renamed(family, model_type or family.model_type_for(cfg, None), reads)
