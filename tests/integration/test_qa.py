@@ -208,3 +208,39 @@ def test_bad_records_exit_2_with_file_and_line(world, tmp_path, capsys, case):
     assert not (run / "checkpoints").exists() and not (run / "data").exists()
     assert main(["qa", "--report", "--set", f"run.dir={world.base}"]) == 2
     assert "not a question answerer" in capsys.readouterr().err
+
+
+def test_parquet_records_read_as_jsonl(world, tmp_path):
+    """SQuAD on the Hub is Parquet: an answers struct of lists arrives as arrays, read like JSON lists;
+    tagged words likewise (list columns)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from lmforge.config.qa import QAConfig
+    from lmforge.config.token_classify import TokenClassifyConfig
+    from lmforge.data.chat import ChatStats, iter_records
+    from lmforge.data.labelled_tokens import parse_tagged
+    from lmforge.data.squad import parse_qa
+
+    recs = _records(world.train)[:5]
+    path = tmp_path / "qa.parquet"
+    pq.write_table(pa.Table.from_pylist(recs), path)
+    (_, rows), = iter_records(path, ChatStats())
+    parsed = [parse_qa(r, w, QAConfig()) for w, r in rows]
+    assert [(p.context, p.question, list(p.answers), list(p.starts)) for p in parsed] == [
+        (r["context"], r["question"], r["answers"]["text"], r["answers"]["answer_start"]) for r in recs]
+    tagged = [{"tokens": ["x", "=", "1"], "tags": ["B-VAR", "O", "B-NUM"]}]
+    path = tmp_path / "tags.parquet"
+    pq.write_table(pa.Table.from_pylist(tagged), path)
+    (_, rows), = iter_records(path, ChatStats())
+    (where, row), = list(rows)
+    got = parse_tagged(row, where, TokenClassifyConfig())
+    assert (list(got.words), list(got.tags)) == (tagged[0]["tokens"], tagged[0]["tags"])
+
+
+def test_tasks_writes_one_shipped_set_at_a_time(tmp_path, capsys):
+    assert main(["tasks", "--qa", "--tagged", "-o", str(tmp_path / "x.jsonl")]) == 2
+    assert "give one of --tagged / --qa" in capsys.readouterr().err
+    assert main(["tasks", "--qa"]) == 2
+    assert "--qa writes its training records to -o/--out" in capsys.readouterr().err
+    assert not (tmp_path / "x.jsonl").exists()
