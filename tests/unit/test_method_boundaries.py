@@ -26,6 +26,7 @@ OTHER_MEANINGS = {
     ("tools/estimate_measure.py", "sft"): "the measured cases: configs, as a YAML file names a method",
     ("tools/estimate_measure.py", "dpo"): "the measured cases: configs, as a YAML file names a method",
     ("tools/estimate_measure.py", "reward"): "the measured cases: configs, as a YAML file names a method",
+    ("eval/tasks/spec.py", "tag"): "a key of an lm-evaluation-harness task YAML that lmforge ignores",
 }
 
 

@@ -23,6 +23,8 @@ EXPECTED = {  # name: (data, token_loss, data_section, extra models, scalar head
     "classify": ("labelled", False, "classify", (), "score"),
     "prefix_lm": ("tokens", True, "data", (), None),
     "glm": ("tokens", False, "data", (), None),
+    "tag": ("tagged", False, "token_classify", (), "score"),
+    "qa": ("spans", False, "qa", (), "score"),
 }
 
 
@@ -85,7 +87,8 @@ def test_each_fine_tuning_method_names_its_verb():
     from lmforge.config.methods import METHOD_CONFIGS
 
     # causal_lm, mlm, prefix_lm, glm: lmforge train
-    assert sorted(METHOD_VERBS) == ["classify", "distill", "dpo", "gkd", "reward", "rl", "sft"]
+    assert sorted(METHOD_VERBS) == ["classify", "distill", "dpo", "gkd", "qa", "reward", "rl", "sft",
+                                    "tag"]
     for verb, spec in METHOD_VERBS.items():
         assert METHOD_CONFIGS[verb].model_fields["name"].default == verb and spec.help.startswith(
             ("fine-tune", "preference", "train a", "reinforcement", "knowledge"))

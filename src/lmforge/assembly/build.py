@@ -273,8 +273,8 @@ def _add_head(cfg: Config, model: nn.Module, head: str) -> Config:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.run.seed)
-        add_head(model, head, outputs=method_facts(cfg).head_outputs)
-    heads = {f"{head}_head": True, "num_labels": model.cfg.num_labels}
+        add_head(model, head, outputs=method_facts(cfg).head_outputs, reads=method_facts(cfg).head_reads)
+    heads = {f"{head}_head": True, "num_labels": model.cfg.num_labels, "score_reads": model.cfg.score_reads}
     return cfg.model_copy(update={"model": cfg.model.model_copy(update=heads)})
 
 

@@ -103,7 +103,7 @@ _FREE_KEYS = {"init_from", "dropout", "attention_dropout", "hidden_dropout", "in
 # for a chat template's new tokens, the scalar head its objective adds. A run started from that file (to
 # resume it) states them again; they are the run's, not the source's, so with `derived` they are left to
 # the caller, which checks them against what it derives (assembly/build.py).
-DERIVED_KEYS = frozenset({"vocab_size", "score_head", "value_head", "num_labels"})
+DERIVED_KEYS = frozenset({"vocab_size", "score_head", "value_head", "num_labels", "score_reads"})
 
 
 def resolve_init_from(cfg: Config, say=print, derived: bool = False) -> Config:

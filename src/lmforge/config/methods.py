@@ -29,7 +29,7 @@ from lmforge.config.section import SEED_MAX, Section
 if TYPE_CHECKING:
     from lmforge.config.schema import Config
 
-DataKind = Literal["tokens", "chat", "pairs", "unpaired", "prompts", "labelled"]
+DataKind = Literal["tokens", "chat", "pairs", "unpaired", "prompts", "labelled", "tagged", "spans"]
 ExtraModel = Literal["reference", "teacher", "reward"]
 
 # Preference losses with no reference model (the engine's preference_loss reads this set too).
@@ -50,6 +50,8 @@ class MethodFacts:
     batch_rows: int = 1  # sequences per example of a batch (a pair: 2)
     head_outputs: int = 1  # outputs of the scalar head (a classifier's: its number of labels)
     tokens: tuple[str, ...] = ()  # special tokens its data needs; `lmforge prepare` adds those missing
+    # what the score head reads: a summary of the sequence, each token (a tagger), each token's start/end
+    head_reads: Literal["sequence", "token", "span"] = "sequence"
 
     @property
     def chat(self) -> bool:
@@ -60,7 +62,8 @@ class MethodFacts:
     def unit(self) -> str:
         """What the evaluated loss is an average over."""
         return {"pairs": "pairs", "unpaired": "pairs", "prompts": "loss targets",
-                "labelled": "examples"}.get(self.data, "tokens")
+                "labelled": "examples", "tagged": "tagged tokens", "spans": "windows"}.get(self.data,
+                                                                                          "tokens")
 
     @property
     def data_keys(self) -> tuple[str, str]:
@@ -229,10 +232,42 @@ class GLMObjective(_Method):
         return MethodFacts("glm", "tokens", False, "data", "glm", tokens=GLM_TOKENS)
 
 
+class TokenClassifyObjective(_Method):
+    name: Literal["tag"] = Field(
+        "tag", description="Token classification (NER-style tagging) of the tagged words of the "
+        "token_classify section: a head of num_labels outputs on every token, the word's tag on its first "
+        "sub-word token.")
+    data: ClassVar[DataKind] = "tagged"
+    encoder: ClassVar[bool | None] = None  # a decoder or an encoder
+    data_section: ClassVar[str] = "token_classify"
+    settings_section: ClassVar[str | None] = "token_classify"
+
+    @classmethod
+    def facts(cls, cfg: Config) -> MethodFacts:
+        return MethodFacts("tag", "tagged", False, "token_classify", "token_classify",
+                           scalar_head="score", head_outputs=cfg.token_classify.num_labels,
+                           head_reads="token")
+
+
+class QAObjective(_Method):
+    name: Literal["qa"] = Field("qa", description="Extractive question answering on the SQuAD-like records "
+                                "of the qa section: a start/end head on every token of question + context.")
+    data: ClassVar[DataKind] = "spans"
+    encoder: ClassVar[bool | None] = None  # a decoder or an encoder
+    data_section: ClassVar[str] = "qa"
+    settings_section: ClassVar[str | None] = "qa"
+
+    @classmethod
+    def facts(cls, cfg: Config) -> MethodFacts:
+        return MethodFacts("qa", "spans", False, "qa", "qa", scalar_head="score", head_outputs=2,
+                           head_reads="span")
+
+
 METHOD_CONFIGS: dict[str, type[_Method]] = {
     "causal_lm": CausalLMObjective, "sft": SFTObjective, "dpo": DPOObjective, "reward": RewardObjective,
     "rl": RLObjective, "distill": DistillObjective, "mlm": MLMObjective, "gkd": GKDObjective,
     "classify": ClassifyObjective, "prefix_lm": PrefixLMObjective, "glm": GLMObjective,
+    "tag": TokenClassifyObjective, "qa": QAObjective,
 }
 
 

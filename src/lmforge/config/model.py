@@ -246,6 +246,11 @@ class ModelConfig(Section):
     num_labels: int = Field(1, ge=1, le=1000, description="Outputs of the score head (model.score_head): 1 "
                             "for a reward model or a regressor, the classes of a classifier (objective "
                             "classify sets it from classify.num_labels).")
+    score_reads: Literal["sequence", "token", "span"] = Field(
+        "sequence", description="What the score head (model.score_head) reads: sequence (a reward model's or "
+        "classifier's summary of the text: a decoder's last token, an encoder's pooled [CLS]), token (a "
+        "tagger's num_labels outputs on every token, with a bias: ...ForTokenClassification) or span (an "
+        "extractive reader's start and end logits on every token: ...ForQuestionAnswering).")
     arch: Literal["decoder", "encoder"] = Field(
         "decoder", description="decoder: causal LM (models/transformer.py); encoder: bidirectional masked LM "
         "(models/encoder.py: BERT / RoBERTa layout, post-norm blocks, an MLM head; objective mlm)."

@@ -80,6 +80,10 @@ PATH_KEYS: dict[str, PathKey] = {
     "gkd.teacher": _FILES,
     "classify.data": _FILES,
     "classify.val_data": _FILES,
+    "token_classify.data": _FILES,
+    "token_classify.val_data": _FILES,
+    "qa.data": _FILES,
+    "qa.val_data": _FILES,
     "finetune.init_adapter": _FILES,
     "curate.inputs": PathKey(INPUT, names=("builtin:python",), path_prefixes=("hf:",)),
     "curate.steps.blocklist_files": _FILES,
@@ -98,6 +102,8 @@ NOT_PATHS: frozenset[str] = frozenset({
     "logging.mlflow.run_name", "logging.wandb.project", "logging.wandb.entity", "logging.wandb.run_name",
     "sft.template_kwargs", "model.hf_model_type", "optim.param_groups.match",
     "classify.text_field", "classify.text_pair_field", "classify.label_field",
+    "token_classify.tokens_field", "token_classify.tags_field", "token_classify.label_names",
+    "qa.context_field", "qa.question_field", "qa.answers_field",
     "data.sources.name",
 })
 

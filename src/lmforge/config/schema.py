@@ -27,6 +27,7 @@ from lmforge.config.methods import (
 )
 from lmforge.config.model import MLAConfig, ModelConfig, MoEConfig, QuantConfig, RopeScalingConfig
 from lmforge.config.optim import AdamWConfig, OptimConfig
+from lmforge.config.qa import QAConfig
 from lmforge.config.runtime import (
     EvalConfig,
     GenerateConfig,
@@ -36,6 +37,7 @@ from lmforge.config.runtime import (
     WandbConfig,
 )
 from lmforge.config.section import Section
+from lmforge.config.token_classify import TokenClassifyConfig
 from lmforge.config.train import (
     UNIT_SUFFIX,
     AveragingConfig,
@@ -56,6 +58,7 @@ __all__ = [
     "parse_duration",
     "ClassifyConfig",  # objective classify's section (config/classify.py)
     "PrefixLMConfig", "GLMConfig",  # objectives prefix_lm's and glm's sections (config/infill.py)
+    "TokenClassifyConfig", "QAConfig",  # objectives tag and qa (config/token_classify.py, config/qa.py)
 ]
 
 
@@ -71,8 +74,8 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
     objective: ObjectiveConfig = Field(default_factory=CausalLMObjective, description="Training method: "
                                      "objective.name picks one (causal_lm, sft, dpo, reward, rl, distill, "
-                                     "mlm, gkd, classify, prefix_lm, glm); its settings sit in its own "
-                                     "section.")
+                                     "mlm, gkd, classify, prefix_lm, glm, tag, qa); its settings sit in its "
+                                     "own section.")
     sft: SFTConfig = Field(default_factory=SFTConfig,
                            description="Supervised fine-tuning data (objective sft).")
     preference: PreferenceConfig = Field(default_factory=PreferenceConfig,
@@ -91,6 +94,11 @@ class Config(Section):
                            "autoregressive blank infilling).")
     classify: ClassifyConfig = Field(default_factory=ClassifyConfig, description="Labelled data and head "
                                      "of sequence classification / regression (objective classify).")
+    token_classify: TokenClassifyConfig = Field(default_factory=TokenClassifyConfig, description="Tagged "
+                                                "words and per-token head of token classification (objective "
+                                                "tag).")
+    qa: QAConfig = Field(default_factory=QAConfig, description="SQuAD-like data and span head of extractive "
+                         "question answering (objective qa).")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
                                      description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")

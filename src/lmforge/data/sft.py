@@ -44,6 +44,7 @@ from lmforge.data.sft_examples import (  # noqa: F401 - Example, label_mask, fit
     message_chars,
 )
 from lmforge.data.shards import read_meta, write_meta
+from lmforge.data.task_data import task_kinds
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import DataError
 from lmforge.utils.jsontext import loads
@@ -154,6 +155,10 @@ def load_prepared_sft(dir: str | Path) -> PreparedSFT:
         from lmforge.data.labelled import load_prepared_labelled
 
         return load_prepared_labelled(dir)
+    if meta is not None and meta.get("kind") in task_kinds():  # tagged words, SQuAD-like questions
+        from lmforge.data.task_data import load_task_data
+
+        return load_task_data(dir)
     if meta is None or meta.get("kind") not in KINDS:
         raise DataError(
             f"{dir} holds no prepared SFT, preference or RL prompt data; run `lmforge sft` / `dpo` / `rl` "
@@ -229,6 +234,10 @@ def prepare_sft(cfg: Config, console: Callable[[str], object] = print, replace: 
         from lmforge.data.labelled import prepare_labelled
 
         return prepare_labelled(cfg, console, replace)
+    if method_facts(cfg).data in task_kinds():  # tagged words, SQuAD-like questions (data/task_data.py)
+        from lmforge.data.task_data import prepare_task_data
+
+        return prepare_task_data(cfg, console, replace)
     kind = kind_of(cfg)
     if not _sources(cfg)[0]:
         what = {PROMPT_KIND: "prompts", KIND: "chat data"}.get(kind, "preference pairs")

@@ -67,6 +67,10 @@ def export_run(
         from lmforge.data.labelled import name_hf_labels
 
         name_hf_labels(Path(written), data_dir(cfg), cfg.model.num_labels)
+    if method_facts(cfg).data == "tagged":  # a tagger: its tag map names transformers' labels
+        from lmforge.data.labelled_tokens import name_hf_tags
+
+        name_hf_tags(Path(written), data_dir(cfg), cfg.model.num_labels)
     return written
 
 

@@ -100,8 +100,9 @@ class Encoder(nn.Module):
             self.layers = nn.ModuleList(EncoderBlock(cfg) for _ in range(cfg.n_layers))
             if cfg.norm_placement == "pre":  # Pre-LN leaves the residual stream unnormalised
                 self.final_norm = build_norm(cfg)
-            if cfg.score_head:  # a sequence classifier (BERT's pooler and classifier) instead of the MLM head
-                self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=True)
+            if cfg.score_head:  # a classifier (BERT's pooler and classifier) instead of the MLM head
+                if cfg.score_reads == "sequence":  # a per-token head reads no pooled [CLS]
+                    self.pooler = nn.Linear(cfg.d_model, cfg.d_model, bias=True)
                 self.score = nn.Linear(cfg.d_model, cfg.num_labels, bias=True)
             else:
                 self.head = MLMHead(cfg)
@@ -177,19 +178,24 @@ class Encoder(nn.Module):
         return self.head(x, self.tok_embeddings.weight)
 
 
-def add_classifier(model: Encoder, outputs: int) -> nn.Linear:
+def add_classifier(model: Encoder, outputs: int, reads: str = "sequence") -> nn.Linear:
     """Turn a masked-LM encoder into a sequence classifier: BERT's pooler (dense + tanh on [CLS]) and a
     classifier of `outputs` with biases, initialised as BERT initialises them (N(0, init_std), biases 0),
     in place of the MLM head, which classification never reads (BertForSequenceClassification has none);
-    `model.cfg` gets score_head and num_labels so that its config rebuilds it."""
+    `model.cfg` gets score_head and num_labels so that its config rebuilds it. `reads` token or span
+    (model.score_reads): a per-token classifier without the pooler (BertForTokenClassification's,
+    BertForQuestionAnswering's)."""
     ref = model.tok_embeddings.weight
     d = model.cfg.d_model
-    model.pooler = nn.Linear(d, d, bias=True, device=ref.device, dtype=ref.dtype)
+    layers = []
+    if reads == "sequence":
+        model.pooler = nn.Linear(d, d, bias=True, device=ref.device, dtype=ref.dtype)
+        layers.append(model.pooler)
     model.score = nn.Linear(d, outputs, bias=True, device=ref.device, dtype=ref.dtype)
-    for layer in (model.pooler, model.score):
+    for layer in (*layers, model.score):
         nn.init.normal_(layer.weight, mean=0.0, std=model.cfg.init_std)
         nn.init.zeros_(layer.bias)
     if hasattr(model, "head"):
         del model.head
-    model.cfg = model.cfg.model_copy(update={"score_head": True, "num_labels": outputs})
+    model.cfg = model.cfg.model_copy(update={"score_head": True, "num_labels": outputs, "score_reads": reads})
     return model.score

@@ -159,7 +159,8 @@ class Transformer(nn.Module):
             if not cfg.tie_embeddings:
                 self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
             if cfg.score_head:
-                self.score = nn.Linear(cfg.d_model, cfg.num_labels, bias=False)
+                # a per-token head (tagger, span reader) has a bias, as transformers' do
+                self.score = nn.Linear(cfg.d_model, cfg.num_labels, bias=cfg.score_reads != "sequence")
             if cfg.value_head:
                 self.value = nn.Linear(cfg.d_model, 1, bias=False)
             if cfg.pos_embedding == "rope":
@@ -523,22 +524,25 @@ def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> T
     return model
 
 
-def add_head(model: Transformer, name: str, std: float | None = None, outputs: int = 1) -> nn.Linear:
+def add_head(model: Transformer, name: str, std: float | None = None, outputs: int = 1,
+             reads: str = "sequence") -> nn.Linear:
     """Give `model` (built without it) the scalar head `name`: "score" (a reward model's) or "value"
     (PPO's critic), N(0, std) (default model.init_std, as transformers initialises a
     sequence-classification head), on the model's device and dtype; `model.cfg.<name>_head` becomes
     True so its config rebuilds it. `outputs`: a classifier's score head has one per label (the
-    config's num_labels)."""
-    if name not in ("score", "value") or (name == "value" and outputs != 1):
+    config's num_labels); `reads` (model.score_reads): token or span heads have a bias (zero at first)."""
+    if name not in ("score", "value") or (name == "value" and (outputs != 1 or reads != "sequence")):
         raise ValueError(f"unknown head {name!r} of {outputs} outputs: score, or value of 1")
     if model.cfg.arch == "encoder" and name == "score":  # BERT's pooler + classifier
         from lmforge.models.encoder import add_classifier
 
-        return add_classifier(model, outputs)
+        return add_classifier(model, outputs, reads)
     ref = model.tok_embeddings.weight
-    head = nn.Linear(model.cfg.d_model, outputs, bias=False, device=ref.device, dtype=ref.dtype)
+    head = nn.Linear(model.cfg.d_model, outputs, bias=reads != "sequence", device=ref.device, dtype=ref.dtype)
     nn.init.normal_(head.weight, mean=0.0, std=model.cfg.init_std if std is None else std)
+    if head.bias is not None:
+        nn.init.zeros_(head.bias)
     setattr(model, name, head)
-    labels = {"num_labels": outputs} if name == "score" else {}
+    labels = {"num_labels": outputs, "score_reads": reads} if name == "score" else {}
     model.cfg = model.cfg.model_copy(update={f"{name}_head": True, **labels})
     return head

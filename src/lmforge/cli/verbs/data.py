@@ -88,6 +88,11 @@ def _tasks_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--labelled", action="store_true", help="write the shipped labelled set "
                    "instead (sentiment-like reviews {sentence, label} for objective classify; --test-out: "
                    "validation)")
+    p.add_argument("--tagged", action="store_true", help="write the shipped tagged set instead (code lines "
+                   "{tokens, tags} with BIO tags for objective tag; --test-out: validation)")
+    p.add_argument("--qa", action="store_true", dest="squad", help="write the shipped question-answering "
+                   "set instead (SQuAD-like {context, question, answers} over code snippets for objective "
+                   "qa; --test-out: validation)")
 
 
 def _tasks(args: argparse.Namespace) -> int:
@@ -110,16 +115,24 @@ def _tasks(args: argparse.Namespace) -> int:
     for path in (args.out, args.test_out):
         if path:
             check_new_file(path, args.overwrite)  # both, before any record is made or written
-    if args.labelled:
+    flags = {"labelled": "--labelled", "tagged": "--tagged", "squad": "--qa"}  # argparse dest -> flag
+    shipped = [k for k in flags if getattr(args, k)]
+    if len(shipped) > 1:
+        raise LmforgeError(f"give one of {' / '.join(flags[k] for k in shipped)}")
+    if shipped:
         from lmforge.data.labelled_tasks import labelled_split
+        from lmforge.data.qa_tasks import qa_split
+        from lmforge.data.tagged_tasks import tagged_split
 
         if not args.out:
-            raise LmforgeError("--labelled writes its training records to -o/--out: give a .jsonl path")
-        train, val = labelled_split(args.n, args.n_test if args.test_out else 0, args.seed)
+            raise LmforgeError(f"{flags[shipped[0]]} writes its training records to -o/--out: give a .jsonl "
+                               "path")
+        split = {"labelled": labelled_split, "tagged": tagged_split, "squad": qa_split}[shipped[0]]
+        train, val = split(args.n, args.n_test if args.test_out else 0, args.seed)
         n = write_jsonl(train, args.out, overwrite=args.overwrite)
         n_val = write_jsonl(val, args.test_out, overwrite=args.overwrite) if args.test_out else 0
-        print(f"wrote {n:,} labelled records to {args.out}" + (f" and {n_val:,} validation records to "
-                                                                f"{args.test_out}" if args.test_out else ""))
+        also = f" and {n_val:,} validation records to {args.test_out}" if args.test_out else ""
+        print(f"wrote {n:,} {flags[shipped[0]][2:]} records to {args.out}{also}")
         return 0
     tasks = args.tasks.split(",") if args.tasks else None
     if args.pairs and args.unpaired:

@@ -44,4 +44,16 @@ METHOD_VERBS: dict[str, MethodVerb] = {
         actions=(("--report", "evaluate the run (run.dir) on its validation split (eval.split): accuracy, "
                   "macro-F1, MCC, per-class precision / recall / F1, or Pearson / Spearman for regression",
                   "lmforge.eval.classification_metrics:report"),)),
+    "tag": MethodVerb(
+        "fine-tune a token tagger (NER-style token classification) on tagged words (objective tag: a "
+        "per-token head of token_classify.num_labels outputs), full or with adapters",
+        actions=(("--report", "evaluate the run (run.dir) on its validation split (eval.split): token "
+                  "accuracy, entity-level precision / recall / F1 (seqeval's, BIO / IOB2 tags), per entity "
+                  "type and per tag", "lmforge.eval.span_metrics:tag_report"),)),
+    "qa": MethodVerb(
+        "fine-tune an extractive question answerer on SQuAD-like records (objective qa: a start / end "
+        "span head on every token), full or with adapters",
+        actions=(("--report", "evaluate the run (run.dir) on its validation split (eval.split): exact match "
+                  "and F1 of the best valid span (the SQuAD v1.1 script's)",
+                  "lmforge.eval.span_metrics:qa_report"),)),
 }

@@ -45,6 +45,7 @@ from lmforge.models.hf import (
 )
 from lmforge.models.hf.dropout import check_dropouts
 from lmforge.models.hf.keymap import unsupported
+from lmforge.models.hf.task_heads import head_config, head_of, with_head
 from lmforge.utils.io import atomic_write_json, disk_error, fsync_dir, read_json_object
 from lmforge.utils.tensorfile import SafetensorsFile
 
@@ -130,14 +131,9 @@ def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None
 
 
 def sequence_classifier(hf_cfg: dict[str, Any]) -> dict[str, Any]:
-    """The score head of a ...ForSequenceClassification checkpoint: num_labels outputs (transformers
-    writes id2label, one entry per label; 2 when a config names neither). Its weights hold no language
-    model head, so the output projection is the tied embedding (classification never reads it)."""
-    if not any(str(a).endswith("ForSequenceClassification") for a in hf_cfg.get("architectures") or ()):
-        return {}
-    labels = hf_cfg.get("id2label")
-    n = len(labels) if isinstance(labels, dict) and labels else int(hf_cfg.get("num_labels") or 2)
-    return {"score_head": True, "num_labels": n, "tie_embeddings": True}
+    """The score head of a ...ForSequenceClassification checkpoint (or ...ForTokenClassification /
+    ...ForQuestionAnswering: task_heads.head_config)."""
+    return head_config(hf_cfg)
 
 
 def model_config_to_hf(
@@ -183,7 +179,7 @@ def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
         name = model_type or family.MODEL_TYPES[0]
         raise LmforgeError(f"this model cannot be exported as Hugging Face {name!r}: {', '.join(only)} (only "
                            "gpt_oss has them)")
-    return family
+    return with_head(family, cfg, model_type)  # a tagger's or reader's head: its names
 
 
 def _export_family_of(cfg: ModelConfig, model_type: str | None) -> ModuleType:
@@ -263,7 +259,10 @@ def _stream_into(model: Transformer, path: str | os.PathLike,
     """Check names, then feed every HF tensor of `path`, renamed and reshaped, to place(ours, tensor,
     row), row None for a whole parameter, else the row of a stacked parameter the tensor fills."""
     cfg = model.cfg
-    family = _family(read_hf_config(path).get("model_type"))
+    hf_cfg = read_hf_config(path)
+    model_type = hf_cfg.get("model_type")
+    # a tagger's or reader's checkpoint: its names (the head's and, for some readers, the backbone's)
+    family = with_head(_family(model_type), cfg, model_type, reads=head_of(hf_cfg))
     files = weight_files(path)
     # Parameters and persistent buffers (a router's balancing bias): everything a checkpoint holds.
     shapes = {n: tuple(p.shape) for n, p in model.state_dict(keep_vars=True).items()}
@@ -365,8 +364,8 @@ def from_hf(
 
 
 _NOT_ARCHITECTURE = {"preset", "n_kv_heads", "head_dim", "d_ff", "max_seq_len", "score_head", "value_head",
-                     "num_labels", "dropout", "attention_dropout", "hidden_dropout", "init_std", "init",
-                     "init_from", "quant", "moe", "rope_scaling"}
+                     "num_labels", "score_reads", "dropout", "attention_dropout", "hidden_dropout",
+                     "init_std", "init", "init_from", "quant", "moe", "rope_scaling"}
 
 
 def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:

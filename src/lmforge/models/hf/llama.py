@@ -35,7 +35,7 @@ KEYS = KeyMap(
         ("tok_embeddings.weight", "model.embed_tokens.weight"),
         ("norm.weight", "model.norm.weight"),
         ("output.weight", "lm_head.weight"),
-        ("score.weight", "score.weight"),
+        ("score.{p}", "score.{p}"),  # a tagger's and a reader's have a bias (task_heads.py)
         ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
         ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
         ("layers.{i}.attn.wq.{p}", "model.layers.{i}.self_attn.q_proj.{p}"),
