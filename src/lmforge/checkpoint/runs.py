@@ -40,9 +40,9 @@ def find_weights(path: Path) -> tuple[Path, Path]:
 
 
 def _hf_model_config(path: Path) -> ModelConfig:
-    from lmforge.models.hf import hf_to_model_config, read_hf_config
+    from lmforge.models.hf.convert import hf_dir_model_config
 
-    return hf_to_model_config(read_hf_config(path))
+    return hf_dir_model_config(path)
 
 
 def run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Path]:
