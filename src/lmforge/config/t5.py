@@ -54,3 +54,14 @@ def check_t5_fields(cfg: ModelConfig) -> None:
     if clashes:
         raise ValueError("model.arch=t5 builds T5's encoder-decoder blocks, which do not take: "
                          + "; ".join(clashes) + ". Unset them (init: T5 initialises by its own rule)")
+
+
+def refuse_t5(cfg, what: str) -> None:
+    """ConfigError before any work when `what` (a verb, or training) meets an encoder-decoder, which this
+    version imports, exports and generates with only (`lmforge import` / `export` / `generate`)."""
+    from lmforge.errors import ConfigError
+
+    if cfg.model.arch == "t5":
+        raise ConfigError(f"{what} is not available for an encoder-decoder (model.arch=t5) yet: T5 models "
+                          "can be imported (`lmforge import`), exported (`lmforge export`) and generate "
+                          "from an input text (`lmforge generate --prompt ...`)")

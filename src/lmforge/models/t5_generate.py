@@ -60,6 +60,38 @@ def generate(
         model.train(was_training)
 
 
+def check_text_options(*, chat: bool, draft, quantized: bool) -> None:
+    """Refuse the generation options of the decoder-only path that an encoder-decoder does not have yet."""
+    options = (("--chat", chat), ("--draft", draft is not None), ("--quantized", quantized))
+    asked = [name for name, on in options if on]
+    if asked:
+        raise LmforgeError(f"{', '.join(asked)}: not available for an encoder-decoder (model.arch=t5), which "
+                           "generates from its input text with --prompt alone (chat templates, speculative "
+                           "decoding and quantized serving are for decoder models)")
+
+
+def text_to_text(model, tokenizer, prompt: str, *, max_new_tokens: int, temperature: float,
+                  top_k: int | None, top_p: float | None, num_samples: int, seed: int,
+                  device: torch.device | str) -> list[str]:
+    """`lmforge generate` on an encoder-decoder: the prompt is the encoder's input (its tokens then EOS,
+    as T5's tokenizer encodes), each sample the decoder's output text without the stop token. Samples run
+    as one batch from one generator seeded with `seed`."""
+    if not prompt:
+        raise LmforgeError("an encoder-decoder (model.arch=t5) generates from an input text: set "
+                           "generate.prompt (--prompt)")
+    eos = tokenizer.eos_id
+    ids = tokenizer.encode(prompt) + [eos]
+    if len(ids) > model.cfg.max_seq_len:
+        raise LmforgeError(f"the prompt of {len(ids)} tokens exceeds the encoder's model.max_seq_len="
+                           f"{model.cfg.max_seq_len}; shorten it")
+    steps = min(max_new_tokens, model.cfg.max_seq_len)
+    rows = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    outs = generate(model, rows, max_new_tokens=steps, stops={eos}, temperature=temperature, top_k=top_k,
+                    top_p=top_p, generator=gen)
+    return [tokenizer.decode([t for t in out if t != eos]) for out in outs]
+
+
 def pad_inputs(rows: Sequence[Sequence[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) (B, max len) of right-padded token rows: T5 has relative positions
     only, so the side of the padding changes nothing once masked."""
