@@ -1,7 +1,8 @@
 """A T5 model through the CLI: `lmforge import` of a T5ForConditionalGeneration dir (with a T5-style
 SentencePiece/Unigram tokenizer built offline), `lmforge generate --prompt` (input text -> output text,
 greedy equal to transformers' generate), `lmforge export` back (transformers loads it, same logits), and
-what a T5 run cannot do yet refused with exit 2 and one line, no traceback."""
+what a T5 run cannot do yet refused with exit 2 and one line, no traceback. An imported T5 run's
+objective is span corruption (what it pretrained with)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ def imported(tmp_path_factory) -> tuple[Path, Path, object]:
     hf.save_pretrained(root / "hf")
     t5_tokenizer().save(str(root / "hf" / "tokenizer.json"))
     assert main(["import", str(root / "hf"), str(root / "run")]) == 0
+    assert "name: span_corruption" in (root / "run" / "config.yaml").read_text()
     return root, root / "run", hf
 
 
@@ -78,14 +80,17 @@ def test_export_loads_in_transformers(imported, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["eval", "loss", "{run}"], "`lmforge eval` is not available for an encoder-decoder (model.arch=t5) yet"),
+    (["eval", "data", "{run}", "--data", "{tmp}/x.txt"], "this command (it runs decoder models) is not "
+     "available for an encoder-decoder (model.arch=t5) yet"),
     (["generate", "{run}", "--prompt", "x", "--chat"], "--chat: not available for an encoder-decoder"),
-    (["train", "-c", "{run}/config.yaml", "--set", "run.dir={tmp}/r2"], "training is not available"),
+    (["train", "-c", "{run}/config.yaml", "--set", "run.dir={tmp}/r2", "--set", "parallel.pp=2"],
+     "parallel.pp=2 is not available"),
     (["generate", "{run}"], "set generate.prompt"),
 ])
 def test_what_t5_cannot_do_yet_exits_2(imported, tmp_path, capsys, args, message):
     _, run, _ = imported
     args = [a.format(run=run, tmp=tmp_path) for a in args]
+    (tmp_path / "x.txt").write_text("some text to score\n")
     capsys.readouterr()
     assert main(args) == 2
     err = capsys.readouterr().err

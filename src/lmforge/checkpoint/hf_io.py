@@ -90,8 +90,10 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False, 
         cfg = Config.model_validate({
             "run": {"name": hf_dir.name, "dir": str(out)},
             "model": model_cfg.model_dump(),
-            # an encoder (BERT / RoBERTa) is evaluated as what it was trained for: masked LM
-            **({"objective": {"name": default_method("encoder")}} if model_cfg.arch == "encoder" else {}),
+            # an encoder (BERT / RoBERTa) or T5 is evaluated as what it was trained for: masked LM, span
+            # corruption
+            **({"objective": {"name": default_method(model_cfg.arch)}}
+               if model_cfg.arch != "decoder" else {}),
             "data": {"tokenizer": {"path": str(out / "tokenizer.json")}} if has_tokenizer else {},
         })
         CheckpointManager(tmp, keep_last=1).save(0, model, None, {})

@@ -22,6 +22,7 @@ from lmforge.config.methods import (
     PreferenceConfig,
     RLConfig,
     SFTConfig,
+    SpanCorruptionConfig,
     check_arch,
 )
 from lmforge.config.model import MLAConfig, ModelConfig, MoEConfig, QuantConfig, RopeScalingConfig
@@ -80,6 +81,8 @@ class Config(Section):
                                    description="Teacher and losses of knowledge distillation (objective "
                                    "distill).")
     mlm: MLMConfig = Field(default_factory=MLMConfig, description="Masking of objective mlm.")
+    span_corruption: SpanCorruptionConfig = Field(default_factory=SpanCorruptionConfig, description="Spans "
+                                                  "of objective span_corruption (T5 pretraining).")
     gkd: GKDConfig = Field(default_factory=GKDConfig, description="Teacher, divergence and on-policy "
                            "sampling of generalized knowledge distillation (objective gkd).")
     classify: ClassifyConfig = Field(default_factory=ClassifyConfig, description="Labelled data and head "

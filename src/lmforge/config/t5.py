@@ -56,12 +56,35 @@ def check_t5_fields(cfg: ModelConfig) -> None:
                          + "; ".join(clashes) + ". Unset them (init: T5 initialises by its own rule)")
 
 
+
 def refuse_t5(cfg, what: str) -> None:
-    """ConfigError before any work when `what` (a verb, or training) meets an encoder-decoder, which this
-    version imports, exports and generates with only (`lmforge import` / `export` / `generate`)."""
+    """ConfigError before any work when `what` (a verb) meets an encoder-decoder, which this version
+    imports, exports, pretrains and generates with only."""
     from lmforge.errors import ConfigError
 
     if cfg.model.arch == "t5":
         raise ConfigError(f"{what} is not available for an encoder-decoder (model.arch=t5) yet: T5 models "
-                          "can be imported (`lmforge import`), exported (`lmforge export`) and generate "
-                          "from an input text (`lmforge generate --prompt ...`)")
+                          "can be imported (`lmforge import`), exported (`lmforge export`), pretrained with "
+                          "objective span_corruption (`lmforge train`) and generate from an input text "
+                          "(`lmforge generate --prompt ...`)")
+
+
+def check_t5_training(cfg, world_size: int) -> None:
+    """ConfigError for what T5 training cannot do yet: parallelism past data-parallel replication (the
+    pipeline and tensor-parallel plans and FSDP's per-block wrapping know the decoder's blocks only) and
+    fine-tuning methods other than full."""
+    from lmforge.errors import ConfigError
+
+    if cfg.model.arch != "t5":
+        return
+    p = cfg.parallel
+    # dp_shard -1 takes the processes the other degrees leave: FSDP unless that is one
+    shard = p.dp_shard if p.dp_shard != -1 else world_size // max(p.dp_replicate * p.tp * p.pp, 1)
+    degrees = (("pp", p.pp), ("tp", p.tp), ("ep", p.ep), ("dp_shard", shard))
+    bad = [f"parallel.{k}={v}" for k, v in degrees if v > 1]
+    if cfg.finetune.method != "full":
+        bad.append(f"finetune.method={cfg.finetune.method}")
+    if bad:
+        raise ConfigError(f"an encoder-decoder (model.arch=t5) trains in one process or with data-parallel "
+                          f"replication (DDP: parallel.dp_replicate) and full fine-tuning only so far: "
+                          f"{', '.join(bad)} is not available; set it to 1 (full)")

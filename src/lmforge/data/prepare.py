@@ -24,6 +24,7 @@ import numpy as np
 from lmforge._version import __version__
 from lmforge.config.schema import Config, DataConfig
 from lmforge.data.encode_pool import ChunkEncoder, resolve_workers
+from lmforge.data.seq2seq import add_sentinels
 from lmforge.data.shards import ShardWriter, dtype_for_vocab, read_meta, write_meta
 from lmforge.data.sources import (
     BUILTIN_PYTHON,
@@ -182,6 +183,8 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
         # Appended after the BPE's ids, which stay as they are: the shards equal a decoder's.
         tok.add_special_tokens(ENCODER_TOKEN_SETS[0])
         how += f", {' '.join(ENCODER_TOKEN_SETS[0])} added"
+    if cfg.model.arch == "t5":  # T5's sentinels, after every other id (span corruption's <extra_id_k>)
+        how += add_sentinels(tok)
     tok.save(dir / TOKENIZER_FILE)
 
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -359,6 +362,7 @@ def _settings(cfg: Config) -> dict:
         # only when set: data prepared before the key existed keeps its fingerprint
         **({"val_sources": [_source_identity(s) for s in d.val_sources]} if d.val_sources else {}),
         **({"encoder_tokens": True} if cfg.model.arch == "encoder" else {}),
+        **({"t5_sentinels": True} if cfg.model.arch == "t5" else {}),
         # a mixture's shards are per source; its weights are read at load time and change nothing here
         **({"mixture": [name for name, _ in d.mixture]} if d.mixture else {}),
     }

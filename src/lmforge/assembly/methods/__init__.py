@@ -11,12 +11,13 @@ from lmforge.assembly.methods.mlm import MLMSetup
 from lmforge.assembly.methods.preference import PreferenceSetup
 from lmforge.assembly.methods.rl import RLSetup
 from lmforge.assembly.methods.sft import SFTSetup
+from lmforge.assembly.methods.span_corruption import SpanCorruptionSetup
 from lmforge.assembly.methods.tokens import CausalLMSetup
 from lmforge.config.methods import METHOD_CONFIGS
 from lmforge.config.schema import Config
 
 SETUPS: tuple[MethodSetup, ...] = (CausalLMSetup(), SFTSetup(), PreferenceSetup(), RLSetup(), DistillSetup(),
-                                   MLMSetup(), GKDSetup(), ClassifySetup())
+                                   MLMSetup(), GKDSetup(), ClassifySetup(), SpanCorruptionSetup())
 SETUP_OF: dict[str, MethodSetup] = {name: setup for setup in SETUPS for name in setup.names}
 assert set(SETUP_OF) == set(METHOD_CONFIGS), "every method in the config union has a setup"
 

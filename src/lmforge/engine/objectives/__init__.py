@@ -13,11 +13,13 @@ from lmforge.engine.objectives.policy_gradient import PolicyGradient
 from lmforge.engine.objectives.preference import Preference
 from lmforge.engine.objectives.reward import RewardModel
 from lmforge.engine.objectives.sft import SFT
+from lmforge.engine.objectives.span_corruption import SpanCorruption
 
 OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT, Preference.name: Preference,
                                           PolicyGradient.name: PolicyGradient, RewardModel.name: RewardModel,
                                           Distill.name: Distill, MaskedLM.name: MaskedLM,
-                                          GKD.name: GKD, Classify.name: Classify}
+                                          GKD.name: GKD, Classify.name: Classify,
+                                          SpanCorruption.name: SpanCorruption}
 
 
 def build_objective(cfg: Config) -> Objective:
