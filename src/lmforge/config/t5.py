@@ -84,7 +84,12 @@ def check_t5_training(cfg, world_size: int) -> None:
     bad = [f"parallel.{k}={v}" for k, v in degrees if v > 1]
     if cfg.finetune.method != "full":
         bad.append(f"finetune.method={cfg.finetune.method}")
+    if cfg.train.activation_checkpointing != "none":  # it wraps the decoder's blocks (model.layers)
+        bad.append(f"train.activation_checkpointing={cfg.train.activation_checkpointing}")
+    if cfg.train.compile and world_size > 1:  # several processes compile the decoder's blocks one by one
+        bad.append("train.compile=true with several processes")
     if bad:
         raise ConfigError(f"an encoder-decoder (model.arch=t5) trains in one process or with data-parallel "
                           f"replication (DDP: parallel.dp_replicate) and full fine-tuning only so far: "
-                          f"{', '.join(bad)} is not available; set it to 1 (full)")
+                          f"{', '.join(bad)} is not available; set parallel degrees to 1, finetune.method="
+                          "full, train.activation_checkpointing=none, train.compile=false")
