@@ -66,6 +66,10 @@ def test_generate_is_transformers_greedy(imported, capsys):
         want = hf.generate(input_ids=torch.tensor([ids]), max_new_tokens=10, do_sample=False, num_beams=1)
     new = [t for t in want[0, 1:].tolist() if t not in (0, 1)]
     assert new and out == tok.decode(new).strip()
+    # the Hugging Face dir itself, without an import
+    assert main(["generate", str(root / "hf"), "--prompt", prompt, "--set", "generate.temperature=0",
+                 "--set", "generate.max_new_tokens=10"]) == 0
+    assert capsys.readouterr().out.strip() == out
 
 
 def test_export_loads_in_transformers(imported, tmp_path, capsys):
