@@ -93,6 +93,7 @@ def test_batches_are_a_function_of_each_windows_tokens():
     a = obj.batch_of(TokenBatch(rows, rows))
     b = obj.batch_of(TokenBatch(rows[[2, 0]], rows[[2, 0]]))  # other batch, other positions
     assert a.input_ids.shape == (3, 58) and a.targets.shape == (3, 14) and obj.lengths(64) == (58, 14)
+    assert a.num_tokens == 3 * 64 and a.target_count() == 3 * 14  # throughput counts the stream's tokens
     assert torch.equal(a.input_ids[[2, 0]], b.input_ids) and torch.equal(a.targets[[2, 0]], b.targets)
     other = SpanCorruption(seed=8).bind(_Tok()).batch_of(TokenBatch(rows, rows))
     assert not torch.equal(other.input_ids, a.input_ids)  # the seed matters

@@ -49,6 +49,9 @@ class Seq2SeqBatch:
     targets: torch.Tensor
     attention_mask: torch.Tensor | None = None
     n_targets: int | None = field(default=None, compare=False)
+    # the pretraining stream's tokens the rows were made from (span corruption), which throughput and
+    # token budgets count as for every pretraining objective; None: the rows' own tokens
+    source_tokens: int | None = field(default=None, compare=False)
 
     def target_count(self) -> int:
         if self.n_targets is not None:
@@ -60,7 +63,8 @@ class Seq2SeqBatch:
         mask = self.attention_mask
         mask = None if mask is None else mask.to(device, non_blocking=non_blocking)
         return Seq2SeqBatch(self.input_ids.to(device, non_blocking=non_blocking),
-                            self.targets.to(device, non_blocking=non_blocking), mask, count)
+                            self.targets.to(device, non_blocking=non_blocking), mask, count,
+                            self.source_tokens)
 
     @property
     def device(self) -> torch.device:
@@ -68,7 +72,10 @@ class Seq2SeqBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the model reads (encoder inputs and decoder inputs): what throughput counts."""
+        """What throughput counts: the stream tokens the rows were made from, else the tokens the model
+        reads (encoder inputs that are not padding, and decoder inputs)."""
+        if self.source_tokens is not None:
+            return self.source_tokens
         enc = self.input_ids.numel() if self.attention_mask is None else int(self.attention_mask.sum())
         return enc + int(self.targets.numel())
 

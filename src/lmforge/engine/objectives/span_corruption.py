@@ -154,7 +154,8 @@ class SpanCorruption(Objective):
             targets.append(y)
         x = torch.tensor(inputs, dtype=torch.long)
         y = torch.tensor(targets, dtype=torch.long)
-        return Seq2SeqBatch(x.to(ids.device), y.to(ids.device), n_targets=y.numel())
+        return Seq2SeqBatch(x.to(ids.device), y.to(ids.device), n_targets=y.numel(),
+                            source_tokens=ids.numel())
 
     def num_targets(self, batch: Seq2SeqBatch) -> int:
         return batch.target_count()
