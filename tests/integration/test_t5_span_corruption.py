@@ -99,3 +99,10 @@ def test_what_t5_training_refuses(tmp_path, data_dir, extra, message):
     with pytest.raises((ConfigError, ValueError), match=message):
         train(load_config(T5_TINY, overrides(run, data_dir, *extra)))
     assert not (run / "checkpoints").exists()
+
+
+def test_estimate_refuses_t5(tmp_path, data_dir):
+    from lmforge.tools.estimate import estimate
+
+    with pytest.raises(ConfigError, match=r"model.arch=t5 \(encoder-decoder\) is not modelled yet"):
+        estimate(load_config(T5_TINY, overrides(tmp_path / "run", data_dir)))
