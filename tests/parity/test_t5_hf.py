@@ -187,5 +187,7 @@ def test_t5_config_refuses_what_its_blocks_lack():
         ModelConfig(n_decoder_layers=3)
     with pytest.raises(ValueError, match="mlp=relu"):
         ModelConfig(mlp="relu")
+    with pytest.raises(ValueError, match=r"quant=\(set\)"):  # what `lmforge quantize` of a T5 run meets
+        ModelConfig(arch="t5", quant={"bits": 8})
     cfg = ModelConfig(arch="t5")
     assert (cfg.pos_embedding, cfg.mlp) == ("relative", "relu")

@@ -40,7 +40,8 @@ def check_t5_fields(cfg: ModelConfig) -> None:
             raise ValueError(f"model.arch={cfg.arch} does not take {', '.join(set_keys)}: they belong to the "
                              "encoder-decoder (model.arch=t5); unset them or set arch=t5")
         return
-    clashes = [f"{k}={getattr(cfg, k)!r}" for k in _NOT_T5 if getattr(cfg, k) != _default(cfg, k)]
+    clashes = [f"{k}=" + ("(set)" if hasattr(getattr(cfg, k), "model_fields") else repr(getattr(cfg, k)))
+               for k in _NOT_T5 if getattr(cfg, k) != _default(cfg, k)]  # a section as "(set)", not its repr
     if cfg.pos_embedding != "relative":
         clashes.append(f"pos_embedding={cfg.pos_embedding} (T5 has relative position buckets: relative)")
     if cfg.mlp not in ("relu", "geglu"):
