@@ -25,6 +25,7 @@ EXPECTED = {  # name: (data, token_loss, data_section, extra models, scalar head
     "glm": ("tokens", False, "data", (), None),
     "tag": ("tagged", False, "token_classify", (), "score"),
     "qa": ("spans", False, "qa", (), "score"),
+    "span_corruption": ("tokens", True, "data", (), None),
 }
 
 
@@ -32,7 +33,8 @@ ENCODER = {"arch": "encoder", "pos_embedding": "learned", "tie_embeddings": True
 
 
 def _cfg(name: str, **kw) -> Config:
-    return Config(objective={"name": name}, model=ENCODER if name == "mlm" else {}, **kw)
+    model = ENCODER if name == "mlm" else {"arch": "t5"} if name == "span_corruption" else {}
+    return Config(objective={"name": name}, model=model, **kw)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -1,110 +1,126 @@
-"""T5's span corruption (data/span_corruption.py) against the definition in t5.data.preprocessors:
-the noise count and span count it computes, the kept-first alternation, uniform segmentation, the
-sentinel layout of inputs and targets on a hand-worked window, and T5's input/target length helper."""
+"""T5's span corruption (engine/objectives/span_corruption.py) against the definition of T5's
+preprocessors.random_spans_noise_mask (written out below in numpy, as t5.data.preprocessors has it in
+TensorFlow), on fixed examples: counts and rounding, the alternating layout, the sentinel layout of inputs
+and targets, and masks that are a function of the window's contents only."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import numpy as np
 import pytest
+import torch
 
-from lmforge.data.span_corruption import (
+from lmforge.data.batch import TokenBatch
+from lmforge.engine.objectives.span_corruption import (
+    SpanCorruption,
     corrupt,
-    input_and_target_lengths,
     random_spans_noise_mask,
-    span_corrupt,
+    span_counts,
 )
 from lmforge.errors import ConfigError
 
 
-def _spans(mask: np.ndarray) -> list[tuple[bool, int]]:
-    out: list[tuple[bool, int]] = []
-    for v in mask:
-        if out and out[-1][0] == bool(v):
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((bool(v), 1))
-    return out
+def t5_reference(length: int, noise_density: float, mean_noise_span_length: float, shuffle) -> np.ndarray:
+    """t5.data.preprocessors.random_spans_noise_mask, line for line; `shuffle(a)` is its seeded shuffle."""
+    num_noise_tokens = int(np.round(length * noise_density))
+    num_noise_tokens = min(max(num_noise_tokens, 1), length - 1)
+    num_noise_spans = int(np.round(num_noise_tokens / mean_noise_span_length))
+    num_noise_spans = max(num_noise_spans, 1)
+    num_nonnoise_tokens = length - num_noise_tokens
+
+    def _random_segmentation(num_items, num_segments):
+        first_in_segment = np.pad(shuffle(np.arange(num_items - 1) < num_segments - 1), [[1, 0]])
+        segment_id = np.cumsum(first_in_segment)
+        return np.bincount(segment_id, minlength=num_segments)
+
+    noise_span_lengths = _random_segmentation(num_noise_tokens, num_noise_spans)
+    nonnoise_span_lengths = _random_segmentation(num_nonnoise_tokens, num_noise_spans)
+    interleaved = np.reshape(np.stack([nonnoise_span_lengths, noise_span_lengths], axis=1), [-1])
+    span_starts = np.cumsum(interleaved)[:-1]
+    span_start_indicator = np.zeros(length, dtype=bool)
+    span_start_indicator[span_starts] = True
+    span_num = np.cumsum(span_start_indicator)
+    return np.equal(span_num % 2, 1)
 
 
-@pytest.mark.parametrize("length,density,mean", [(100, 0.15, 3.0), (512, 0.15, 3.0), (37, 0.5, 2.0),
-                                                 (10, 0.15, 3.0), (2, 0.15, 3.0)])
-def test_counts_and_alternation_are_t5s(length, density, mean):
-    rng = np.random.default_rng(0)
-    for _ in range(20):
-        mask = random_spans_noise_mask(length, density, mean, rng)
-        noise = min(max(round(length * density), 1), length - 1)
-        spans = max(round(noise / mean), 1)
-        assert mask.shape == (length,) and mask.sum() == noise
-        runs = _spans(mask)
-        assert runs[0][0] is False  # a kept span first
-        assert [v for v, _ in runs] == [i % 2 == 1 for i in range(len(runs))]
-        assert sum(v for v, _ in runs) == spans and len(runs) == 2 * spans
+@pytest.mark.parametrize(("length", "counts"), [(64, (10, 3)), (128, (19, 6)), (512, (77, 26)),
+                                                 (10, (2, 1)), (2, (1, 1))])
+def test_counts_round_as_t5(length, counts):
+    # 64 * 0.15 = 9.6 -> 10 noise in round(3.33) = 3 spans; 10 * 0.15 = 1.5 -> 2 (half to even); 2: at
+    # least one token of each kind
+    assert span_counts(length, 0.15, 3.0) == counts
 
 
-def test_segmentation_is_uniform_over_compositions():
-    """6 noise tokens in 2 spans: the 5 splits (1+5 ... 5+1) are equally likely."""
-    rng = np.random.default_rng(1)
-    seen = Counter()
-    n = 5000
-    for _ in range(n):
-        runs = _spans(random_spans_noise_mask(20, 0.3, 3.0, rng))
-        seen[tuple(k for v, k in runs if v)] += 1
-    assert sorted(seen) == [(1, 5), (2, 4), (3, 3), (4, 2), (5, 1)]
-    chi2 = sum((c - n / 5) ** 2 / (n / 5) for c in seen.values())
-    assert chi2 < 18.5  # chi-square, 4 degrees of freedom: p = 0.001
+@pytest.mark.parametrize("length", [16, 64, 128, 200])
+def test_mask_equals_t5_definition(length):
+    seed = 1234 + length
+    g = torch.Generator().manual_seed(seed)
+    ours = random_spans_noise_mask(length, 0.15, 3.0, g)
+    ref_g = torch.Generator().manual_seed(seed)  # the same permutations, drawn in the same order
+
+    def shuffle(a):
+        return a[torch.randperm(len(a), generator=ref_g).numpy()]
+
+    ref = t5_reference(length, 0.15, 3.0, shuffle)
+    np.testing.assert_array_equal(ours, ref)
+    noise, spans = span_counts(length, 0.15, 3.0)
+    starts = ours & ~np.concatenate([[False], ours[:-1]])
+    assert ours.sum() == noise and starts.sum() == spans
+    assert not ours[0] and ours[-1]  # non-noise first, a noise span last: T5's alternation
 
 
-def test_hand_worked_window():
-    tokens = np.arange(10, 20)
-    noise = np.array([0, 0, 1, 1, 0, 0, 0, 1, 0, 0], dtype=bool)
-    sentinels = np.array([99, 98, 97, 96])  # <extra_id_0>, <extra_id_1>, ... (T5: down from the end)
-    inputs, targets = corrupt(tokens, noise, sentinels, eos=1)
-    assert inputs.tolist() == [10, 11, 99, 14, 15, 16, 98, 18, 19, 1]
-    assert targets.tolist() == [99, 12, 13, 98, 17, 97, 1]
+def test_sentinel_layout_on_a_fixed_example():
+    row = np.arange(10, 22)  # 12 tokens
+    noise = np.zeros(12, dtype=bool)
+    noise[[2, 3, 7, 10, 11]] = True  # spans (12 13) (17) (20 21)
+    s0, s1, s2, eos = 99, 98, 97, 1
+    inputs, targets = corrupt(row, noise, [s0, s1, s2], eos)
+    assert inputs == [10, 11, s0, 14, 15, 16, s1, 18, 19, s2, eos]
+    assert targets == [s0, 12, 13, s1, 17, s2, 20, 21, eos]
 
 
-def test_inputs_and_targets_rebuild_the_window():
-    rng = np.random.default_rng(2)
-    sentinels = np.arange(1000, 1100)
-    for _ in range(50):
-        tokens = rng.integers(2, 500, size=int(rng.integers(5, 300)))
-        inputs, targets = span_corrupt(tokens, sentinels, eos=1, seed=7)
-        pieces_in = np.split(inputs[:-1], np.flatnonzero(inputs[:-1] >= 1000))
-        pieces_out = np.split(targets[:-1], np.flatnonzero(targets[:-1] >= 1000))
-        rebuilt = [pieces_in[0]]  # kept span 0, then noise span k (after sentinel k), kept span k+1, ...
-        noise_spans = {int(p[0]): p[1:] for p in pieces_out[1:]}
-        for p in pieces_in[1:]:
-            rebuilt += [noise_spans[int(p[0])], p[1:]]
-        assert np.concatenate(rebuilt).tolist() == tokens.tolist()
+class _Tok:
+    eos_id = 1
+
+    def token_id(self, name):
+        k = int(name.removeprefix("<extra_id_").removesuffix(">"))
+        return 200 - k if k < 100 else None
 
 
-def test_the_mask_is_a_function_of_seed_and_content():
-    tokens = np.arange(2, 200)
-    sent = np.arange(1000, 1100)
-    a, b = span_corrupt(tokens, sent, 1, seed=3), span_corrupt(tokens.copy(), sent, 1, seed=3)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert not np.array_equal(a[0], span_corrupt(tokens, sent, 1, seed=4)[0])
-    other = tokens.copy()
-    other[0] += 1
-    assert not np.array_equal(a[0][1:], span_corrupt(other, sent, 1, seed=3)[0][1:])
+def test_batches_are_a_function_of_each_windows_tokens():
+    obj = SpanCorruption(seed=7).bind(_Tok())
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(2, 100, (3, 64), generator=g)
+    a = obj.batch_of(TokenBatch(rows, rows))
+    b = obj.batch_of(TokenBatch(rows[[2, 0]], rows[[2, 0]]))  # other batch, other positions
+    assert a.input_ids.shape == (3, 58) and a.targets.shape == (3, 14) and obj.lengths(64) == (58, 14)
+    assert a.num_tokens == 3 * 64 and a.target_count() == 3 * 14  # throughput counts the stream's tokens
+    assert torch.equal(a.input_ids[[2, 0]], b.input_ids) and torch.equal(a.targets[[2, 0]], b.targets)
+    other = SpanCorruption(seed=8).bind(_Tok()).batch_of(TokenBatch(rows, rows))
+    assert not torch.equal(other.input_ids, a.input_ids)  # the seed matters
+    for r in range(3):  # inputs and targets put back together give the window
+        x, y = a.input_ids[r].tolist()[:-1], a.targets[r].tolist()[:-1]
+        spans, cur = {}, None
+        for t in y:
+            if t > 100:
+                cur = t
+                spans[cur] = []
+            else:
+                spans[cur].append(t)
+        rebuilt = [t for s in x for t in (spans[s] if s > 100 else [s])]
+        assert rebuilt == rows[r].tolist()
 
 
-def test_too_few_sentinels_is_a_clear_error():
-    with pytest.raises(ConfigError, match="sentinel tokens"):
-        span_corrupt(np.arange(2, 300), np.arange(1000, 1003), 1, seed=0)
+def test_too_few_sentinels_and_unbound_tokenizer_are_refused():
+    class Few(_Tok):
+        def token_id(self, name):
+            return 200 if name == "<extra_id_0>" else None
 
+    class NoSentinels(_Tok):
+        def token_id(self, name):
+            return None
 
-@pytest.mark.parametrize("inputs_length,want", [(512, (568, 114)), (128, (141, 29))])
-def test_lengths_helper_is_t5s(inputs_length, want):
-    """T5's random_spans_helper at density 0.15, mean span 3 (568 -> 512 is the number its docs and
-    HF's run_t5_mlm_flax quote for inputs of 512)."""
-    raw, targets = input_and_target_lengths(inputs_length)
-    assert (raw, targets) == want
-
-    def inputs_of(n: int) -> int:
-        noise = round(n * 0.15)
-        return n - noise + round(noise / 3) + 1
-
-    assert inputs_of(raw) <= inputs_length < inputs_of(raw + 1)  # the longest window that fits
+    rows = torch.randint(2, 100, (1, 64))
+    with pytest.raises(ConfigError, match="3 spans but the tokenizer has 1 sentinels"):
+        SpanCorruption().bind(Few()).batch_of(TokenBatch(rows, rows))
+    with pytest.raises(ConfigError, match="needs T5's sentinels"):
+        SpanCorruption().bind(NoSentinels())

@@ -43,6 +43,7 @@ from lmforge.checkpoint.runs import (
 from lmforge.config.methods import method_facts
 from lmforge.config.paths import input_paths
 from lmforge.config.schema import Config
+from lmforge.config.t5 import check_t5_training
 from lmforge.data import PreparedData, Tokenizer, TokenLoader, data_dir, prepare
 from lmforge.data.length import with_length
 from lmforge.data.memory import token_stream
@@ -139,6 +140,8 @@ def build_run(
     if threads:
         torch.set_num_threads(threads)
     device = resolve_device(cfg.train.device, world)
+    if purpose in ("train", "experiment"):  # what an encoder-decoder cannot do yet (config/t5.py)
+        check_t5_training(cfg, world.world_size)
     if purpose in ("eval", "generate"):
         if weights_from is None:
             raise ValueError(

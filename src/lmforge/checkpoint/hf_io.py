@@ -66,13 +66,14 @@ def write_output_dir(out: Path, overwrite: bool, inputs: list[Path], write: Call
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False, say=print) -> Path:
     """Convert a Hugging Face model dir into an lmforge run at step 0. Returns `out_dir`."""
-    from lmforge.models.hf import from_hf, hf_to_model_config, read_hf_config
+    from lmforge.models.hf import from_hf, read_hf_config
+    from lmforge.models.hf.convert import hf_dir_model_config
 
     hf_dir, out = Path(hf_dir), Path(out_dir)
     if not is_hf_dir(hf_dir):
         raise LmforgeError(f"{hf_dir} is not a Hugging Face model dir (no config.json)")
     hf_cfg = read_hf_config(hf_dir)
-    model_cfg = hf_to_model_config(hf_cfg)
+    model_cfg = hf_dir_model_config(hf_dir)
     # In the checkpoint's own floating dtype: a bf16 model needs its own size in memory, not twice
     # that (the step-0 checkpoint keeps it; a run that loads it casts to its own precision).
     import torch
@@ -89,8 +90,10 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, overwrite: bool = False, 
         cfg = Config.model_validate({
             "run": {"name": hf_dir.name, "dir": str(out)},
             "model": model_cfg.model_dump(),
-            # an encoder (BERT / RoBERTa) is evaluated as what it was trained for: masked LM
-            **({"objective": {"name": default_method("encoder")}} if model_cfg.arch == "encoder" else {}),
+            # an encoder (BERT / RoBERTa) or T5 is evaluated as what it was trained for: masked LM, span
+            # corruption
+            **({"objective": {"name": default_method(model_cfg.arch)}}
+               if model_cfg.arch != "decoder" else {}),
             "data": {"tokenizer": {"path": str(out / "tokenizer.json")}} if has_tokenizer else {},
         })
         CheckpointManager(tmp, keep_last=1).save(0, model, None, {})

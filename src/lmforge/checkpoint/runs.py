@@ -40,9 +40,9 @@ def find_weights(path: Path) -> tuple[Path, Path]:
 
 
 def _hf_model_config(path: Path) -> ModelConfig:
-    from lmforge.models.hf import hf_to_model_config, read_hf_config
+    from lmforge.models.hf.convert import hf_dir_model_config
 
-    return hf_to_model_config(read_hf_config(path))
+    return hf_dir_model_config(path)
 
 
 def run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Path]:
@@ -60,8 +60,13 @@ def run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
             raise LmforgeError(
                 f"{path} has no tokenizer.json; lmforge needs a fast (tokenizers) tokenizer file"
             )
-        raw = {"run": {"dir": str(path)}, "model": _hf_model_config(path).model_dump(),
+        model = _hf_model_config(path)
+        raw = {"run": {"dir": str(path)}, "model": model.model_dump(),
                "data": {"tokenizer": {"path": str(path / "tokenizer.json")}}}
+        if model.arch != "decoder":  # an encoder or T5: the method it pretrained with (what fits its arch)
+            from lmforge.config.methods import default_method
+
+            raw["objective"] = {"name": default_method(model.arch)}
         return config_from_dict(raw, overrides, source=str(path / "config.json")), path
     run_dir, ckpt = find_weights(path)
     cfg = load_config(run_dir / "config.yaml", [*overrides, f"run.dir={json.dumps(str(run_dir))}"])

@@ -81,6 +81,8 @@ class _Method(Section):
     settings_section: ClassVar[str | None] = None
     # it trains an encoder (model.arch=encoder) and only encoders; None: either kind of model
     encoder: ClassVar[bool | None] = False
+    # it trains the encoder-decoder (model.arch=t5), and only it does (the t5 methods train nothing else)
+    t5: ClassVar[bool] = False
 
     @model_validator(mode="wrap")
     @classmethod
@@ -179,6 +181,16 @@ class MLMObjective(_Method):
     encoder: ClassVar[bool] = True
 
 
+class SpanCorruptionObjective(_Method):
+    name: Literal["span_corruption"] = Field(
+        "span_corruption", description="T5's span corruption of an encoder-decoder (model.arch=t5) on the "
+        "pretraining data (the span_corruption section): spans replaced by sentinels in the encoder's "
+        "input, the decoder predicting them.")
+    token_loss: ClassVar[bool] = True
+    settings_section: ClassVar[str | None] = "span_corruption"
+    t5: ClassVar[bool] = True
+
+
 class GKDObjective(_Method):
     name: Literal["gkd"] = Field("gkd", description="Generalized knowledge distillation on the chat data of "
                                  "the sft section: the student learns the gkd section's teacher on the "
@@ -268,6 +280,7 @@ METHOD_CONFIGS: dict[str, type[_Method]] = {
     "rl": RLObjective, "distill": DistillObjective, "mlm": MLMObjective, "gkd": GKDObjective,
     "classify": ClassifyObjective, "prefix_lm": PrefixLMObjective, "glm": GLMObjective,
     "tag": TokenClassifyObjective, "qa": QAObjective,
+    "span_corruption": SpanCorruptionObjective,
 }
 
 
@@ -277,6 +290,8 @@ DEFAULT_METHOD = CausalLMObjective.model_fields["name"].default  # pretraining: 
 def default_method(arch: str) -> str:
     """The method a model of `arch` trains (and is evaluated) with when the config names none: an encoder's
     is its masked LM, a decoder's next-token pretraining."""
+    if arch == "t5":
+        return next(n for n, c in METHOD_CONFIGS.items() if c.t5)
     if arch != "encoder":
         return DEFAULT_METHOD
     return next((n for n, c in METHOD_CONFIGS.items() if c.encoder is True), DEFAULT_METHOD)
@@ -303,6 +318,10 @@ ObjectiveConfig = Annotated[
 
 def check_arch(name: str, arch: str) -> None:
     """Refuse a method with a model it cannot train: encoder methods train encoders, and only they do."""
+    if METHOD_CONFIGS[name].t5 != (arch == "t5"):
+        t5 = default_method("t5")
+        raise ValueError(f"objective.name={name} does not fit model.arch={arch}: an encoder-decoder (t5) "
+                         f"trains with objective {t5} and objective {t5} needs model.arch=t5")
     encoder = METHOD_CONFIGS[name].encoder
     if encoder is not None and encoder != (arch == "encoder"):
         enc = default_method("encoder")
@@ -342,6 +361,19 @@ class MLMConfig(Section):
             raise ValueError(f"mlm.replace_prob + mlm.random_prob = {self.replace_prob + self.random_prob:g} "
                              "exceeds 1 (the rest, kept unchanged, cannot be negative)")
         return self
+
+
+class SpanCorruptionConfig(Section):
+    """T5's span corruption (objective span_corruption; Raffel et al. 2020, random_spans_noise_mask): of
+    each window of train.seq_len tokens, round(seq_len * noise_density) tokens in round(that /
+    mean_noise_span_length) spans are removed; the encoder reads the rest with a sentinel <extra_id_k> in
+    place of span k and EOS, the decoder predicts each sentinel followed by its span, then EOS."""
+
+    noise_density: float = Field(0.15, gt=0.0, lt=1.0, description="Fraction of each window's tokens "
+                                 "removed (T5: 0.15).")
+    mean_noise_span_length: float = Field(3.0, ge=1.0, description="Mean length of a removed span (T5: 3).")
+    seed: int | None = Field(None, ge=0, le=SEED_MAX, description="Seed of the spans (None: run.seed); each "
+                             "window's spans are a function of this seed and the window's tokens.")
 
 
 class DistillConfig(Section):

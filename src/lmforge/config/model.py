@@ -222,8 +222,9 @@ class ModelConfig(Section):
     max_seq_len: int = Field(256, ge=1, description="Longest sequence the model is built for.")
     norm: Literal["rmsnorm", "layernorm"] = Field("rmsnorm", description="Normalisation layer.")
     norm_eps: float = Field(1e-5, gt=0.0, description="Epsilon of the normalisation layers.")
-    pos_embedding: Literal["rope", "learned"] = Field(
-        "rope", description="Rotary position embedding or a learned absolute position table."
+    pos_embedding: Literal["rope", "learned", "relative"] = Field(
+        "rope", description="Rotary position embedding, a learned absolute position table, or T5's bucketed "
+        "relative position bias (relative: model.arch=t5 only, and its default there)."
     )
     block_position_embedding: bool = Field(
         False, description="GLM's second position (objective glm): a learned table of max_seq_len rows, "
@@ -231,9 +232,10 @@ class ModelConfig(Section):
         "embeddings; the first position stays pos_embedding's. No Hugging Face family has it: export refuses."
     )
     rope_theta: float = Field(10000.0, gt=0.0, description="RoPE base frequency.")
-    mlp: Literal["swiglu", "gelu", "gelu_tanh", "geglu"] = Field(
-        "swiglu", description="MLP type: SwiGLU (Llama), GELU (erf), GELU tanh approximation (GPT-2), or "
-        "GeGLU (Gemma: a gate through GELU's tanh approximation)."
+    mlp: Literal["swiglu", "gelu", "gelu_tanh", "geglu", "relu"] = Field(
+        "swiglu", description="MLP type: SwiGLU (Llama), GELU (erf), GELU tanh approximation (GPT-2), "
+        "GeGLU (Gemma; T5 v1.1 / Flan's gated-gelu: a gate through GELU's tanh approximation), or ReLU "
+        "(T5 1.0; model.arch=t5 only, and its default there)."
     )
     bias: bool = Field(False, description="Biases in every linear layer and in LayerNorm (GPT-2 style).")
     qkv_bias: bool = Field(False, description="Biases in the q/k/v projections only (Qwen2 style).")
@@ -251,10 +253,28 @@ class ModelConfig(Section):
         "classifier's summary of the text: a decoder's last token, an encoder's pooled [CLS]), token (a "
         "tagger's num_labels outputs on every token, with a bias: ...ForTokenClassification) or span (an "
         "extractive reader's start and end logits on every token: ...ForQuestionAnswering).")
-    arch: Literal["decoder", "encoder"] = Field(
+    arch: Literal["decoder", "encoder", "t5"] = Field(
         "decoder", description="decoder: causal LM (models/transformer.py); encoder: bidirectional masked LM "
-        "(models/encoder.py: BERT / RoBERTa layout, post-norm blocks, an MLM head; objective mlm)."
+        "(models/encoder.py: BERT / RoBERTa layout, post-norm blocks, an MLM head; objective mlm); t5: "
+        "encoder-decoder (models/t5.py: T5's relative position buckets, RMS norms, cross-attention; "
+        "n_layers encoder blocks and n_decoder_layers decoder blocks)."
     )
+    # [issue-37 area: t5] the encoder-decoder's own fields (models/t5.py); refused with any other arch
+    n_decoder_layers: int | None = Field(
+        None, ge=1, description="t5: decoder blocks (None: n_layers, which counts the encoder's); HF "
+        "num_decoder_layers.")
+    relative_attention_num_buckets: int = Field(
+        32, ge=2, description="t5: relative position buckets of the attention bias (half each way in the "
+        "encoder, all backwards in the decoder); HF relative_attention_num_buckets.")
+    relative_attention_max_distance: int = Field(
+        128, ge=2, description="t5: distances from this on share the last bucket; HF "
+        "relative_attention_max_distance.")
+    scale_decoder_output: bool | None = Field(
+        None, description="t5: multiply the decoder output by d_model**-0.5 before the head (None: exactly "
+        "when tie_embeddings, as T5 1.0 ties and rescales and v1.1 / Flan neither).")
+    decoder_start_token_id: int = Field(
+        0, ge=0, description="t5: the token the decoder starts from (T5: the padding id 0); HF "
+        "decoder_start_token_id.")
     type_vocab_size: int = Field(2, ge=0, description="encoder: rows of the token-type (segment) embedding "
                                  "(BERT 2, RoBERTa 1, 0: none).")
     position_offset: int = Field(0, ge=0, description="encoder: learned positions start at this row and "
@@ -410,6 +430,9 @@ class ModelConfig(Section):
             if not isinstance(name, str) or name not in PRESETS:
                 raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}")
             data = {**PRESETS[name], **data}
+        if isinstance(data, dict) and data.get("arch") == "t5":
+            # the only position scheme T5 has, and T5 1.0's feed-forward, unless the config says otherwise
+            data = {"pos_embedding": "relative", "mlp": "relu", **data}
         return data
 
     @model_validator(mode="after")
@@ -451,6 +474,9 @@ class ModelConfig(Section):
             raise ValueError(f"model.attn_sinks with attn_logit_softcap={self.attn_logit_softcap}: the sink "
                              "attention does not soft-cap its scores; unset one of them")
         self._check_gemma_olmo2()
+        from lmforge.config.t5 import check_t5_fields
+
+        check_t5_fields(self)
         return self
 
     def _check_gemma_olmo2(self) -> None:

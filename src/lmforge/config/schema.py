@@ -23,6 +23,7 @@ from lmforge.config.methods import (
     PreferenceConfig,
     RLConfig,
     SFTConfig,
+    SpanCorruptionConfig,
     check_arch,
 )
 from lmforge.config.model import MLAConfig, ModelConfig, MoEConfig, QuantConfig, RopeScalingConfig
@@ -86,6 +87,8 @@ class Config(Section):
                                    description="Teacher and losses of knowledge distillation (objective "
                                    "distill).")
     mlm: MLMConfig = Field(default_factory=MLMConfig, description="Masking of objective mlm.")
+    span_corruption: SpanCorruptionConfig = Field(default_factory=SpanCorruptionConfig, description="Spans "
+                                                  "of objective span_corruption (T5 pretraining).")
     gkd: GKDConfig = Field(default_factory=GKDConfig, description="Teacher, divergence and on-policy "
                            "sampling of generalized knowledge distillation (objective gkd).")
     prefix_lm: PrefixLMConfig = Field(default_factory=PrefixLMConfig, description="Prefix boundaries of "

@@ -25,6 +25,7 @@ from lmforge._version import __version__
 from lmforge.config.methods import method_facts
 from lmforge.config.schema import Config, DataConfig
 from lmforge.data.encode_pool import ChunkEncoder, resolve_workers
+from lmforge.data.seq2seq import add_sentinels
 from lmforge.data.shards import ShardWriter, dtype_for_vocab, read_meta, write_meta
 from lmforge.data.sources import (
     BUILTIN_PYTHON,
@@ -186,6 +187,8 @@ def _build(cfg: Config, dir: Path, console: Callable[[str], object]) -> dict:
     if missing := [t for t in method_facts(cfg).tokens if tok.token_id(t) is None]:
         tok.add_special_tokens(missing)  # the method's own (GLM's blanks), appended like the encoder's
         how += f", {' '.join(missing)} added"
+    if cfg.model.arch == "t5":  # T5's sentinels, after every other id (span corruption's <extra_id_k>)
+        how += add_sentinels(tok)
     tok.save(dir / TOKENIZER_FILE)
 
     dtype = dtype_for_vocab(tok.vocab_size)
@@ -364,6 +367,7 @@ def _settings(cfg: Config) -> dict:
         **({"val_sources": [_source_identity(s) for s in d.val_sources]} if d.val_sources else {}),
         **({"encoder_tokens": True} if cfg.model.arch == "encoder" else {}),
         **({"method_tokens": list(method_facts(cfg).tokens)} if method_facts(cfg).tokens else {}),
+        **({"t5_sentinels": True} if cfg.model.arch == "t5" else {}),
         # a mixture's shards are per source; its weights are read at load time and change nothing here
         **({"mixture": [name for name, _ in d.mixture]} if d.mixture else {}),
     }

@@ -9,6 +9,7 @@ from pathlib import Path
 from lmforge.assembly import Run, build_run
 from lmforge.checkpoint.runs import run_config, run_tokenizer_file
 from lmforge.config.methods import method_facts
+from lmforge.config.t5 import refuse_t5
 from lmforge.data.chat import ChatStats
 from lmforge.data.chat_template import ChatTemplate, stop_ids, tokenizer_template
 from lmforge.engine.evaluate import evaluate_loss
@@ -18,10 +19,14 @@ from lmforge.eval.generate import generate
 from lmforge.utils.io import atomic_write_json
 
 
-def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = (), weights: str = "model") -> Run:
+def load_run(path: str | Path, overrides: list[str] | tuple[str, ...] = (), weights: str = "model",
+             encoder_decoder: bool = False) -> Run:
     """The model and tokenizer of a run dir, checkpoint dir or Hugging Face dir (`weights`: the
-    trained ones, or their 'ema' / 'swa' average kept during training)."""
+    trained ones, or their 'ema' / 'swa' average kept during training). An encoder-decoder (T5) only
+    for a caller that says it handles one (`encoder_decoder`): the others run decoder models."""
     cfg, source = run_config(path, overrides)
+    if not encoder_decoder:
+        refuse_t5(cfg, "this command (it runs decoder models)")
     return build_run(cfg, "generate", weights_from=source, weights=weights)
 
 
@@ -93,10 +98,17 @@ def generate_text(path: str | Path, overrides: list[str] | tuple[str, ...] = (),
     draft proposing `draft_k` tokens per forward of the model (same output distribution; greedy output
     identical); its acceptance statistics go to `say`. prepare: a function model -> model applied once
     loaded (`--quantized`: the CPU path `lmforge serve` runs, so that both give the same tokens)."""
-    run = load_run(path, overrides, weights)
+    run = load_run(path, overrides, weights, encoder_decoder=True)
+    g = run.cfg.generate
+    if run.cfg.model.arch == "t5":
+        from lmforge.models.t5_generate import check_text_options, text_to_text
+
+        check_text_options(chat=chat, draft=draft, quantized=prepare is not None)
+        return text_to_text(run.model, run.tokenizer, g.prompt, max_new_tokens=g.max_new_tokens,
+                            temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                            num_samples=g.num_samples, seed=g.seed, device=run.device)
     if prepare is not None:
         run.model = prepare(run.model)
-    g = run.cfg.generate
     if chat:
         template = chat_template_of(run)
         prompt_ids = chat_prompt_ids(template, run.tokenizer, [{"role": "user", "content": g.prompt}],

@@ -504,13 +504,18 @@ def build_model(cfg: ModelConfig, device: torch.device | str | None = None) -> T
 
     device="meta" returns the uninitialised meta model (to count or shard a large model without memory).
     With cfg.quant the chosen linear layers are QuantLinear (models/quant.py), empty until a quantized
-    checkpoint is loaded into them. model.arch=encoder builds the masked-LM Encoder (models/encoder.py).
+    checkpoint is loaded into them. model.arch=encoder builds the masked-LM Encoder (models/encoder.py),
+    model.arch=t5 the encoder-decoder (models/t5.py).
     """
     with torch.device("meta"):
         if cfg.arch == "encoder":
             from lmforge.models.encoder import Encoder
 
             model = Encoder(cfg)
+        elif cfg.arch == "t5":
+            from lmforge.models.t5 import T5
+
+            model = T5(cfg)
         else:
             model = Transformer(cfg)
         if cfg.quant is not None:

@@ -193,11 +193,14 @@ def _zero1_owned(sizes: list[int], n: int) -> list[int]:
 
 def estimate(cfg: Config, world_size: int = 1, device_type: str = "cpu", rank: int | None = None) -> Estimate:
     """The memory estimate of `cfg` on `world_size` processes for the busiest rank (or `rank`)."""
-    if cfg.model.arch == "encoder":
+    if cfg.model.arch != "decoder":
         # Post-norm blocks, token-type embeddings and the MLM head on the masked rows only save other
-        # tensors than the decoder's; an estimate from the decoder's would be wrong, so there is none.
-        raise ConfigError("lmforge estimate models decoder training only; model.arch=encoder (masked LM) is "
-                          "not modelled yet: measure a short run instead (lmforge train with a few steps)")
+        # tensors than the decoder's, and T5's two stacks and cross-attention others again; an estimate
+        # from the decoder's would be wrong, so there is none.
+        kind = {"encoder": "masked LM", "t5": "encoder-decoder"}[cfg.model.arch]
+        raise ConfigError(f"lmforge estimate models decoder training only; model.arch={cfg.model.arch} "
+                          f"({kind}) is not modelled yet: measure a short run instead (lmforge train with a "
+                          "few steps)")
     if cfg.model.mla is not None:
         # Latent attention saves other activations than grouped-query attention (latents, per-head keys
         # expanded from them): the decoder's model of them would be wrong.

@@ -14,6 +14,7 @@ from lmforge.assembly.methods.prefix_lm import PrefixLMSetup
 from lmforge.assembly.methods.qa import QASetup
 from lmforge.assembly.methods.rl import RLSetup
 from lmforge.assembly.methods.sft import SFTSetup
+from lmforge.assembly.methods.span_corruption import SpanCorruptionSetup
 from lmforge.assembly.methods.token_classify import TokenClassifySetup
 from lmforge.assembly.methods.tokens import CausalLMSetup
 from lmforge.config.methods import METHOD_CONFIGS
@@ -21,7 +22,7 @@ from lmforge.config.schema import Config
 
 SETUPS: tuple[MethodSetup, ...] = (CausalLMSetup(), SFTSetup(), PreferenceSetup(), RLSetup(), DistillSetup(),
                                    MLMSetup(), GKDSetup(), ClassifySetup(), PrefixLMSetup(),
-                                   GLMSetup(), TokenClassifySetup(), QASetup())
+                                   GLMSetup(), TokenClassifySetup(), QASetup(), SpanCorruptionSetup())
 SETUP_OF: dict[str, MethodSetup] = {name: setup for setup in SETUPS for name in setup.names}
 assert set(SETUP_OF) == set(METHOD_CONFIGS), "every method in the config union has a setup"
 

@@ -16,13 +16,15 @@ from lmforge.engine.objectives.prefix_lm import PrefixLM
 from lmforge.engine.objectives.qa import QA
 from lmforge.engine.objectives.reward import RewardModel
 from lmforge.engine.objectives.sft import SFT
+from lmforge.engine.objectives.span_corruption import SpanCorruption
 from lmforge.engine.objectives.token_classify import TokenClassify
 
 OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT, Preference.name: Preference,
                                           PolicyGradient.name: PolicyGradient, RewardModel.name: RewardModel,
                                           Distill.name: Distill, MaskedLM.name: MaskedLM,
                                           GKD.name: GKD, Classify.name: Classify, PrefixLM.name: PrefixLM,
-                                          GLM.name: GLM, TokenClassify.name: TokenClassify, QA.name: QA}
+                                          GLM.name: GLM, TokenClassify.name: TokenClassify, QA.name: QA,
+                                          SpanCorruption.name: SpanCorruption}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -32,4 +34,4 @@ def build_objective(cfg: Config) -> Objective:
 
 __all__ = ["OBJECTIVES", "SFT", "CausalLM", "Distill", "GKD", "MaskedLM", "TopK", "PolicyGradient",
            "Preference", "RewardModel", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
-           "build_objective", "Classify", "PrefixLM", "GLM", "TokenClassify", "QA"]
+           "build_objective", "Classify", "PrefixLM", "GLM", "TokenClassify", "QA", "SpanCorruption"]

@@ -41,6 +41,7 @@ from lmforge.models.hf import (
     phi3,
     qwen3,
     smollm3,
+    t5,
     variants,
 )
 from lmforge.models.hf.dropout import check_dropouts
@@ -58,7 +59,7 @@ _SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _families() -> dict[str, ModuleType]:
-    families = (llama, gpt2, bert, moe, qwen3, granite, smollm3, phi3, deepseek, olmo2, gemma, gpt_oss)
+    families = (llama, gpt2, bert, moe, qwen3, granite, smollm3, phi3, deepseek, olmo2, gemma, gpt_oss, t5)
     return {t: fam for fam in families for t in fam.MODEL_TYPES}
 
 
@@ -97,11 +98,13 @@ def _safetensors(file: str) -> Iterator[Any]:
         raise LmforgeError(f"{file} is not a readable safetensors file: {reason}") from None
 
 
-def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None) -> ModelConfig:
+def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None,
+                       tensor_names: set[str] | None = None) -> ModelConfig:
     """Translate a config.json dict into our ModelConfig; unsupported settings raise LmforgeError.
 
     max_seq_len overrides the length derived from max_position_embeddings (RoPE models have no hard
-    limit in transformers; Llama 3.1's 131072 builds large RoPE tables).
+    limit in transformers; Llama 3.1's 131072 builds large RoPE tables). `tensor_names`, the names the
+    weight files hold, settle what a family's config.json leaves open (T5's tie: `hf_dir_model_config`).
     """
     family = _family(hf_cfg.get("model_type"))
     if hf_cfg.get("quantization_config"):
@@ -117,6 +120,8 @@ def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None
             raise
         raise LmforgeError(f"config.json has a value lmforge cannot read: {e}") from None
     kwargs.update(sequence_classifier(hf_cfg))
+    if tensor_names is not None and hasattr(family, "fit_to_files"):
+        kwargs = family.fit_to_files(kwargs, tensor_names)
     if max_seq_len is not None:
         if kwargs["pos_embedding"] == "learned" and max_seq_len != kwargs["max_seq_len"]:
             raise LmforgeError(
@@ -128,6 +133,13 @@ def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None
         return ModelConfig(**kwargs)
     except ValueError as e:  # pydantic's ValidationError is a ValueError
         raise LmforgeError(f"the Hugging Face config describes a model lmforge cannot build: {e}") from None
+
+
+def hf_dir_model_config(path: str | os.PathLike, *, max_seq_len: int | None = None) -> ModelConfig:
+    """The ModelConfig of a Hugging Face model dir: its config.json, read together with its weights' names."""
+    hf_cfg = read_hf_config(path)
+    names = {n for ns in weight_files(path).values() for n in ns}
+    return hf_to_model_config(hf_cfg, max_seq_len=max_seq_len, tensor_names=names)
 
 
 def sequence_classifier(hf_cfg: dict[str, Any]) -> dict[str, Any]:
@@ -175,6 +187,8 @@ def _export_family(cfg: ModelConfig, model_type: str | None) -> ModuleType:
                            "objective glm), which no Hugging Face family can represent: it cannot be "
                            "exported")
     family = _export_family_of(cfg, model_type)
+    if (family is t5) != (cfg.arch == "t5"):  # the encoder-decoder exports as T5, and only it does
+        t5.model_type_for(cfg, model_type or family.MODEL_TYPES[0])
     if family is not gpt_oss and (only := gpt_oss.foreign_features(cfg)):
         name = model_type or family.MODEL_TYPES[0]
         raise LmforgeError(f"this model cannot be exported as Hugging Face {name!r}: {', '.join(only)} (only "
@@ -186,6 +200,8 @@ def _export_family_of(cfg: ModelConfig, model_type: str | None) -> ModuleType:
     model_type = model_type or cfg.hf_model_type
     if model_type is not None:
         return _family(model_type)
+    if cfg.arch == "t5":  # the one encoder-decoder family
+        return t5
     if cfg.mla is not None:
         return deepseek
     if gpt_oss.foreign_features(cfg):
@@ -324,7 +340,7 @@ def from_hf(
     """
     from lmforge.models.transformer import build_model
 
-    cfg = hf_to_model_config(read_hf_config(path), max_seq_len=max_seq_len)
+    cfg = hf_dir_model_config(path, max_seq_len=max_seq_len)
     model = build_model(cfg, device="meta")  # the Transformer, or the Encoder for BERT / RoBERTa
     device = torch.device(device)
     used: set[int] = set()
@@ -375,9 +391,8 @@ def load_pretrained(path: str | os.PathLike, model: Transformer) -> None:
     The model keeps its dtype and device; max_seq_len may differ for RoPE models (not for learned
     positions, whose table is a weight).
     """
-    hf_cfg = read_hf_config(path)
     ours = model.cfg
-    theirs = hf_to_model_config(hf_cfg)
+    theirs = hf_dir_model_config(path)
     # Every architecture field, so that a block flag added later is compared too; not compared: what
     # the run may choose itself (heads added on top, dropout, init, length, quantization) and what has
     # its own signature below (moe, rope_scaling) or its resolved form (kv heads, head dim, d_ff).
