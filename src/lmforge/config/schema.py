@@ -14,16 +14,15 @@ from lmforge.config.classify import ClassifyConfig
 from lmforge.config.curate import CurateConfig
 from lmforge.config.data import DataConfig, RunConfig, TokenizerConfig
 from lmforge.config.infill import GLMConfig, PrefixLMConfig
+from lmforge.config.masking import MLMConfig, SpanCorruptionConfig
 from lmforge.config.methods import (
     CausalLMObjective,
     DistillConfig,
     GKDConfig,
-    MLMConfig,
     ObjectiveConfig,
     PreferenceConfig,
     RLConfig,
     SFTConfig,
-    SpanCorruptionConfig,
     check_arch,
 )
 from lmforge.config.model import MLAConfig, ModelConfig, MoEConfig, QuantConfig, RopeScalingConfig
