@@ -102,3 +102,11 @@ def test_an_old_post_ln_encoder_checkpoint_under_pre_says_what_to_set():
     saved = {"param_shapes": param_shapes(_model(**ENCODER, norm_placement="post_ln"))}
     with pytest.raises(CheckpointMismatchError, match="norm_placement: post_ln"):
         check_shapes(Path("ckpt"), saved, _model(**ENCODER, norm_placement="pre"))
+
+
+def test_t5_is_pre_ln_and_refuses_another_placement():
+    t5 = dict(arch="t5", pos_embedding="relative", mlp="relu", n_layers=2, vocab_size=64, d_model=32,
+              n_heads=4, max_seq_len=16)
+    assert ModelConfig(**t5).norm_placement == "pre"
+    with pytest.raises(ValidationError, match="norm_placement='post_ln'"):
+        ModelConfig(**t5, norm_placement="post_ln")

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 # Fields T5's blocks have no place for: they must keep their defaults on a T5 model.
 _NOT_T5 = ("bias", "qkv_bias", "qk_norm", "qk_norm_scope", "attn_out_bias", "moe", "mla", "sliding_window",
-           "rope_scaling", "score_head", "value_head", "quant", "attn_sinks", "norm_placement",
+           "rope_scaling", "score_head", "value_head", "quant", "attn_sinks",
            "norm_weight_offset", "embed_scale", "attn_logit_softcap", "final_logit_softcap",
            "query_pre_attn_scalar", "layer_types", "rope_local_theta", "rotary_fraction", "nope_layers",
            "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
@@ -42,6 +42,8 @@ def check_t5_fields(cfg: ModelConfig) -> None:
         return
     clashes = [f"{k}=" + ("(set)" if hasattr(getattr(cfg, k), "model_fields") else repr(getattr(cfg, k)))
                for k in _NOT_T5 if getattr(cfg, k) != _default(cfg, k)]  # a section as "(set)", not its repr
+    if cfg.norm_placement != "pre":  # T5's blocks are Pre-LN (what an unset norm_placement resolves to)
+        clashes.append(f"norm_placement={cfg.norm_placement!r}")
     if cfg.pos_embedding != "relative":
         clashes.append(f"pos_embedding={cfg.pos_embedding} (T5 has relative position buckets: relative)")
     if cfg.mlp not in ("relu", "geglu"):
