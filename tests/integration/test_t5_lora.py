@@ -18,6 +18,7 @@ from lmforge.eval.open_run import evaluate, generate_text
 from lmforge.finetune.lora import lora_layers
 from lmforge.finetune.setup import load_finetuned
 from lmforge.metrics.loggers import read_metrics
+from lmforge.models.flops import t5_flops_per_token
 from lmforge.train.trainer import Trainer, train
 
 T5_TINY = Path(__file__).resolve().parents[2] / "configs" / "t5" / "tiny.yaml"
@@ -55,12 +56,17 @@ def test_lora_t5_trains_resumes_and_exports_to_peft(tmp_path, data_dir):
              "checkpoint.every=5")
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     train(load_config(T5_TINY, overrides(straight, data_dir, *extra)))
+    trainer = Trainer(load_config(T5_TINY, overrides(crashed, data_dir, *extra)), callbacks=[CrashAt(7)])
+    # MFU counts T5's FLOPs: rows of 58 and 14 tokens per 64-token window, the base frozen
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    assert trainer.flops_per_token == t5_flops_per_token(trainer.cfg.model, 58, 14, 64, trainable)
     with pytest.raises(Crash):
-        Trainer(load_config(T5_TINY, overrides(crashed, data_dir, *extra)), callbacks=[CrashAt(7)]).fit()
+        trainer.fit()
     train(load_config(T5_TINY, overrides(crashed, data_dir, *extra)), resume=True)
     a, b = curve(straight), curve(crashed)
     assert [r["step"] for r in a] == [r["step"] for r in b] and len(a) > 12
     assert a == b  # every loss, accuracy and validation metric, exactly
+    assert all(r["mfu"] > 0 for r in read_metrics(straight / "metrics.jsonl") if "loss" in r)
     losses = [r["loss"] for r in a if "loss" in r]
     assert losses[-1] < losses[0] - 0.3  # the adapters alone move the loss
 
@@ -130,3 +136,8 @@ def test_t5_lora_target_refused_before_any_work(tmp_path, data_dir):
     with pytest.raises(ConfigError, match="'wo' is ambiguous on a T5"):
         train(load_config(T5_TINY, overrides(run, data_dir, "finetune.method=lora", "finetune.targets=[wo]")))
     assert not (run / "checkpoints").exists()
+
+
+def test_t5_throughput_counts_t5_flops(tmp_path, data_dir):
+    trainer = Trainer(load_config(T5_TINY, overrides(tmp_path / "run", data_dir, "train.max_steps=1")))
+    assert trainer.flops_per_token == t5_flops_per_token(trainer.cfg.model, 58, 14, 64)
