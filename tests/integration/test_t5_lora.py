@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import CORPUS, Crash, CrashAt
-from lmforge.checkpoint.runs import run_config
+from lmforge.checkpoint.runs import load_model, run_config
 from lmforge.config import load_config
 from lmforge.errors import ConfigError
 from lmforge.eval.open_run import evaluate, generate_text
@@ -91,10 +91,13 @@ def test_lora_t5_trains_resumes_and_exports_to_peft(tmp_path, data_dir):
 
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from lmforge.export.hf import export_adapter, export_run
+    from lmforge.export.hf import export_adapter, export_run, merge_run
 
     export_adapter(straight, tmp_path / "peft", say=lambda *_: None)
     export_run(straight, tmp_path / "merged", say=lambda *_: None)
+    merge_run(straight, tmp_path / "merged_run", say=lambda *_: None)  # `lmforge merge`: a full T5 run
+    folded, _ = load_model(*run_config(tmp_path / "merged_run"))
+    assert not lora_layers(folded) and type(folded).__name__ == "T5"
     hf_base = transformers.T5ForConditionalGeneration.from_pretrained(tmp_path / "peft" / "base").eval()
     ids, mask, dec = batch(cfg.model.vocab_size)
     with torch.no_grad():
@@ -106,6 +109,7 @@ def test_lora_t5_trains_resumes_and_exports_to_peft(tmp_path, data_dir):
         for theirs in (peft_model, merged):
             got = theirs(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
             torch.testing.assert_close(got, ours, atol=1e-5, rtol=0)
+        torch.testing.assert_close(folded(ids, dec, attention_mask=mask), ours, atol=1e-5, rtol=0)
     assert (base - ours).abs().amax() > 1e-2  # the adapters changed the model
 
 
