@@ -90,7 +90,7 @@ def test_crashed_t5_run_resumes_bit_for_bit(tmp_path, data_dir):
 
 @pytest.mark.parametrize(("extra", "message"), [
     (("parallel.tp=2",), "parallel.tp=2 is not available"),
-    (("finetune.method=lora",), "finetune.method=lora is not available"),
+    (("train.activation_checkpointing=full",), "train.activation_checkpointing=full is not available"),
     (("objective.name=causal_lm",), "objective.name=causal_lm does not fit model.arch=t5"),
     (("span_corruption.mean_noise_span_length=1",), "encoder inputs of 65 and targets of 21 tokens"),
 ])

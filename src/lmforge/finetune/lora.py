@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lmforge.errors import ConfigError, LmforgeError
+from lmforge.finetune import t5_lora
 from lmforge.finetune.lora_fused import LoRAGroupFn, LoRALinearFn, compute_dtype
 
 # Hugging Face (Llama / Mistral / Qwen2, DeepSeek-V3) module names accepted as targets, as suffixes of ours.
@@ -305,39 +306,49 @@ def linear_names(model: nn.Module) -> list[str]:
     return names
 
 
-def _matches(name: str, pattern: str) -> bool:
+def target_table(model: nn.Module) -> dict:
+    """The Hugging Face module names `model` takes as LoRA targets: T5's on an encoder-decoder."""
+    return t5_lora.TARGETS if t5_lora.is_t5(model) else HF_TARGETS
+
+
+def _matches(name: str, pattern: str, table: dict = HF_TARGETS) -> bool:
     if pattern == ALL_LINEAR:
         # Every block linear, as PEFT's all-linear: the output head is left out, and so is a mixture of
-        # experts' router (no Linear layer in transformers 5, so no PEFT adapter can hold it).
-        return name.startswith("layers.") and not name.endswith(".moe.router.gate")
-    pattern = HF_TARGETS.get(pattern, pattern)
+        # experts' router (no Linear layer in transformers 5, so no PEFT adapter can hold it). A T5's
+        # blocks are in its two stacks (finetune/t5_lora.py).
+        blocks = t5_lora.BLOCKS if table is t5_lora.TARGETS else ("layers.",)
+        return name.startswith(blocks) and not name.endswith(".moe.router.gate")
+    pattern = table.get(pattern, pattern)
     if isinstance(pattern, tuple):
-        return any(_matches(name, p) for p in pattern)
+        return any(_matches(name, p, table) for p in pattern)
     if any(c in pattern for c in "*?["):
         return fnmatch.fnmatchcase(name, pattern)
     return name == pattern or name.endswith("." + pattern)
 
 
-def match_targets(names: Sequence[str], targets: str | Sequence[str]) -> list[str]:
+def match_targets(names: Sequence[str], targets: str | Sequence[str], table: dict = HF_TARGETS) -> list[str]:
     """The names (in their order) matched by any of `targets`; ConfigError for a pattern matching none.
 
     A pattern is an fnmatch glob over the full name ("layers.*.attn.wq"), a name or dotted suffix ("wq",
     "attn.wq", "layers.0.mlp.w_up"), a Hugging Face name ("q_proj", ..., "lm_head") or "all-linear".
+    `table` holds the Hugging Face names: the decoder families' (HF_TARGETS) or T5's (`target_table`).
     """
     targets = [targets] if isinstance(targets, str) else list(targets)
+    if table is t5_lora.TARGETS:
+        t5_lora.check_targets(targets)
     if not targets:
         raise ConfigError(
             "no LoRA target modules given; name some, e.g. ['q_proj', 'v_proj'], or give 'all-linear'"
         )
     chosen: set[str] = set()
     for pattern in targets:
-        hits = [n for n in names if _matches(n, pattern)]
+        hits = [n for n in names if _matches(n, pattern, table)]
         if not hits:
             shapes = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.)", "{i}", n) for n in names))
             raise ConfigError(
                 f"LoRA target {pattern!r} (of {targets}) matches no linear layer of the model; its linear "
                 f"layers are: {', '.join(shapes)}. Use a glob over these names, a suffix such as 'wq', a "
-                f"Hugging Face name ({', '.join(HF_TARGETS)}) or 'all-linear'"
+                f"Hugging Face name ({', '.join(table)}) or 'all-linear'"
             )
         chosen.update(hits)
     return [n for n in names if n in chosen]
@@ -391,7 +402,7 @@ def wrap_layers(
             f"the model already carries LoRA adapters on {len(existing)} layers ({next(iter(existing))}, "
             "...); give all targets in one call, or merge_lora(model) first"
         )
-    names = match_targets(linear_names(model), targets)
+    names = match_targets(linear_names(model), targets, target_table(model))
     generator = torch.Generator().manual_seed(seed) if init == "seeded" else None
     for name in names:
         parent_name, _, leaf = name.rpartition(".")

@@ -4,13 +4,14 @@
 Tensor names are PEFT's: `base_model.model.` + the Hugging Face module name + `.lora_A.weight`,
 `.lora_B.weight` and, with DoRA, `.lora_magnitude_vector`. The Llama-style layouts (Llama, Mistral,
 Qwen2, Qwen3, Granite, SmolLM3, the MoE families' attention, OLMo 2, Gemma 2 / 3: any model `to_hf`
-writes with these module names) and DeepSeek-V3's (model.mla): their projections are separate linear
-layers named one-to-one with ours, and our RoPE uses their convention (halves, or DeepSeek's interleaved
-pairs), so q/k rows (and hence B's rows) map without any permutation. Routers and stacked routed experts
-are no linear layers in transformers: adapters on them have no PEFT form and are refused. Phi-3's fused
-qkv_proj / gate_up_proj get the exact block-diagonal union of our adapters (peft_fused.py), and a fused
-module's adapter loads as adapters on each of its parts. GPT-2's fused Conv1D `c_attn` has no per-q/k/v
-adapter, so it is refused.
+writes with these module names), T5's (both stacks, `SelfAttention.q`, `EncDecAttention.q`,
+`DenseReluDense.wi`: task_type SEQ_2_SEQ_LM) and DeepSeek-V3's (model.mla): their projections are
+separate linear layers named one-to-one with ours, and our RoPE uses their convention (halves, or
+DeepSeek's interleaved pairs), so q/k rows (and hence B's rows) map without any permutation. Routers and
+stacked routed experts are no linear layers in transformers: adapters on them have no PEFT form and are
+refused. Phi-3's fused qkv_proj / gate_up_proj get the exact block-diagonal union of our adapters
+(peft_fused.py), and a fused module's adapter loads as adapters on each of its parts. GPT-2's fused
+Conv1D `c_attn` has no per-q/k/v adapter, so it is refused.
 
 Files from elsewhere are untrusted: the config is checked key by key and tensors are read with
 safetensors (never pickle) and checked against the model before the model is touched.
@@ -30,7 +31,7 @@ from lmforge.config.schema import ModelConfig
 from lmforge.errors import LmforgeError
 from lmforge.finetune.lora import ALL_LINEAR, adapter_settings, linear_names, lora_layers, wrap_layers
 from lmforge.finetune.peft_fused import LAYOUT_KEY, fused_adapter, fused_pattern, read_layout, unfuse
-from lmforge.models.hf import deepseek, llama, phi3
+from lmforge.models.hf import deepseek, llama, phi3, t5
 from lmforge.models.hf.convert import export_model_type
 from lmforge.models.hf.keymap import KeyMap
 from lmforge.utils.io import atomic_write_bytes, atomic_write_json, read_json_object
@@ -75,14 +76,17 @@ def _check_layout(cfg: ModelConfig) -> None:
 
 
 def _keys(cfg: ModelConfig) -> KeyMap:
-    """Our names -> transformers' for the model's layout (MLA has projections of its own)."""
+    """Our names -> transformers' for the model's layout (MLA has projections of its own; T5 names both
+    stacks' modules as T5ForConditionalGeneration does: `encoder.block.0.layer.0.SelfAttention.q`)."""
+    if cfg.arch == "t5":
+        return t5.KEYS[cfg.mlp == "geglu"]
     return deepseek.KEYS if cfg.mla is not None else llama.KEYS
 
 
 def _hf_module(our_module: str, cfg: ModelConfig) -> str:
     if cfg.mla is not None:
         return deepseek.adapter_module(our_module)
-    hf = llama.KEYS.to_hf(our_module + ".weight")
+    hf = _keys(cfg).to_hf(our_module + ".weight")
     if hf is None:
         raise LmforgeError(f"{our_module} has no Hugging Face name, so its adapter has no PEFT name")
     return hf.removesuffix(".weight")
@@ -139,7 +143,7 @@ def save_peft_adapter(
                 tensors[prefix + SUFFIXES[pname]] = p.detach().to("cpu").contiguous()
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_2_SEQ_LM" if model_cfg.arch == "t5" else "CAUSAL_LM",
         "r": settings["r"],
         "lora_alpha": settings["alpha"],
         "lora_dropout": settings["dropout"],

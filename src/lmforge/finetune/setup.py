@@ -16,7 +16,8 @@ from torch import nn
 from lmforge.config.schema import Config, FinetuneConfig
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.finetune.lora import apply_lora, lora_layers, merge_lora
-from lmforge.finetune.nf4 import quantize_model_nf4
+from lmforge.finetune.nf4 import in_layers, quantize_model_nf4
+from lmforge.finetune.t5_lora import block_linear, is_t5
 from lmforge.finetune.token_rows import fold_token_rows, train_token_rows
 
 
@@ -50,14 +51,15 @@ def apply_finetune(model: nn.Module, cfg: FinetuneConfig, seed: int = 0) -> Fine
     if method == "full":
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return FinetuneSummary(method, trainable, total)
-    if not hasattr(model, "layers"):
+    if not (hasattr(model, "layers") or is_t5(model)):  # T5: its two stacks' blocks (t5_lora.py)
         raise ConfigError(
             f"finetune.method={method} adds adapters to lmforge's Transformer; a model object of "
             "your own takes finetune.method=full (or add lmforge.finetune.apply_lora yourself)"
         )
     quant = None
     if method == "qlora":
-        quant = quantize_model_nf4(model, blocksize=cfg.quant_blocksize, double_quant=True)
+        quant = quantize_model_nf4(model, block_linear if is_t5(model) else in_layers,
+                                   blocksize=cfg.quant_blocksize, double_quant=True)
     if cfg.init_adapter:
         wrapped = _load_adapter(model, cfg)
         train_token_rows(model, cfg.train_tokens)

@@ -176,9 +176,10 @@ class Trainer(Recovery):
             self.flops_per_token = 6 * n_params
         elif self.cfg.finetune.method != "full":  # a frozen base: no weight gradients but the adapters'
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            self.flops_per_token = adapter_flops_per_token(self.cfg.model, self.cfg.seq_len, trainable)
+            self.flops_per_token = adapter_flops_per_token(self.cfg.model, self.cfg.seq_len, trainable,
+                                                           run.objective)  # T5: its rows' lengths
         else:
-            self.flops_per_token = flops_per_token(self.cfg.model, self.cfg.seq_len)
+            self.flops_per_token = flops_per_token(self.cfg.model, self.cfg.seq_len, run.objective)
         # MFU's denominator: never undercut by a busy start-up (metrics/peak.py)
         self.peak = PeakFlops.for_device(self.device, self.precision.dtype, write=self.world.is_main,
                                          say=self.console)
