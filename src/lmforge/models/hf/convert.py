@@ -138,7 +138,12 @@ def hf_to_model_config(hf_cfg: dict[str, Any], *, max_seq_len: int | None = None
 def hf_dir_model_config(path: str | os.PathLike, *, max_seq_len: int | None = None) -> ModelConfig:
     """The ModelConfig of a Hugging Face model dir: its config.json, read together with its weights' names."""
     hf_cfg = read_hf_config(path)
-    names = {n for ns in weight_files(path).values() for n in ns}
+    try:
+        files = weight_files(path)
+    except LmforgeError:  # a config lmforge cannot build says so first, as it did before the weights were read
+        hf_to_model_config(hf_cfg, max_seq_len=max_seq_len)
+        raise
+    names = {n for ns in files.values() for n in ns}
     return hf_to_model_config(hf_cfg, max_seq_len=max_seq_len, tensor_names=names)
 
 
