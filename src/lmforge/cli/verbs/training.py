@@ -135,9 +135,11 @@ def _budget(args: argparse.Namespace, target: str) -> int:
 
 def _train_objective(args: argparse.Namespace, name: str) -> int:
     """`lmforge train` with objective `name` (what the verb means), refusing a config naming another."""
+    from lmforge.assembly.methods.seq2seq import objective_for_model
     from lmforge.train.trainer import train
 
     cfg = load_config(args)
+    name = objective_for_model(cfg, name)  # `lmforge sft` of an encoder-decoder trains objective seq2seq
     if "name" in cfg.objective.model_fields_set and cfg.objective.name != name:
         raise ConfigError(f"lmforge {args.verb} trains objective {name}, but the config sets objective.name="
                           f"{cfg.objective.name}; remove it or use lmforge train")
