@@ -137,21 +137,47 @@ def curve(run_dir: Path) -> list[dict]:
     return [{k: r[k] for k in COMPARED if k in r} for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
-def test_lmforge_sft_on_t5_trains_and_resumes_bit_for_bit(pretrained, tmp_path):
-    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
-    assert main(["sft", "-c", str(sft_config(pretrained, straight))]) == 0
-    saved = (straight / "config.yaml").read_text()
+@pytest.fixture(scope="module")
+def finetuned(pretrained) -> Path:
+    run = pretrained / "sft"
+    assert main(["sft", "-c", str(sft_config(pretrained, run))]) == 0
+    return run
+
+
+def test_lmforge_sft_on_t5_trains_and_resumes_bit_for_bit(pretrained, finetuned, tmp_path):
+    saved = (finetuned / "config.yaml").read_text()
     assert "name: seq2seq" in saved and "arch: t5" in saved
-    rows = [r for r in read_metrics(straight / "metrics.jsonl") if "loss" in r]
+    rows = [r for r in read_metrics(finetuned / "metrics.jsonl") if "loss" in r]
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # the targets are learnt
+    crashed = tmp_path / "crashed"
     # in Python the method is named (lmforge sft names it from the model), with the architecture it needs
     cfg = load_config(sft_config(pretrained, crashed), ["objective.name=seq2seq", "model.arch=t5"])
     with pytest.raises(Crash):
         Trainer(cfg, callbacks=[CrashAt(7)]).fit()
     assert main(["sft", "-c", str(sft_config(pretrained, crashed)), "--resume"]) == 0
-    a, b = curve(straight), curve(crashed)
+    a, b = curve(finetuned), curve(crashed)
     assert [r["step"] for r in a] == [r["step"] for r in b] and any("val_loss" in r for r in a)
     assert a == b
+
+
+def test_eval_loss_and_exact_match_of_a_t5_run(finetuned, tmp_path):
+    from lmforge.data.instruct_tasks import extract_answer
+    from lmforge.eval.open_run import eval_tasks, evaluate, generate_text
+
+    vals = [r for r in read_metrics(finetuned / "metrics.jsonl") if "val_loss" in r]
+    report = evaluate(finetuned, ["eval.max_batches=2"], say=lambda *_: None)
+    assert report["loss"] == pytest.approx(vals[-1]["val_loss"], rel=1e-5)
+    # exact match: batched, padded greedy outputs scored against answers; two answers are what the model
+    # writes for its prompt alone (lmforge generate), the third is not
+    prompts = ["Reverse the letters: abc", "What is 4 + 2?", "Reverse the letters: a long word list here"]
+    alone = [generate_text(finetuned, [f"generate.prompt='{p}'", "generate.temperature=0",
+                                       "generate.max_new_tokens=24"])[0] for p in prompts]
+    answers = [extract_answer(alone[0]), extract_answer(alone[1]), "certainly not this ###"]
+    records = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": a}],
+                "task": "reverse", "answer": a} for p, a in zip(prompts, answers)]
+    tasks = _write(tmp_path / "test.jsonl", records)
+    assert eval_tasks(finetuned, tasks, batch_size=3) == {"reverse": (2, 3)}
+    assert eval_tasks(finetuned, tasks, batch_size=1) == {"reverse": (2, 3)}
 
 
 @pytest.mark.parametrize(("extra", "message"), [

@@ -57,8 +57,9 @@ def _plain_text(record: dict, key: str, name: str, where: str) -> str:
     return value
 
 
-def _chat_pair(record: dict, where: str, system: str) -> tuple[str, str]:
-    """(input, target) of a chat record: [system,] user, assistant (the module docstring)."""
+def _chat_pair(record: dict, where: str, system: str, target: bool = True) -> tuple[str, str | None]:
+    """(input, target) of a chat record: [system,] user, assistant (the module docstring); `target`
+    False: the input only (the assistant's turn, if any, is not read)."""
     try:
         conv = to_conversation(record, where)
     except BadRecord as e:
@@ -73,13 +74,16 @@ def _chat_pair(record: dict, where: str, system: str) -> tuple[str, str]:
                             "from the data or set seq2seq.system=prepend (it goes before the user's text)")
         prefix = _content(msgs[0], where) + "\n\n"
         msgs, roles = msgs[1:], roles[1:]
-    if roles != ["user", "assistant"] or conv.tools or any(m.get("tool_calls") for m in msgs):
+    if not target and roles[-1:] == ["assistant"]:
+        msgs, roles = msgs[:-1], roles[:-1]
+    want = ["user", "assistant"] if target else ["user"]
+    if roles != want or conv.tools or any(m.get("tool_calls") for m in msgs):
         turns = ", ".join(map(str, roles)) or "none"
         raise DataError(f"{where}: an encoder-decoder learns one input -> one target, and this record's "
                         f"turns are {turns}: give one user turn then one assistant reply (a system prompt "
                         "before them may stay), or write the conversation as a plain record "
                         "(seq2seq.input_field, seq2seq.target_field)")
-    return prefix + _content(msgs[0], where), _content(msgs[1], where)
+    return prefix + _content(msgs[0], where), _content(msgs[1], where) if target else None
 
 
 def _content(message: dict, where: str) -> str:
@@ -105,6 +109,15 @@ def parse_pair(record: Any, where: str, c: Any) -> Pair:
         if len(text) > MAX_CHARS:
             raise DataError(f"{where}: the {side} has {len(text):,} characters (at most {MAX_CHARS:,})")
     return Pair(x, y, where)
+
+
+def input_text(record: Any, where: str, c: Any) -> str:
+    """The input side of a record, as `parse_pair` reads it (evaluation: the answer is scored apart)."""
+    if isinstance(record, dict) and (c.input_field in record or c.target_field in record):
+        return _plain_text(record, c.input_field, "input_field", where)
+    if not isinstance(record, dict):
+        return parse_pair(record, where, c).input  # its error
+    return _chat_pair(record, where, c.system, target=False)[0]
 
 
 def read_pairs(sources: list[str], c: Any) -> Iterator[Pair]:
