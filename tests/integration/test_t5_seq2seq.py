@@ -178,6 +178,10 @@ def test_eval_loss_and_exact_match_of_a_t5_run(finetuned, tmp_path):
     tasks = _write(tmp_path / "test.jsonl", records)
     assert eval_tasks(finetuned, tasks, batch_size=3) == {"reverse": (2, 3)}
     assert eval_tasks(finetuned, tasks, batch_size=1) == {"reverse": (2, 3)}
+    # generate --chat: the prompt is the user's turn, which is the input text (no chat template)
+    chat = generate_text(finetuned, [f"generate.prompt='{prompts[2]}'", "generate.temperature=0",
+                                     "generate.max_new_tokens=24"], chat=True)
+    assert chat == [alone[2]]
 
 
 @pytest.mark.parametrize(("extra", "message"), [
