@@ -187,6 +187,7 @@ def test_eval_loss_and_exact_match_of_a_t5_run(finetuned, tmp_path):
 @pytest.mark.parametrize(("extra", "message"), [
     (["--set", "sft.packing=true"], "reads the seq2seq section, not sft.packing"),
     (["--set", "seq2seq.data=[]"], "objective seq2seq needs input -> target records"),
+    (["--budget", "1m"], "on this model lmforge sft trains objective seq2seq, which has no planner yet"),
 ])
 def test_what_seq2seq_refuses_exits_2(pretrained, tmp_path, capsys, extra, message):
     run = tmp_path / "run"
