@@ -53,6 +53,7 @@ def test_loss_equals_transformers_with_labels(tmp_path):
     assert isinstance(hf, transformers.T5ForConditionalGeneration)
     torch.testing.assert_close(out.loss / batch.target_count(), want, atol=1e-5, rtol=0)
     assert batch.target_count() == 3 * 7 - 3 - 1
+    assert batch.num_tokens == int(mask.sum()) + batch.target_count()  # throughput: no padding counted
 
 
 def _write(path: Path, records: list) -> Path:
@@ -80,6 +81,16 @@ def test_records_map_to_input_and_target(tmp_path):
     assert pairs[1].where == f"{f}:2"
     with pytest.raises(DataError, match=rf"{f}:2: the record has a system prompt and seq2seq.system=refuse"):
         list(read_pairs([str(f)], _section(input_field="src", target_field="dst", system="refuse")))
+
+
+def test_parquet_records_with_named_fields(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"question": ["2 + 2", "3 + 1"], "reply": ["4", "4!"], "extra": [1, 2]}),
+                   tmp_path / "r.parquet")
+    pairs = list(read_pairs([str(tmp_path)], _section(input_field="question", target_field="reply")))
+    assert [(p.input, p.target) for p in pairs] == [("2 + 2", "4"), ("3 + 1", "4!")]
 
 
 @pytest.mark.parametrize(("record", "message"), [
