@@ -26,9 +26,10 @@ def test_t5_seq2seq_ddp_on_two_ranks_trains_the_single_process_curve(tmp_path):
 
     def sft(run: str, *extra: str, nproc: int = 1):
         args = [f"run.dir={tmp_path / run}", f"model.init_from={tmp_path / 'pre'}",
-                f"seq2seq.data=[{tmp_path / 'tasks.jsonl'}]", "seq2seq.val_fraction=0.25", "train.max_steps=6",
-                "train.eval_every=3", "train.log_every=1", "train.eval_batches=2", "checkpoint.every=0",
-                "logging.progress=none", "logging.plot=false", "train.seq_len=32", *extra]
+                f"seq2seq.data=[{tmp_path / 'tasks.jsonl'}]", "seq2seq.val_fraction=0.25",
+                "train.max_steps=6", "train.eval_every=3", "train.log_every=1", "train.eval_batches=2",
+                "checkpoint.every=0", "logging.progress=none", "logging.plot=false", "train.seq_len=32",
+                *extra]
         return lmforge("sft", *[a for o in args for a in ("--set", o)], nproc=nproc)
 
     one = sft("one", "train.micro_batch_size=8")

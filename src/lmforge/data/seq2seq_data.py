@@ -113,11 +113,15 @@ def parse_pair(record: Any, where: str, c: Any) -> Pair:
 
 def input_text(record: Any, where: str, c: Any) -> str:
     """The input side of a record, as `parse_pair` reads it (evaluation: the answer is scored apart)."""
-    if isinstance(record, dict) and (c.input_field in record or c.target_field in record):
-        return _plain_text(record, c.input_field, "input_field", where)
     if not isinstance(record, dict):
         return parse_pair(record, where, c).input  # its error
-    return _chat_pair(record, where, c.system, target=False)[0]
+    if c.input_field in record or c.target_field in record:
+        text = _plain_text(record, c.input_field, "input_field", where)
+    else:
+        text = _chat_pair(record, where, c.system, target=False)[0]
+    if len(text) > MAX_CHARS:
+        raise DataError(f"{where}: the input has {len(text):,} characters (at most {MAX_CHARS:,})")
+    return text
 
 
 def read_pairs(sources: list[str], c: Any) -> Iterator[Pair]:
