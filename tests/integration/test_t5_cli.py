@@ -86,7 +86,8 @@ def test_export_loads_in_transformers(imported, tmp_path, capsys):
 @pytest.mark.parametrize(("args", "message"), [
     (["eval", "data", "{run}", "--data", "{tmp}/x.txt"], "this command (it runs decoder models) is not "
      "available for an encoder-decoder (model.arch=t5) yet"),
-    (["generate", "{run}", "--prompt", "x", "--chat"], "--chat: not available for an encoder-decoder"),
+    (["generate", "{run}", "--prompt", "x", "--draft", "{run}"],
+     "--draft: not available for an encoder-decoder"),
     (["train", "-c", "{run}/config.yaml", "--set", "run.dir={tmp}/r2", "--set", "parallel.pp=2"],
      "parallel.pp=2 is not available"),
     (["generate", "{run}"], "set generate.prompt"),

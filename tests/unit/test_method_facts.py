@@ -26,6 +26,7 @@ EXPECTED = {  # name: (data, token_loss, data_section, extra models, scalar head
     "tag": ("tagged", False, "token_classify", (), "score"),
     "qa": ("spans", False, "qa", (), "score"),
     "span_corruption": ("tokens", True, "data", (), None),
+    "seq2seq": ("text2text", True, "seq2seq", (), None),
 }
 
 
@@ -33,7 +34,7 @@ ENCODER = {"arch": "encoder", "pos_embedding": "learned", "tie_embeddings": True
 
 
 def _cfg(name: str, **kw) -> Config:
-    model = ENCODER if name == "mlm" else {"arch": "t5"} if name == "span_corruption" else {}
+    model = ENCODER if name == "mlm" else {"arch": "t5"} if name in ("span_corruption", "seq2seq") else {}
     return Config(objective={"name": name}, model=model, **kw)
 
 

@@ -23,13 +23,15 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BeforeValidator, Field, field_validator, model_validator
 
+from lmforge.config.distill import DistillConfig  # noqa: F401 - its section, re-exported
 from lmforge.config.infill import GLM_TOKENS
 from lmforge.config.section import Section
 
 if TYPE_CHECKING:
     from lmforge.config.schema import Config
 
-DataKind = Literal["tokens", "chat", "pairs", "unpaired", "prompts", "labelled", "tagged", "spans"]
+DataKind = Literal["tokens", "chat", "pairs", "unpaired", "prompts", "labelled", "tagged", "spans",
+                   "text2text"]
 ExtraModel = Literal["reference", "teacher", "reward"]
 
 # Preference losses with no reference model (the engine's preference_loss reads this set too).
@@ -62,7 +64,8 @@ class MethodFacts:
     def unit(self) -> str:
         """What the evaluated loss is an average over."""
         return {"pairs": "pairs", "unpaired": "pairs", "prompts": "loss targets",
-                "labelled": "examples", "tagged": "tagged tokens", "spans": "windows"}.get(self.data,
+                "labelled": "examples", "tagged": "tagged tokens", "spans": "windows",
+                "text2text": "target tokens"}.get(self.data,
                                                                                           "tokens")
 
     @property
@@ -275,12 +278,23 @@ class QAObjective(_Method):
                            head_reads="span")
 
 
+class Seq2SeqObjective(_Method):
+    name: Literal["seq2seq"] = Field("seq2seq", description="Sequence-to-sequence fine-tuning of an encoder-"
+                                     "decoder (model.arch=t5; `lmforge sft` trains it there) on the seq2seq "
+                                     "section's input -> target records: loss on the target tokens.")
+    data: ClassVar[DataKind] = "text2text"
+    token_loss: ClassVar[bool] = True
+    data_section: ClassVar[str] = "seq2seq"
+    settings_section: ClassVar[str | None] = "seq2seq"
+    t5: ClassVar[bool] = True
+
+
 METHOD_CONFIGS: dict[str, type[_Method]] = {
     "causal_lm": CausalLMObjective, "sft": SFTObjective, "dpo": DPOObjective, "reward": RewardObjective,
     "rl": RLObjective, "distill": DistillObjective, "mlm": MLMObjective, "gkd": GKDObjective,
     "classify": ClassifyObjective, "prefix_lm": PrefixLMObjective, "glm": GLMObjective,
     "tag": TokenClassifyObjective, "qa": QAObjective,
-    "span_corruption": SpanCorruptionObjective,
+    "span_corruption": SpanCorruptionObjective, "seq2seq": Seq2SeqObjective,  # span_corruption: T5's default
 }
 
 
@@ -319,9 +333,9 @@ ObjectiveConfig = Annotated[
 def check_arch(name: str, arch: str) -> None:
     """Refuse a method with a model it cannot train: encoder methods train encoders, and only they do."""
     if METHOD_CONFIGS[name].t5 != (arch == "t5"):
-        t5 = default_method("t5")
+        t5 = " or ".join(n for n, c in METHOD_CONFIGS.items() if c.t5)
         raise ValueError(f"objective.name={name} does not fit model.arch={arch}: an encoder-decoder (t5) "
-                         f"trains with objective {t5} and objective {t5} needs model.arch=t5")
+                         f"trains with objective {t5}, and they need model.arch=t5")
     encoder = METHOD_CONFIGS[name].encoder
     if encoder is not None and encoder != (arch == "encoder"):
         enc = default_method("encoder")
@@ -344,39 +358,6 @@ def objective_config(**fields: Any) -> _Method:
 
 
 # -- the methods' own settings sections ----------------------------------------------------------------
-class DistillConfig(Section):
-    """Knowledge distillation (objective distill): the teacher and how its distributions are matched."""
-
-    teacher: str | None = Field(
-        None, description="The teacher: a run dir, checkpoint dir or Hugging Face dir (a quantized run "
-        "too) whose vocabulary is the student's; required by objective distill."
-    )
-    teacher_weights: Literal["model", "ema", "swa"] = Field(
-        "model", description="The teacher run's trained weights or their EMA / SWA average."
-    )
-    loss: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
-        "forward_kl", description="forward_kl: KL(teacher || student) (Hinton); reverse_kl: KL(student || "
-        "teacher) (MiniLLM); jsd: generalised Jensen-Shannon with distill.beta (GKD)."
-    )
-    temperature: float = Field(
-        1.0, gt=0.0, description="Both logits are divided by it; the divergence is scaled by its square."
-    )
-    beta: float = Field(
-        0.5, ge=0.0, le=1.0, description="jsd: the teacher's weight in the mixture (0: forward KL, 1: "
-        "reverse KL), TRL's convention."
-    )
-    kd_ratio: float = Field(
-        0.5, ge=0.0, le=1.0, description="loss = kd_ratio * divergence + (1 - kd_ratio) * cross-entropy "
-        "on the data's tokens."
-    )
-    topk_cache: str | None = Field(
-        None, description="A teacher top-k cache dir (lmforge distill --precompute-topk writes it): the "
-        "teacher's k largest logits of every row the run reads, instead of running the teacher each step "
-        "(forward_kl only)."
-    )
-    topk: int = Field(32, ge=1, description="Logits per position kept by --precompute-topk.")
-
-
 class GKDConfig(Section):
     """Generalized knowledge distillation (objective gkd; Agarwal et al. 2024, TRL's GKDTrainer) on the
     chat data of the sft section: the teacher, the divergence and how often the student's own samples

@@ -84,6 +84,8 @@ PATH_KEYS: dict[str, PathKey] = {
     "token_classify.val_data": _FILES,
     "qa.data": _FILES,
     "qa.val_data": _FILES,
+    "seq2seq.data": _FILES,
+    "seq2seq.val_data": _FILES,
     "finetune.init_adapter": _FILES,
     "curate.inputs": PathKey(INPUT, names=("builtin:python",), path_prefixes=("hf:",)),
     "curate.steps.blocklist_files": _FILES,
@@ -104,6 +106,7 @@ NOT_PATHS: frozenset[str] = frozenset({
     "classify.text_field", "classify.text_pair_field", "classify.label_field",
     "token_classify.tokens_field", "token_classify.tags_field", "token_classify.label_names",
     "qa.context_field", "qa.question_field", "qa.answers_field",
+    "seq2seq.input_field", "seq2seq.target_field",
     "data.sources.name",
 })
 

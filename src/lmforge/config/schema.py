@@ -37,6 +37,7 @@ from lmforge.config.runtime import (
     WandbConfig,
 )
 from lmforge.config.section import Section
+from lmforge.config.seq2seq import Seq2SeqConfig
 from lmforge.config.token_classify import TokenClassifyConfig
 from lmforge.config.train import (
     UNIT_SUFFIX,
@@ -59,6 +60,7 @@ __all__ = [
     "ClassifyConfig",  # objective classify's section (config/classify.py)
     "PrefixLMConfig", "GLMConfig",  # objectives prefix_lm's and glm's sections (config/infill.py)
     "TokenClassifyConfig", "QAConfig",  # objectives tag and qa (config/token_classify.py, config/qa.py)
+    "Seq2SeqConfig",  # objective seq2seq (config/seq2seq.py)
 ]
 
 
@@ -101,6 +103,9 @@ class Config(Section):
                                                 "tag).")
     qa: QAConfig = Field(default_factory=QAConfig, description="SQuAD-like data and span head of extractive "
                          "question answering (objective qa).")
+    seq2seq: Seq2SeqConfig = Field(default_factory=Seq2SeqConfig, description="Input -> target records of "
+                                   "sequence-to-sequence fine-tuning of an encoder-decoder (objective "
+                                   "seq2seq, `lmforge sft` on model.arch=t5).")
     finetune: FinetuneConfig = Field(default_factory=FinetuneConfig,
                                      description="Full fine-tuning or LoRA / DoRA / QLoRA adapters.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpointing.")

@@ -68,7 +68,9 @@ def refuse_t5(cfg, what: str) -> None:
     if cfg.model.arch == "t5":
         raise ConfigError(f"{what} is not available for an encoder-decoder (model.arch=t5) yet: T5 models "
                           "can be imported (`lmforge import`), exported (`lmforge export`), pretrained with "
-                          "objective span_corruption (`lmforge train`) and generate from an input text "
+                          "objective span_corruption (`lmforge train`), fine-tuned on input -> target "
+                          "records (`lmforge sft`: objective seq2seq), evaluated (`lmforge eval loss`, "
+                          "`lmforge eval exact --tasks FILE.jsonl`) and generate from an input text "
                           "(`lmforge generate --prompt ...`)")
 
 

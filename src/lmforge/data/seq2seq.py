@@ -73,11 +73,11 @@ class Seq2SeqBatch:
     @property
     def num_tokens(self) -> int:
         """What throughput counts: the stream tokens the rows were made from, else the tokens the model
-        reads (encoder inputs that are not padding, and decoder inputs)."""
+        reads (encoder inputs that are not padding, and decoder inputs that are not)."""
         if self.source_tokens is not None:
             return self.source_tokens
         enc = self.input_ids.numel() if self.attention_mask is None else int(self.attention_mask.sum())
-        return enc + int(self.targets.numel())
+        return enc + self.target_count()  # padded target positions are not read tokens
 
     @property
     def rows(self) -> int:

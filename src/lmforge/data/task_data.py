@@ -33,7 +33,8 @@ from lmforge.errors import DataError
 LABELS_FILE = "labels.json"
 FORMAT = 1
 # a method's data kind (config/methods.py) -> the module that prepares and batches it
-MODULES = {"tagged": "lmforge.data.labelled_tokens", "spans": "lmforge.data.squad"}
+MODULES = {"tagged": "lmforge.data.labelled_tokens", "spans": "lmforge.data.squad",
+           "text2text": "lmforge.data.seq2seq_data"}
 
 
 def task_kinds() -> tuple[str, ...]:

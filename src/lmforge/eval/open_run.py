@@ -175,9 +175,14 @@ def eval_tasks(path: str | Path, tasks_file: str | Path, overrides: list[str] | 
     from lmforge.eval.tasks import first_of_each
 
     records = first_of_each(_task_records(Path(tasks_file)), "task", limit)  # bad input before the model
-    run = load_run(path, overrides, weights)
-    acc = task_accuracy(run.model, run.tokenizer, chat_template_of(run), records, max_new_tokens,
-                        batch_size=batch_size, device=run.device)
+    run = load_run(path, overrides, weights, encoder_decoder=True)
+    if run.cfg.model.arch == "t5":  # an encoder-decoder: the record's input text, no chat template
+        from lmforge.eval.seq2seq import task_accuracy as seq2seq_accuracy
+
+        acc = seq2seq_accuracy(run, records, max_new_tokens, batch_size)
+    else:
+        acc = task_accuracy(run.model, run.tokenizer, chat_template_of(run), records, max_new_tokens,
+                            batch_size=batch_size, device=run.device)
     result = {"step": run.step, "tasks_file": str(tasks_file), "weights": weights, "limit": limit,
               "accuracy": {k: {"correct": c, "total": n, "accuracy": c / n} for k, (c, n) in acc.items()}}
     suffix = "" if weights == "model" else f"_{weights}"

@@ -61,13 +61,15 @@ def generate(
 
 
 def check_text_options(*, chat: bool, draft, quantized: bool) -> None:
-    """Refuse the generation options of the decoder-only path that an encoder-decoder does not have yet."""
-    options = (("--chat", chat), ("--draft", draft is not None), ("--quantized", quantized))
+    """Refuse the generation options of the decoder-only path that an encoder-decoder does not have yet.
+    `chat` is not one: the prompt as a user's turn is the encoder's input text, as seq2seq fine-tuning
+    reads a chat record (data/seq2seq_data.py), with no chat template."""
+    options = (("--draft", draft is not None), ("--quantized", quantized))
     asked = [name for name, on in options if on]
     if asked:
         raise LmforgeError(f"{', '.join(asked)}: not available for an encoder-decoder (model.arch=t5), which "
-                           "generates from its input text with --prompt alone (chat templates, speculative "
-                           "decoding and quantized serving are for decoder models)")
+                           "generates from its input text with --prompt (--chat reads it the same way; "
+                           "speculative decoding and quantized serving are for decoder models)")
 
 
 def text_to_text(model, tokenizer, prompt: str, *, max_new_tokens: int, temperature: float,

@@ -13,6 +13,7 @@ from lmforge.assembly.methods.preference import PreferenceSetup
 from lmforge.assembly.methods.prefix_lm import PrefixLMSetup
 from lmforge.assembly.methods.qa import QASetup
 from lmforge.assembly.methods.rl import RLSetup
+from lmforge.assembly.methods.seq2seq import Seq2SeqSetup
 from lmforge.assembly.methods.sft import SFTSetup
 from lmforge.assembly.methods.span_corruption import SpanCorruptionSetup
 from lmforge.assembly.methods.token_classify import TokenClassifySetup
@@ -22,7 +23,8 @@ from lmforge.config.schema import Config
 
 SETUPS: tuple[MethodSetup, ...] = (CausalLMSetup(), SFTSetup(), PreferenceSetup(), RLSetup(), DistillSetup(),
                                    MLMSetup(), GKDSetup(), ClassifySetup(), PrefixLMSetup(),
-                                   GLMSetup(), TokenClassifySetup(), QASetup(), SpanCorruptionSetup())
+                                   GLMSetup(), TokenClassifySetup(), QASetup(), SpanCorruptionSetup(),
+                                   Seq2SeqSetup())
 SETUP_OF: dict[str, MethodSetup] = {name: setup for setup in SETUPS for name in setup.names}
 assert set(SETUP_OF) == set(METHOD_CONFIGS), "every method in the config union has a setup"
 

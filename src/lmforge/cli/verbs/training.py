@@ -133,11 +133,25 @@ def _budget(args: argparse.Namespace, target: str) -> int:
     return 0
 
 
+def _same_objective(args: argparse.Namespace, name: str) -> None:
+    """Refuse --budget where the verb trains another objective on this model (`lmforge sft` of a T5: seq2seq),
+    which the verb's planner does not plan."""
+    from lmforge.assembly.methods.seq2seq import objective_for_model
+
+    trained = objective_for_model(load_config(args), name)
+    if trained != name:
+        raise ConfigError(f"--budget plans objective {name}; on this model lmforge {args.verb} trains "
+                          f"objective {trained}, which has no planner yet: drop --budget and set "
+                          "train.max_steps")
+
+
 def _train_objective(args: argparse.Namespace, name: str) -> int:
     """`lmforge train` with objective `name` (what the verb means), refusing a config naming another."""
+    from lmforge.assembly.methods.seq2seq import objective_for_model
     from lmforge.train.trainer import train
 
     cfg = load_config(args)
+    name = objective_for_model(cfg, name)  # `lmforge sft` of an encoder-decoder trains objective seq2seq
     if "name" in cfg.objective.model_fields_set and cfg.objective.name != name:
         raise ConfigError(f"lmforge {args.verb} trains objective {name}, but the config sets objective.name="
                           f"{cfg.objective.name}; remove it or use lmforge train")
@@ -166,6 +180,7 @@ def _method(name: str, spec: MethodVerb) -> Verb:
 
     def run(args: argparse.Namespace) -> int:
         if getattr(args, "budget", None) is not None:
+            _same_objective(args, name)
             return _budget(args, spec.budget)
         for flag, _, target in spec.actions:
             if getattr(args, flag.lstrip("-").replace("-", "_")):

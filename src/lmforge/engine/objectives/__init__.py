@@ -15,6 +15,7 @@ from lmforge.engine.objectives.preference import Preference
 from lmforge.engine.objectives.prefix_lm import PrefixLM
 from lmforge.engine.objectives.qa import QA
 from lmforge.engine.objectives.reward import RewardModel
+from lmforge.engine.objectives.seq2seq import Seq2Seq
 from lmforge.engine.objectives.sft import SFT
 from lmforge.engine.objectives.span_corruption import SpanCorruption
 from lmforge.engine.objectives.token_classify import TokenClassify
@@ -24,7 +25,7 @@ OBJECTIVES: dict[str, type[Objective]] = {CausalLM.name: CausalLM, SFT.name: SFT
                                           Distill.name: Distill, MaskedLM.name: MaskedLM,
                                           GKD.name: GKD, Classify.name: Classify, PrefixLM.name: PrefixLM,
                                           GLM.name: GLM, TokenClassify.name: TokenClassify, QA.name: QA,
-                                          SpanCorruption.name: SpanCorruption}
+                                          SpanCorruption.name: SpanCorruption, Seq2Seq.name: Seq2Seq}
 
 
 def build_objective(cfg: Config) -> Objective:
@@ -34,4 +35,5 @@ def build_objective(cfg: Config) -> Objective:
 
 __all__ = ["OBJECTIVES", "SFT", "CausalLM", "Distill", "GKD", "MaskedLM", "TopK", "PolicyGradient",
            "Preference", "RewardModel", "Objective", "ObjectiveModule", "ObjectiveOutput", "TokenObjective",
-           "build_objective", "Classify", "PrefixLM", "GLM", "TokenClassify", "QA", "SpanCorruption"]
+           "build_objective", "Classify", "PrefixLM", "GLM", "TokenClassify", "QA", "SpanCorruption",
+           "Seq2Seq"]
