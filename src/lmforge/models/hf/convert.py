@@ -140,7 +140,7 @@ def hf_dir_model_config(path: str | os.PathLike, *, max_seq_len: int | None = No
     hf_cfg = read_hf_config(path)
     try:
         files = weight_files(path)
-    except LmforgeError:  # a config lmforge cannot build says so first, as it did before the weights were read
+    except LmforgeError:  # a config lmforge cannot build says so first, before the missing weights
         hf_to_model_config(hf_cfg, max_seq_len=max_seq_len)
         raise
     names = {n for ns in files.values() for n in ns}
