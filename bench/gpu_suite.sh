@@ -19,12 +19,12 @@
 # is missing is skipped and names it; the fp8 row needs torchao built for the image's torch, so it is not in
 # the list: without it the row is skipped and says so.) Then bench/gpu_suite.py runs the rows in priority order under one
 # budget (default 540 s) and writes suite.json and suite.md to --out (default bench/results/gpu_suite/).
-# The rows' estimates add up to ~1,620 s on an H100: at 540 s the first call runs gpt2, llama1b, resume,
+# The rows' estimates add up to ~1,665 s on an H100: at 540 s the first call runs gpt2, llama1b, resume,
 # quant, serve_load, serve and moe (rows that finish early leave room for more), and a second call
 # measures the rest, keeping the first call's rows in suite.json:
 #
 #   bash bench/gpu_suite.sh --update --only e2e,llama,memory,ac,packed,lora,qlora   # ~505 s
-#   bash bench/gpu_suite.sh --update --only tf32,opt_offload,fp8                    # ~255 s
+#   bash bench/gpu_suite.sh --update --only tf32,opt_offload,fp8,prefix             # ~300 s
 #   bash bench/gpu_suite.sh --update --only planner                                 # ~330 s: five minutes
 set -euo pipefail
 cd "$(dirname "$0")/.."

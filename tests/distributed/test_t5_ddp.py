@@ -1,6 +1,6 @@
 """`torchrun ... -m lmforge train` of the T5 encoder-decoder (configs/t5/tiny.yaml, span corruption) with
-DDP on 2 gloo ranks trains the single-process curve on the same global batch; FSDP is refused (its
-per-block wrapping knows the decoder's blocks only)."""
+DDP and FSDP (each encoder and decoder block its own unit) on 2 gloo ranks train the single-process curve
+on the same global batch; tensor parallelism is refused."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def lmforge(*args: str, nproc: int = 1) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_t5_ddp_on_two_ranks_trains_the_single_process_curve(tmp_path):
+def test_t5_ddp_and_fsdp_on_two_ranks_train_the_single_process_curve(tmp_path):
     data = tmp_path / "data"
     one = lmforge("train", "-c", str(T5_TINY), *sets(tmp_path / "one", data, "train.micro_batch_size=8"))
     assert one.returncode == 0, one.stderr[-3000:]
@@ -44,8 +44,12 @@ def test_t5_ddp_on_two_ranks_trains_the_single_process_curve(tmp_path):
     assert len(a) >= 8
     assert_same_curve(a, b)
     fsdp = lmforge("train", "-c", str(T5_TINY), *sets(tmp_path / "three", data, "train.micro_batch_size=4"),
-                   nproc=2)
+                   nproc=2)  # dp_shard -1: both ranks shard (FSDP, ZeRO-3)
+    assert fsdp.returncode == 0, fsdp.stderr[-3000:]
+    assert_same_curve(a, curve(tmp_path / "three"))
+    tp = lmforge("train", "-c", str(T5_TINY), *sets(tmp_path / "four", data, "train.micro_batch_size=8",
+                                                     "parallel.tp=2", "parallel.dp_shard=1"), nproc=2)
     # each rank says one line (torchrun then reports the failed workers its own way)
-    assert fsdp.returncode != 0
-    assert "lmforge train: error: an encoder-decoder (model.arch=t5) trains" in fsdp.stderr
-    assert "parallel.dp_shard=2 is not available" in fsdp.stderr
+    assert tp.returncode != 0
+    assert "lmforge train: error: an encoder-decoder (model.arch=t5) trains" in tp.stderr
+    assert "parallel.tp=2 is not available" in tp.stderr

@@ -103,6 +103,15 @@ def test_the_quant_row_times_bf16_int8_int4_and_transformers_on_the_same_weights
     assert nbytes["int4"] < nbytes["int8"] < nbytes["bf16"]  # (lmforge's also holds its rope tables)
 
 
+@pytest.mark.slow  # flex attention compiled on a CPU: ~20-40 s
+def test_the_prefix_row_runs_flex_equal_to_the_dense_mask_through_the_model(tmp_path):
+    result = _row_in_process("prefix", tmp_path / "prefix.json")
+    assert result["dtype"] == "fp32" and set(result["ms_per_step"]) == {"mask", "flex"}
+    # a CPU runs flex forward only (torch has no flex backward there): the GPU row compares the gradients
+    assert result["loss_diff"] <= 1e-5 and result["grad_max_diff"] is None, result
+    assert all(ms > 0 for ms in result["ms_per_step"].values())
+
+
 @pytest.mark.slow  # a server process and its imports: ~30-50 s on a loaded 2-core machine
 def test_the_serve_load_row_serves_over_http_and_batches_transformers_at_each_concurrency(tmp_path):
     rc, report = _suite(tmp_path, "--only", "serve_load")

@@ -75,24 +75,22 @@ def refuse_t5(cfg, what: str) -> None:
 
 
 def check_t5_training(cfg, world_size: int) -> None:
-    """ConfigError for what T5 training cannot do yet: parallelism past data-parallel replication (the
-    pipeline and tensor-parallel plans and FSDP's per-block wrapping know the decoder's blocks only).
-    LoRA, DoRA and QLoRA take T5's layers by name (finetune/t5_lora.py)."""
+    """ConfigError for what T5 training cannot do yet: tensor, pipeline and expert parallelism (their
+    plans know the decoder's blocks only). Data parallelism is DDP or FSDP (each encoder and decoder block
+    its own unit: parallel/data_parallel.py); LoRA, DoRA and QLoRA take T5's layers by name
+    (finetune/t5_lora.py)."""
     from lmforge.errors import ConfigError
 
     if cfg.model.arch != "t5":
         return
     p = cfg.parallel
-    # dp_shard -1 takes the processes the other degrees leave: FSDP unless that is one
-    shard = p.dp_shard if p.dp_shard != -1 else world_size // max(p.dp_replicate * p.tp * p.pp, 1)
-    degrees = (("pp", p.pp), ("tp", p.tp), ("ep", p.ep), ("dp_shard", shard))
+    degrees = (("pp", p.pp), ("tp", p.tp), ("ep", p.ep))
     bad = [f"parallel.{k}={v}" for k, v in degrees if v > 1]
     if cfg.train.activation_checkpointing != "none":  # it wraps the decoder's blocks (model.layers)
         bad.append(f"train.activation_checkpointing={cfg.train.activation_checkpointing}")
     if cfg.train.compile and world_size > 1:  # several processes compile the decoder's blocks one by one
         bad.append("train.compile=true with several processes")
     if bad:
-        raise ConfigError(f"an encoder-decoder (model.arch=t5) trains in one process or with data-parallel "
-                          f"replication (DDP: parallel.dp_replicate) only so far: {', '.join(bad)} is not "
-                          "available; set parallel degrees to 1, train.activation_checkpointing=none, "
-                          "train.compile=false")
+        raise ConfigError(f"an encoder-decoder (model.arch=t5) trains in one process or data-parallel (DDP, "
+                          f"FSDP) only so far: {', '.join(bad)} is not available; set parallel.tp/pp/ep to "
+                          "1, train.activation_checkpointing=none, train.compile=false")

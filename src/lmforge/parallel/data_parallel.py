@@ -41,6 +41,14 @@ def mixed_precision(param_dtype: str, reduce_dtype: str, precision: str) -> Mixe
     return MixedPrecisionPolicy(param_dtype=_DTYPES[param_dtype], reduce_dtype=_DTYPES[reduce_dtype])
 
 
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks, each its own FSDP unit: the decoder's `layers`; an encoder-decoder's
+    encoder blocks, then its decoder blocks (their stacks' relative biases and norms stay at the root)."""
+    if getattr(getattr(model, "cfg", None), "arch", None) == "t5":
+        return [*model.encoder.layers.children(), *model.decoder.layers.children()]
+    return list(model.layers.children())
+
+
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, mp: MixedPrecisionPolicy,
                cpu_offload: bool, ignored: list[nn.Parameter] = ()) -> None:
     """fully_shard each transformer block, then the rest (embeddings, final norm, head) at the root.
@@ -55,7 +63,7 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, zero: int, mp: MixedPrecision
     reshard = zero == 3
     ignored = set(ignored) or None
     units = []
-    for block in model.layers.children():
+    for block in _blocks(model):
         units.append(fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
                                  offload_policy=offload, ignored_params=ignored))
     units.append(fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
