@@ -30,9 +30,8 @@ import torch
 
 from lmforge.data.batch import IGNORE_INDEX, PaddedRows
 from lmforge.data.chat import BadRow, ChatStats, iter_records
-from lmforge.data.prepare import split_of
 from lmforge.data.sources import check_source
-from lmforge.data.task_data import Built, TaskLoader, prepare_dir, settings_of, tokenizer_file
+from lmforge.data.task_data import Built, TaskLoader, prepare_dir, settings_of, split_records, tokenizer_file
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import DataError
 
@@ -174,15 +173,7 @@ def prepare(cfg: Any, console=print, replace: bool = False):
                         "[SEP] (or <s> / </s>): use the tokenizer of the encoder's own run")
 
     def build() -> Built:
-        records: dict[str, list[TaggedRecord]] = {"train": [], "val": []}
-        if c.val_data:
-            records["train"], records["val"] = list(read_tagged(c.data, c)), list(read_tagged(c.val_data, c))
-        else:
-            for i, r in enumerate(read_tagged(c.data, c)):
-                split = split_of(i, cfg.run.seed, c.val_fraction) if c.val_fraction > 0 else "train"
-                records[split].append(r)
-        if not records["train"]:
-            raise DataError(f"token_classify.data holds no training records ({', '.join(c.data)})")
+        records = split_records(lambda paths: read_tagged(paths, c), c, "token_classify.data", cfg.run.seed)
         labels = tag_map(records["train"], c)
         index = {v: i for i, v in enumerate(labels)}
         splits, counts = {}, {}

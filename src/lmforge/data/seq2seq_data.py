@@ -30,10 +30,9 @@ import torch
 
 from lmforge.data.batch import IGNORE_INDEX
 from lmforge.data.chat import BadRecord, BadRow, ChatStats, iter_records, to_conversation
-from lmforge.data.prepare import split_of
 from lmforge.data.seq2seq import Seq2SeqBatch
 from lmforge.data.sources import check_source
-from lmforge.data.task_data import Built, TaskLoader, prepare_dir, settings_of, tokenizer_file
+from lmforge.data.task_data import Built, TaskLoader, prepare_dir, settings_of, split_records, tokenizer_file
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import DataError
 
@@ -154,15 +153,7 @@ def prepare(cfg: Any, console=print, replace: bool = False):
         return (None if c.overlong == "drop" else ids[: limit - 1] + [eos]), True
 
     def build() -> Built:
-        records: dict[str, list[Pair]] = {"train": [], "val": []}
-        if c.val_data:
-            records["train"], records["val"] = list(read_pairs(c.data, c)), list(read_pairs(c.val_data, c))
-        else:
-            for i, r in enumerate(read_pairs(c.data, c)):
-                split = split_of(i, cfg.run.seed, c.val_fraction) if c.val_fraction > 0 else "train"
-                records[split].append(r)
-        if not records["train"]:
-            raise DataError(f"seq2seq.data holds no training records ({', '.join(c.data)})")
+        records = split_records(lambda paths: read_pairs(paths, c), c, "seq2seq.data", cfg.run.seed)
         splits, counts = {}, {}
         for name, recs in records.items():
             xs, ys, over = [], [], 0

@@ -34,9 +34,8 @@ import torch
 
 from lmforge.data.batch import PaddedRows
 from lmforge.data.chat import BadRow, ChatStats, iter_records
-from lmforge.data.prepare import split_of
 from lmforge.data.sources import check_source
-from lmforge.data.task_data import Built, TaskLoader, prepare_dir, settings_of, tokenizer_file
+from lmforge.data.task_data import Built, TaskLoader, prepare_dir, settings_of, split_records, tokenizer_file
 from lmforge.data.tokenizer import Tokenizer
 from lmforge.errors import ConfigError, DataError
 
@@ -164,15 +163,7 @@ def prepare(cfg: Any, console=print, replace: bool = False):
                         "own run")
 
     def build() -> Built:
-        records: dict[str, list[QARecord]] = {"train": [], "val": []}
-        if c.val_data:
-            records["train"], records["val"] = list(read_qa(c.data, c)), list(read_qa(c.val_data, c))
-        else:
-            for i, r in enumerate(read_qa(c.data, c)):
-                split = split_of(i, cfg.run.seed, c.val_fraction) if c.val_fraction > 0 else "train"
-                records[split].append(r)
-        if not records["train"]:
-            raise DataError(f"qa.data holds no training records ({', '.join(c.data)})")
+        records = split_records(lambda paths: read_qa(paths, c), c, "qa.data", cfg.run.seed)
         splits, counts, files = {}, {}, {}
         for name, recs in records.items():
             wins, example, cut = [], [], 0

@@ -17,14 +17,14 @@ import importlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lmforge.data.prepare import TOKENIZER_FILE, data_dir
+from lmforge.data.prepare import TOKENIZER_FILE, data_dir, split_of
 from lmforge.data.sampler import EpochSampler
 from lmforge.data.shards import read_meta, write_meta
 from lmforge.data.tokenizer import Tokenizer
@@ -138,6 +138,22 @@ class Built:
     labels: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)  # more of the meta (a kind's own facts)
     files: dict[str, str] = field(default_factory=dict)  # more files of the dir: name -> text
+
+
+def split_records(read: Callable[[list[str]], Iterable[Any]], section: Any, key: str, seed: int
+                  ) -> dict[str, list]:
+    """A task section's {"train", "val"} records: its `val_data`, or the `val_fraction` of its `data` that
+    `split_of` sends to validation by the seed and position; DataError naming `key` (its data key) when no
+    training record is left. `read(paths)` yields the records of those files."""
+    out: dict[str, list] = {"train": [], "val": []}
+    if section.val_data:
+        out["train"], out["val"] = list(read(section.data)), list(read(section.val_data))
+    else:
+        for i, r in enumerate(read(section.data)):
+            out[split_of(i, seed, section.val_fraction) if section.val_fraction > 0 else "train"].append(r)
+    if not out["train"]:
+        raise DataError(f"{key} holds no training records ({', '.join(section.data)})")
+    return out
 
 
 def prepare_dir(cfg: Any, kind: str, settings: dict, tok: Tokenizer, build: Callable[[], Built],
