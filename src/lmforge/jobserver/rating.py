@@ -22,14 +22,13 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lmforge.jobserver.auth import USER_RE
 from lmforge.jobserver.jobs import RequestError
+from lmforge.jobserver.store import LockedDB
 
 DB_NAME = "ratings.db"
 MAX_ITEMS = 500           # prompts in one study
@@ -212,7 +211,7 @@ def parse_study(body: Any, owner: str) -> dict[str, Any]:
             "sides": sides, "max_new_tokens": max_new}
 
 
-class RatingStore:
+class RatingStore(LockedDB):
     """Studies, their items and the ratings in `<workspace>/ratings.db`."""
 
     def __init__(self, workspace: str | Path) -> None:
@@ -231,21 +230,6 @@ class RatingStore:
             self.path.chmod(0o600)  # prompts, answers and comments: the operator's and the owners'
         except OSError:
             pass
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
 
     def create(self, req: dict[str, Any]) -> Study:
         sides = req["sides"]

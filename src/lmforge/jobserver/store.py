@@ -98,7 +98,30 @@ def _row_to_job(row: sqlite3.Row) -> Job:
     return Job(**{k: d[k] for k in _JOB_COLS})
 
 
-class Store:
+class LockedDB:
+    """One SQLite connection behind a lock (`self._db`, `self._lock`, set by the subclass): transactions
+    that take the write lock at their start, and close."""
+
+    _db: sqlite3.Connection
+    _lock: threading.Lock
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+
+class Store(LockedDB):
     """Tokens and jobs in `<workspace>/server.db`."""
 
     def __init__(self, workspace: str | Path) -> None:
@@ -117,21 +140,6 @@ class Store:
             self.path.chmod(0o600)  # token hashes: readable by the operator only
         except OSError:
             pass
-
-    def close(self) -> None:
-        with self._lock:
-            self._db.close()
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
 
     # -- tokens -----------------------------------------------------------------------------------
     def add_token(self, token_id: str, user: str, digest: str) -> None:
