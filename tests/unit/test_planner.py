@@ -32,7 +32,7 @@ def test_plan_chooses_from_the_table_and_says_why():
     s = p.settings
     shape = tuple(s[f"model.{k}"] for k in ("d_model", "n_layers", "n_heads", "n_kv_heads"))
     assert shape == (128, 4, 4, 2)
-    assert s["optim.lr"] == pytest.approx(4e-3) and s["train.micro_batch_size"] == 16
+    assert s["optim.lr"] == pytest.approx(2e-3) and s["train.micro_batch_size"] == 16
     assert s["schedule.name"] == "wsd" and s["schedule.unit"] == "time"
     assert s["data.tokenizer.vocab_size"] == 4096 and s["train.precision"] == "fp32"
     # the phases add up to the budget, and training gets most of it
@@ -73,7 +73,7 @@ def test_user_keys_win_and_the_rest_is_planned_around_them():
     assert s["model.n_heads"] * 32 == 256  # heads follow the width
     # without the user's lr, the width rule gives lr for their width
     lr = P.plan(300, table(), P.Corpus(), {"model.d_model": 256}).settings["optim.lr"]
-    assert lr == pytest.approx(2e-3)
+    assert lr == pytest.approx(1e-3)
     assert P.plan(300, table(), P.Corpus(), {"data.tokenizer.vocab_size": 2048}).settings[
         "data.tokenizer.vocab_size"] == 2048
 
@@ -115,6 +115,10 @@ def test_the_corpus_and_the_budget_bound_what_is_read():
     assert p.settings["data.max_chars"] == 2_000_000
     big = P.plan(300, table(), P.Corpus(), {}).settings["data.max_chars"]
     assert big <= P.PREPARE_SHARE * 300 * P.PREPARE_CHARS_PER_S
+    # what is read comes from the whole corpus, not its first documents; a user's choice is kept
+    assert p.settings["data.max_chars_from"] == "spread"
+    kept = P.plan(300, table(), P.Corpus(), {"data.max_chars_from": "start"})
+    assert kept.settings["data.max_chars_from"] == "start"
     # enough held-out text for the evaluation's batches
     s = P.plan(300, table(), P.Corpus(), {}).settings
     val_tokens = s["data.val_fraction"] * big / P.CHARS_PER_TOKEN[4096]

@@ -151,3 +151,27 @@ def test_existing_tokenizer_and_foreign_dir(tmp_path, corpus):
 def test_missing_source(tmp_path):
     with pytest.raises(DataError, match="nowhere"):
         prepare(make_cfg(tmp_path, [tmp_path / "nowhere"]))
+
+
+def test_spread_reads_and_samples_the_tokenizer_over_the_whole_corpus(tmp_path, corpus, monkeypatch):
+    seen = []
+    train = Tokenizer.train.__func__
+
+    def spy(cls, texts, *args, **kw):
+        texts = list(texts)
+        seen.extend(texts)
+        return train(cls, texts, *args, **kw)
+
+    monkeypatch.setattr(Tokenizer, "train", classmethod(spy))
+    size = sum(f.stat().st_size for f in corpus.rglob("*.txt"))
+    cfg = make_cfg(tmp_path, [corpus], max_chars=size // 2, max_chars_from="spread",
+                   tokenizer={"vocab_size": 300, "train_chars": size // 6})
+    p = prepare(cfg)
+    read = [int(d.rsplit("[", 1)[1].split("]")[0]) for s in ("train", "val") for d in docs_of(p, s)]
+    assert min(read) < 5 and max(read) > 54 and len(read) < N_DOCS * 0.6  # about every other document
+    ids = [int(t.rsplit("[", 1)[1].split("]")[0]) for t in seen]
+    assert max(ids) > 45  # the tokenizer's third is spread too, not the first documents read
+    assert sum(map(len, seen)) <= size // 6 + 200
+    with pytest.raises(DataError, match=r"\(max_chars_from differ\)"):  # 'start' is other data
+        prepare(make_cfg(tmp_path, [corpus], max_chars=size // 2,
+                         tokenizer={"vocab_size": 300, "train_chars": size // 6}))

@@ -130,3 +130,36 @@ def test_parquet_files_are_read_by_text_column(tmp_path):
     assert docs == ["first doc", "third doc"] and stats.skipped_bad_json == 1
     with pytest.raises(DataError, match="no 'body' column"):
         list(iter_documents(DataConfig(sources=[str(tmp_path)], text_key="body"), SourceStats()))
+
+
+def test_max_chars_from_spread_keeps_documents_from_the_whole_corpus(tmp_path):
+    # docs then code, as builtin:python is: the first 20% of the characters would be docs only
+    for i in range(100):
+        (tmp_path / f"{i:03d}.txt").write_text(("prose " if i < 50 else "code ") * 20 + f"{i}\n")
+    size = sum(f.stat().st_size for f in tmp_path.iterdir())
+    start, _ = read([tmp_path], max_chars=size // 5)
+    assert all(d.startswith("prose") for d in start)
+    spread, stats = read([tmp_path], max_chars=size // 5, max_chars_from="spread")
+    kinds = [d.split()[0] for d in spread]
+    assert kinds.count("prose") == kinds.count("code") == 10  # every 5th file, evenly over the whole
+    numbers = [int(d.split()[-1]) for d in spread]
+    assert max(b - a for a, b in zip(numbers, numbers[1:])) == 5 and numbers[-1] >= 95
+    assert stats.chars <= size // 5 and spread == read([tmp_path], max_chars=size // 5,
+                                                       max_chars_from="spread")[0]  # deterministic
+    everything, _ = read([tmp_path], max_chars=2 * size, max_chars_from="spread")
+    assert len(everything) == 100  # more room than the corpus: all of it
+
+
+def test_spread_needs_max_chars(tmp_path):
+    with pytest.raises(ValueError, match="max_chars_from='spread'.*max_chars is not set"):
+        DataConfig(sources=[str(tmp_path)], max_chars_from="spread")
+
+
+def test_source_size_counts_what_a_walk_reads(tmp_path):
+    from lmforge.data.sources import source_size
+
+    (tmp_path / "a.txt").write_text("x" * 100)
+    (tmp_path / "b.bin").write_bytes(b"y" * 1000)  # not read by a folder walk: not counted
+    (tmp_path / ".hidden.txt").write_text("z" * 10)
+    assert source_size(str(tmp_path)) == 100 and source_size(str(tmp_path / "b.bin")) == 1000
+    assert source_size("builtin:python") > 1_000_000

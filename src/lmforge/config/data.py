@@ -116,6 +116,14 @@ class DataConfig(Section):
         None, ge=1, description="Stop reading sources after this many characters (None: read all); "
         "data.val_sources gets as many again."
     )
+    max_chars_from: Literal["start", "spread"] = Field(
+        "start", description="Which documents data.max_chars keeps: 'start', the first ones in source order; "
+        "'spread', documents spread evenly over the whole of data.sources (one kept while the characters "
+        "kept stay within max_chars / the sources' total size, estimated from their file sizes in bytes: "
+        "text that is not ASCII, or compressed Parquet, reads a little less or stops a little early), and "
+        "the tokenizer's train_chars spread over those in turn. `--budget` uses 'spread', so a corpus whose "
+        "files differ from start to end (docs, then code) trains on every kind it holds."
+    )
     on_bad_utf8: Literal["skip", "fail"] = Field(
         "skip", description="A file that is not UTF-8: skip it and count it, or fail with its path."
     )
@@ -138,6 +146,14 @@ class DataConfig(Section):
         if v != "auto" and not 1 <= int(v) <= 64:
             raise ValueError(f"data.workers={v}: give 1..64 worker processes, or 'auto'")
         return v
+
+    @model_validator(mode="after")
+    def _spread_needs_max_chars(self) -> DataConfig:
+        if self.max_chars_from == "spread" and self.max_chars is None:
+            raise ValueError("max_chars_from='spread' says how data.max_chars picks its documents, but "
+                             "max_chars is not set (every document is read): set data.max_chars, or drop "
+                             "max_chars_from")
+        return self
 
     @field_validator("sources", mode="before")
     @classmethod

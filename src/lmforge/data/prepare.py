@@ -30,6 +30,7 @@ from lmforge.data.shards import ShardWriter, dtype_for_vocab, read_meta, write_m
 from lmforge.data.sources import (
     BUILTIN_PYTHON,
     SourceStats,
+    Spread,
     builtin_python_identity,
     check_source,
     iter_documents,
@@ -289,9 +290,13 @@ def _split_documents(d: DataConfig, seed: int, stats: SourceStats) -> Iterator[t
 def _train_texts(d: DataConfig, seed: int, stats: SourceStats, fed: list[int]) -> Iterator[str]:
     """The train documents, cut off after tokenizer.train_chars characters; `fed[0]` counts them."""
     budget = d.tokenizer.train_chars
+    # max_chars_from=spread: the sample spread over the documents read too, not their first train_chars
+    keep = Spread(budget / d.max_chars) if d.max_chars_from == "spread" and d.max_chars else None
     for i, doc in enumerate(iter_documents(d, stats)):
         if not d.val_sources and split_of(i, seed, d.val_fraction) != "train":
             continue  # the tokenizer must not see validation text, or val loss would flatter it
+        if keep is not None and not keep(len(doc)):
+            continue
         doc = doc[: budget - fed[0]]
         fed[0] += len(doc)
         if len(doc) > _LONG_DOC_CHARS:
@@ -365,6 +370,7 @@ def _settings(cfg: Config) -> dict:
         "shard_tokens": d.shard_tokens,
         # only when set: data prepared before the key existed keeps its fingerprint
         **({"val_sources": [_source_identity(s) for s in d.val_sources]} if d.val_sources else {}),
+        **({"max_chars_from": d.max_chars_from} if d.max_chars_from != "start" else {}),
         **({"encoder_tokens": True} if cfg.model.arch == "encoder" else {}),
         **({"method_tokens": list(method_facts(cfg).tokens)} if method_facts(cfg).tokens else {}),
         **({"t5_sentinels": True} if cfg.model.arch == "t5" else {}),

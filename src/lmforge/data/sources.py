@@ -93,11 +93,17 @@ def iter_documents(cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
     for src in cfg.source_paths:  # fail on a bad path before yielding anything
         check_source(src)
     budget = cfg.max_chars
+    keep = None  # max_chars_from=spread: which documents, evenly over every source
+    if budget is not None and cfg.max_chars_from == "spread":
+        total = sum(source_size(src) for src in cfg.source_paths)
+        keep = Spread((budget - stats.chars) / total) if total else None
     for src in cfg.source_paths:
         stats.sources.append(src)
         for doc in _iter_source(src, cfg, stats):
             if not doc or doc.isspace():  # as `not doc.strip()`, without copying a huge document
                 stats.skipped_empty += 1
+                continue
+            if keep is not None and not keep(len(doc)):
                 continue
             if budget is not None and len(doc) >= budget - stats.chars:
                 doc = doc[: budget - stats.chars]
@@ -109,6 +115,40 @@ def iter_documents(cfg: DataConfig, stats: SourceStats) -> Iterator[str]:
             yield doc
             if stats.truncated:
                 return
+
+
+class Spread:
+    """Keeps a share `rate` of a stream of documents, spread evenly over it: a document is kept while the
+    characters kept, with it, stay within `rate` of the characters seen (Bresenham's rule on characters;
+    deterministic, one pass, no total needed beyond the rate)."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.seen, self.kept = rate, 0, 0
+
+    def __call__(self, chars: int) -> bool:
+        self.seen += chars
+        if self.kept + chars / 2 > self.rate * self.seen:
+            return False
+        self.kept += chars
+        return True
+
+
+def source_size(src: str) -> int:
+    """Bytes `src` holds (builtin:python: its documents' characters and files' bytes; a folder: the files
+    a walk would read): what max_chars_from=spread spreads over, and what preparing it reads."""
+    if src == BUILTIN_PYTHON:
+        try:
+            from pydoc_data.topics import topics
+        except ImportError:
+            topics = {}
+        return sum(len(t) for t in topics.values()) + sum(p.stat().st_size for p in python_stdlib_files())
+    path = Path(src)
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in walk_files(path)
+               if f.suffix.lower() in TEXT_EXTENSIONS + JSONL_EXTENSIONS + PARQUET_EXTENSIONS)
 
 
 def check_source(src: str) -> None:

@@ -31,7 +31,7 @@ from lmforge.errors import ConfigError
 # Published laws (Hoffmann, Epoch) predict 10-25 nats for the same runs.
 LAW = dict(E=0.0, A=14.2883, B=101.547, alpha=0.218476, beta=0.235491)
 LAW_MIN_PARAMS = 0.5 * 787_584  # half the smallest fitted N: below it the rule is an extrapolation
-LR_AT_128 = 4.0e-3  # lr = LR_AT_128 * 128 / d_model: the 5-minute winner (d128, lr 4e-3)
+LR_AT_128 = 2.0e-3  # lr = LR_AT_128 * 128 / d_model: the better lr at d128 of the python grid at 2 min
 LR_RANGE = (3e-4, 6e-3)
 BATCH_RULE = (0.1968, 0.3271)  # tokens/step = k C^e: DeepSeek's exponent, k from the winner's 4096 tokens
 PREPARE_CHARS_PER_S = 1_207_555.0  # a whole `lmforge prepare` of builtin:python (low quartile of 6 runs)
@@ -372,6 +372,7 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
     choose("data.tokenizer.vocab_size", vocab, vocab_why)
     choose("data.max_chars", max(chars, corpus.val_chars), f"rule: what {tps:,.0f} tok/s trains on, <= "
            f"{PREPARE_SHARE:.0%} of the budget at {PREPARE_CHARS_PER_S:,.0f} chars/s")
+    choose("data.max_chars_from", "spread", "rule: documents from the whole corpus, not its start")
     choose("data.tokenizer.train_chars", max(1000, chars // 2), "rule: half of the corpus read")
     rule = f"rule: lowest L(N,D) at {measured}, {d / n:.1f} tokens/non-embedding param"
     for k in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
@@ -386,7 +387,7 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
            "tokens/step")
     d_model = user.get("model.d_model", shape.d_model)
     lr = min(max(LR_AT_128 * 128 / d_model, LR_RANGE[0]), LR_RANGE[1])
-    choose("optim.lr", lr, f"rule: {LR_AT_128:g} x 128 / d_model (speedrun's winner)")
+    choose("optim.lr", lr, f"rule: {LR_AT_128:g} x 128 / d_model (python grid at 2 min: beat 2x it at d128)")
     choose("schedule.name", "wsd", "rule: warm-up, flat, cooldown over the end (speedrun)")
     choose("schedule.unit", "time", "the budget is wall time")
     if user.get("schedule.name", "wsd") == "wsd":

@@ -52,18 +52,6 @@ def user_keys(cfg) -> dict[str, Any]:
     return out
 
 
-def _size(sources: Sequence[str]) -> int:
-    """Bytes of the files of `sources` (at least their characters): what preparing reads of them."""
-    from lmforge.data.sources import walk_files
-
-    total = 0
-    for src in sources:
-        path = Path(src)
-        files = [path] if path.is_file() else walk_files(path) if path.is_dir() else []
-        total += sum(f.stat().st_size for f in files)
-    return total
-
-
 def planned_config(config: str | None, sets: Sequence[str], p: Plan):
     """The user's config with the plan's choices put in as --set overrides after theirs (keys they set are
     not among the plan's settings to change: the plan kept them)."""
@@ -155,7 +143,11 @@ def run_budget(budget_s: float, config: str | None, sets: Sequence[str], *, plan
         raise LmforgeError(f"run.dir {run_dir} already holds a run; --set run.overwrite=true to replace it, "
                            "or choose another run.dir")
     throughput = probe(budget_s, user, deadline, base.train.device, say)
-    p = plan(budget_s, throughput, Corpus(val_chars=_size(base.data.val_sources)), user)
+    from lmforge.data.sources import source_size
+
+    corpus = Corpus(chars=sum(source_size(s) for s in base.data.source_paths) or None,
+                    val_chars=sum(source_size(s) for s in base.data.val_sources))
+    p = plan(budget_s, throughput, corpus, user)
     say(p.table())
     cfg = planned_config(config, sets, p)
     if plan_only:
