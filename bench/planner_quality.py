@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -75,18 +76,31 @@ def score(run_dir: Path) -> float:
     return float(json.loads(found[-1].read_text())["bpb"])
 
 
+def progress(run_dir: Path) -> dict:
+    """Steps and tokens a run trained in its time (metrics.jsonl's last training row): the same config on
+    a slower machine does fewer, which is how rows of one cell measured on different machines show."""
+    last: dict = {}
+    path = run_dir / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        row = json.loads(line)
+        if "tokens_seen" in row:
+            last = row
+    return {"steps": last["step"], "tokens": last["tokens_seen"]} if last else {}
+
+
 def run_planner(budget: float, train: Path, held: Path, out: Path, extra: list[str]) -> dict:
     run = out / "planner"
+    shutil.rmtree(run, ignore_errors=True)  # the bench's own dir: a rerun plans (and prepares) afresh
     t0 = time.perf_counter()
     proc = lmforge("train", "--budget", f"{budget:g}s", *sets(
         f"data.sources=[{json.dumps(str(train))}]", f"data.val_sources=[{json.dumps(str(held))}]",
-        f"run.dir={run}", "logging.progress=none", *extra))
+        f"run.dir={run}", "run.overwrite=true", "logging.progress=none", *extra))
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"name": "planner", "error": proc.stderr.strip()[-500:], "wall_s": round(wall, 1)}
     plan = json.loads((run / "plan.json").read_text())
     chosen = {c["key"]: c["value"] for c in plan["choices"]}
-    return {"name": "planner", "bpb": score(run), "wall_s": round(wall, 1),
+    return {"name": "planner", "bpb": score(run), "wall_s": round(wall, 1), **progress(run),
             "shape": f"d{chosen['model.d_model']}-L{chosen['model.n_layers']}", "lr": chosen["optim.lr"],
             "vocab": chosen["data.tokenizer.vocab_size"]}
 
@@ -101,7 +115,8 @@ def run_hand(name: str, budget: float, train: Path, held: Path, out: Path, extra
         return {"name": name, "error": prep.stderr.strip()[-500:]}
     t0 = time.perf_counter()
     proc = lmforge("train", *sets(
-        *common, f"run.dir={run}", f"model.d_model={d}", f"model.n_layers={n}", f"model.n_heads={h}",
+        *common, f"run.dir={run}", "run.overwrite=true", f"model.d_model={d}", f"model.n_layers={n}",
+        f"model.n_heads={h}",
         f"model.n_kv_heads={h // 2 if h % 2 == 0 else h}", "model.max_seq_len=256",
         "train.micro_batch_size=16", f"optim.lr={lr}", "schedule.name=wsd", "schedule.unit=time",
         f"schedule.warmup_seconds={min(15, 0.05 * budget):g}",
@@ -111,7 +126,7 @@ def run_hand(name: str, budget: float, train: Path, held: Path, out: Path, extra
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"name": name, "error": proc.stderr.strip()[-500:], "wall_s": round(wall, 1)}
-    return {"name": name, "bpb": score(run), "wall_s": round(wall, 1)}
+    return {"name": name, "bpb": score(run), "wall_s": round(wall, 1), **progress(run)}
 
 
 def run_nanogpt(root: str, budget: float, train: Path, held: Path) -> dict:
@@ -218,10 +233,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--results", default=str(RESULTS))
     ap.add_argument("--resume", action="store_true", help="keep the rows --results already holds (same "
                     "machine and grid) and run only the missing ones")
+    ap.add_argument("--repeat", default="", help="rows (grid names or planner) to run once more after each "
+                    "cell's missing rows, kept under the cell's 'repeats': the spread of one configuration "
+                    "from run to run on the same machine (a time budget trains as many steps as the machine "
+                    "gives)")
     ap.add_argument("--tiny", action="store_true", help="a smoke run: 20 s, the prose corpus at 300k "
                     "chars, 2 grid points, 4 x 64 tokens a micro-batch")
     args = ap.parse_args(argv)
     budgets = [duration(b) for b in args.budgets.split(",")]
+    unknown = [n for n in args.repeat.split(",") if n and n != "planner" and n not in HAND_GRID]
+    if unknown:
+        ap.error(f"--repeat {','.join(unknown)}: not a grid row (one of {', '.join(HAND_GRID)}) or planner")
     corpora, grid, chars, extra = args.corpora.split(","), list(HAND_GRID), args.chars, []
     if args.tiny:
         budgets, corpora, grid, chars, extra = [20.0], ["prose"], list(TINY_GRID), 300_000, TINY_SETS
@@ -256,6 +278,11 @@ def main(argv: list[str] | None = None) -> dict:
                     row = run_hand(name, budget, train, held, cell_dir, extra)
                 cell["rows"] = [r for r in cell["rows"] if r["name"] != name] + [row]
                 cell.update(compare(cell["rows"]))
+                save(results, Path(args.results))
+            for name in args.repeat.split(",") if args.repeat else []:  # run-to-run spread of a row
+                row = (run_planner(budget, train, held, cell_dir / "repeat", extra) if name == "planner" else
+                       run_hand(name, budget, train, held, cell_dir / "repeat", extra))
+                cell.setdefault("repeats", []).append({**row, "name": name})
                 save(results, Path(args.results))
             print(json.dumps(cell), flush=True)
     head = ["corpus", "budget", "planner bpb", "grid best", "planner / grid", "planner / nanoGPT"]

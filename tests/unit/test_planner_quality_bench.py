@@ -83,3 +83,17 @@ def test_resume_runs_only_the_rows_not_yet_measured(tmp_path, monkeypatch):
     calls.clear()
     pq.main(args)  # without --resume everything runs again
     assert calls == ["planner", *pq.TINY_GRID]
+    calls.clear()
+    rep = pq.main([*args, "--resume", "--repeat", "planner,d64-L2-lr0.004"])
+    assert calls == ["planner", "d64-L2-lr0.004"]  # nothing missing: only the repeats run
+    assert [r["name"] for r in rep["cells"][0]["repeats"]] == ["planner", "d64-L2-lr0.004"]
+    with pytest.raises(SystemExit):
+        pq.main([*args, "--repeat", "d1-L1-lr9"])
+
+
+def test_progress_reads_steps_and_tokens_of_the_last_training_row(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "loss": 5.0, "tokens_seen": 40960}\n'
+                                            '{"step": 20, "loss": 4.0, "tokens_seen": 81920}\n'
+                                            '{"step": 21, "val_loss": 3.9}\n')
+    assert pq.progress(tmp_path) == {"steps": 20, "tokens": 81920}
+    assert pq.progress(tmp_path / "none") == {}
