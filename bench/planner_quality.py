@@ -1,7 +1,8 @@
 """Quality per minute: `lmforge train --budget B` against (a) the best of a grid of 12 hand configurations at
 the same budget and (b) nanoGPT's documented CPU recipe for the same wall time, on corpora the planner was
-not tuned on (bench/corpora.py: builtin:python, on which its rules were measured, and a generated prose
-corpus it never saw), each scored the same way: bits per byte over the whole held-out text.
+not tuned on (bench/corpora.py: builtin:python, on which its rules were measured; a generated prose
+corpus and the King James Bible, which it never saw), each scored the same way: bits per byte over the
+whole held-out text.
 
 - planner: `lmforge train --budget B --set data.sources=[TRAIN] --set data.val_sources=[HELDOUT]`, the whole
   process timed (it prepares its own data inside the budget).
@@ -19,7 +20,7 @@ corpus it never saw), each scored the same way: bits per byte over the whole hel
   nats / ln 2 / UTF-8 bytes.
 
 Targets (issue 36): planner within 3% of the grid's best bpb; planner <= 0.75x nanoGPT's bpb. Hours of
-exclusive CPU at the full set (2 corpora x 2/5/15 min x 14 runs): run it alone.
+exclusive CPU at the full set (3 corpora x 2/5/15 min x 14 runs): run it alone.
 
     python bench/planner_quality.py --nanogpt ~/nanoGPT                 # 2, 5, 15 minutes, both corpora
     python bench/planner_quality.py --budgets 5m --corpora prose
