@@ -69,8 +69,10 @@ def test_prepare_end_to_end(tmp_path, corpus):
     assert load_prepared(p.dir).meta == meta
 
 
-def test_tokenizer_sees_train_documents_only(tmp_path, corpus, monkeypatch):
-    seen = []
+@pytest.fixture
+def tokenizer_texts(monkeypatch):
+    """The texts the tokenizer is trained on, as prepare feeds them."""
+    seen: list[str] = []
     train = Tokenizer.train.__func__
 
     def spy(cls, texts, *args, **kw):
@@ -79,6 +81,11 @@ def test_tokenizer_sees_train_documents_only(tmp_path, corpus, monkeypatch):
         return train(cls, texts, *args, **kw)
 
     monkeypatch.setattr(Tokenizer, "train", classmethod(spy))
+    return seen
+
+
+def test_tokenizer_sees_train_documents_only(tmp_path, corpus, tokenizer_texts):
+    seen = tokenizer_texts
     prepare(make_cfg(tmp_path, [corpus]))
     assert seen == [paragraph(i) for i in range(N_DOCS) if split_of(i, SEED, 0.2) == "train"]
 
@@ -153,16 +160,8 @@ def test_missing_source(tmp_path):
         prepare(make_cfg(tmp_path, [tmp_path / "nowhere"]))
 
 
-def test_spread_reads_and_samples_the_tokenizer_over_the_whole_corpus(tmp_path, corpus, monkeypatch):
-    seen = []
-    train = Tokenizer.train.__func__
-
-    def spy(cls, texts, *args, **kw):
-        texts = list(texts)
-        seen.extend(texts)
-        return train(cls, texts, *args, **kw)
-
-    monkeypatch.setattr(Tokenizer, "train", classmethod(spy))
+def test_spread_reads_and_samples_the_tokenizer_over_the_whole_corpus(tmp_path, corpus, tokenizer_texts):
+    seen = tokenizer_texts
     size = sum(f.stat().st_size for f in corpus.rglob("*.txt"))
     cfg = make_cfg(tmp_path, [corpus], max_chars=size // 2, max_chars_from="spread",
                    tokenizer={"vocab_size": 300, "train_chars": size // 6})
