@@ -100,8 +100,9 @@ def test_progress_reads_steps_and_tokens_of_the_last_training_row(tmp_path):
 
 
 def test_kjv_chapters_are_documents_with_one_line_per_verse():
-    text = ("\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n  2 And the earth was "
-            "without form,\nand void.\n\n1 Samuel 3\n\n  1 And the child Samuel ministered.\n")
+    text = ("\nGenesis 1\n\n  1 In the beginning God created the heaven and the earth.\n"
+            "  2 And the earth was without form,\nand void.\n\n"
+            "1 Samuel 3\n\n  1 And the child Samuel ministered.\n")
     assert corpora.kjv_chapters(text) == [
         "Genesis 1\n\n1 In the beginning God created the heaven and the earth.\n2 And the earth was without "
         "form, and void.\n", "1 Samuel 3\n\n1 And the child Samuel ministered.\n"]

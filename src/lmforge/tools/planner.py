@@ -387,7 +387,8 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
            "tokens/step")
     d_model = user.get("model.d_model", shape.d_model)
     lr = min(max(LR_AT_128 * 128 / d_model, LR_RANGE[0]), LR_RANGE[1])
-    choose("optim.lr", lr, f"rule: {LR_AT_128:g} x 128 / d_model (python grid at 2 min: beat 2x it at d128)")
+    choose("optim.lr", lr, f"rule: {LR_AT_128:g} x 128 / d_model (python grid, 2 min: 2e-3 beat 4e-3 at "
+           "d128)")
     choose("schedule.name", "wsd", "rule: warm-up, flat, cooldown over the end (speedrun)")
     choose("schedule.unit", "time", "the budget is wall time")
     if user.get("schedule.name", "wsd") == "wsd":
