@@ -11,6 +11,9 @@ From bench/results/speedrun_search.json (the measured search that chose configs/
   1e7-1e10 parameters and over-predict these losses by 3-5x (printed below): the planner ranks shapes by
   this small-budget fit instead, which is what "smaller models that see more tokens won" looks like as
   a formula.
+- range: the law ranks shapes down to half the smallest N measured on builtin:python: the speedrun's
+  runs (d128-L4 and up) and planner_quality's python grid at 2 minutes (d64-L2 to d256-L6 at two lrs each,
+  where the smallest shape won and the bpb grew with N, the order the law gives them).
 - lr: the width rule lr = c * 128 / d_model, c the better of 2e-3 and 4e-3 at d128 in
   bench/planner_quality.py's python grid at 2 minutes (bench/results/planner_quality.json: 2e-3, by 12%;
   the speedrun's 5-minute winner ran d128 at 4e-3 but never tried 2e-3 there; its d256 sweep at 60 s,
@@ -123,6 +126,29 @@ def lr_rule(points: list[dict]) -> dict:
             f"{best['budget_s']:g}s: lr {best['lr']:g} at d_model {best['d_model']}", "d256_sweep_60s": sweep}
 
 
+def law_range(points: list[dict]) -> dict:
+    """The smallest model the law may choose: half the smallest non-embedding N measured on the rules'
+    corpus, in the speedrun's runs or planner_quality's python grid at 2 minutes (which trained d64-L2 to
+    d256-L6 and found the smallest best, as the law ranks them: smaller models that see more tokens)."""
+    from planner_quality import SHAPES  # bench/ (on sys.path)
+
+    from lmforge.config.schema import ModelConfig
+    from lmforge.tools.scaling_inputs import param_count
+
+    grid = grid_lrs()
+    sizes = {}
+    for name in grid:
+        d, n, h = SHAPES[name]
+        mc = ModelConfig(d_model=d, n_layers=n, n_heads=h, n_kv_heads=h // 2 if h % 2 == 0 else h,
+                         max_seq_len=256, vocab_size=4096)
+        sizes[name] = param_count(mc, "non-embedding")
+    smallest = min([p["n"] for p in points] + list(sizes.values()))
+    best = {name: min(lrs.values()) for name, lrs in grid.items()}
+    return {"min_params": smallest, "grid_params": sizes, "grid_best_bpb": best,
+            "from": "the smallest N measured: speedrun runs and the python grid at "
+                    f"{LR_BUDGET_S:g}s ({' < '.join(sorted(best, key=best.get))} by bpb)"}
+
+
 def batch_rule(points: list[dict]) -> dict:
     final = [p for p in points if p["budget_s"] == max(q["budget_s"] for q in points)]
     best = min(final, key=lambda p: p["loss"])
@@ -167,12 +193,13 @@ def main() -> None:
     old = json.loads(RESULTS.read_text()) if args.keep_prepare else {}
     prepare = old["prepare"] if "prepare" in old else prepare_rates()
     out = {"machine": old.get("machine") or machine_info(), "source": str(SEARCH.relative_to(REPO)),
-           "points": points, "law": fit(points), "lr": lr_rule(points), "batch": batch_rule(points),
+           "points": points, "law": fit(points), "range": law_range(points), "lr": lr_rule(points), "batch": batch_rule(points),
            "prepare": prepare}
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     law = out["law"]
     print(f"law: L = {law['E']:.4g} + {law['A']:.4g}/N^{law['alpha']:.4g} + {law['B']:.4g}/D^"
           f"{law['beta']:.4g} (rms log residual {law['rms_log_residual']:.4f}, {len(points)} runs)")
+    print(f"law's range: N >= {out['range']['min_params'] / 2:,.0f} ({out['range']['from']})")
     print(f"lr at d_model 128: {out['lr']['lr_at_128']:g}; batch k {out['batch']['coefficient']:.4g}")
     prep = out["prepare"]
     print(f"prepare: {prep['chars_per_s']:,.0f} chars/s; chars/token {prep['chars_per_token']}")

@@ -31,18 +31,18 @@ def test_plan_chooses_from_the_table_and_says_why():
     p = P.plan(300, table(), P.Corpus(), {})
     s = p.settings
     shape = tuple(s[f"model.{k}"] for k in ("d_model", "n_layers", "n_heads", "n_kv_heads"))
-    assert shape == (128, 4, 4, 2)
-    assert s["optim.lr"] == pytest.approx(2e-3) and s["train.micro_batch_size"] == 16
+    assert shape == (96, 3, 3, 3)  # the fastest shape the table has: smaller models that see more tokens
+    assert s["optim.lr"] == pytest.approx(2e-3 * 128 / 96) and s["train.micro_batch_size"] == 16
     assert s["schedule.name"] == "wsd" and s["schedule.unit"] == "time"
     assert s["data.tokenizer.vocab_size"] == 4096 and s["train.precision"] == "fp32"
     # the phases add up to the budget, and training gets most of it
     assert sum(p.phases.values()) == pytest.approx(300, abs=0.1)
     assert 0.8 * 300 < s["train.max_time"] < 300
     why = {c.key: c.why for c in p.choices}
-    assert "measured: 11,300 tok/s" in why["model.d_model"]
+    assert "measured: 15,000 tok/s" in why["model.d_model"]
     text = p.table()
     assert "model.d_model" in text and "rule: lowest L(N,D)" in text
-    assert "| d128-L4 |" in p.markdown()
+    assert "| d96-L3 |" in p.markdown()
     json.dumps(p.to_json())  # plain data
 
 
@@ -130,9 +130,21 @@ def test_the_rules_are_the_measured_ones():
     law = rules["law"]
     for k in ("A", "B", "alpha", "beta"):
         assert P.LAW[k] == pytest.approx(law[k], rel=1e-4), k
-    assert P.LAW_MIN_PARAMS == 0.5 * law["min_params"]
+    assert P.LAW_MIN_PARAMS == 0.5 * rules["range"]["min_params"]
     assert P.LR_AT_128 == rules["lr"]["lr_at_128"]
     batch = rules["batch"]
     assert P.BATCH_RULE == (pytest.approx(batch["coefficient"], rel=1e-3), batch["exponent"])
     assert P.PREPARE_CHARS_PER_S == pytest.approx(rules["prepare"]["chars_per_s"], rel=1e-6)
     assert P.CHARS_PER_TOKEN == {int(k): v for k, v in rules["prepare"]["chars_per_token"].items()}
+
+
+def test_repeated_epochs_are_worth_less_and_a_small_corpus_chooses_a_larger_model():
+    assert P.effective_tokens(5e5, 1e6) == 5e5 and P.effective_tokens(5e5, None) == 5e5
+    # Muennighoff et al. 2023 eq. 5 with R*_D = 15.4: 4 epochs of U tokens are worth 3.73 U
+    assert P.effective_tokens(4e6, 1e6) == pytest.approx(1e6 * (1 + 15.4 * (1 - math.exp(-3 / 15.4))))
+    assert P.effective_tokens(4e6, 1e6) == pytest.approx(3.7258e6, rel=1e-4)
+    assert P.effective_tokens(1e9, 1e6) < 16.4e6  # never more than U (1 + R*)
+    small, large = P.plan(1800, table(), P.Corpus(chars=1_000_000), {}), P.plan(1800, table(), P.Corpus(), {})
+    assert small.predicted["params"] > large.predicted["params"]
+    rows = {r["shape"]: r for r in small.candidates}
+    assert rows["d96-L3"]["epochs"] > 10 and "| epochs |" in small.markdown()

@@ -30,7 +30,12 @@ from lmforge.errors import ConfigError
 # log residual 0.025); E is not identifiable at these losses (all >= 3.7 nats) and the fit puts it at 0.
 # Published laws (Hoffmann, Epoch) predict 10-25 nats for the same runs.
 LAW = dict(E=0.0, A=14.2883, B=101.547, alpha=0.218476, beta=0.235491)
-LAW_MIN_PARAMS = 0.5 * 787_584  # half the smallest fitted N: below it the rule is an extrapolation
+# half the smallest N measured on builtin:python (planner_quality's python grid at 2 min: d64-L2 won, bpb
+# growing with N as the law ranks them): below it the rule is an extrapolation
+LAW_MIN_PARAMS = 0.5 * 98_624
+# repeated data: epochs beyond the first are worth less (Muennighoff et al. 2023, "Scaling Data-Constrained
+# Language Models", eq. 5: D' = U + U R* (1 - exp(-R / R*)), R the repeats, their fitted R*_D = 15.4)
+REPEAT_HALF_LIFE = 15.4
 LR_AT_128 = 2.0e-3  # lr = LR_AT_128 * 128 / d_model: the better lr at d128 of the python grid at 2 min
 LR_RANGE = (3e-4, 6e-3)
 BATCH_RULE = (0.1968, 0.3271)  # tokens/step = k C^e: DeepSeek's exponent, k from the winner's 4096 tokens
@@ -52,6 +57,7 @@ MIN_TRAIN_S = 5.0  # below this a run is mostly its first, slow steps
 MIN_STEPS = 20  # ... and fewer steps than this train nothing
 MAX_BUDGET_S = 24 * 3600.0  # longer runs need checkpoints and resumes: -c with train.max_time
 VAL_FRACTION_RANGE = (0.02, 0.2)
+HELD_SHARE = 0.1  # of the characters read, about this much is held out for validation (not trained on)
 
 
 @dataclass(frozen=True)
@@ -181,9 +187,11 @@ class Plan:
         out += [f"| {k} | {v:.1f} |" for k, v in self.phases.items()]
         out += ["", "| choice | value | why |", "|---|---|---|"]
         out += [f"| {c.key} | {_show(c.value)} | {c.why} |" for c in self.choices]
-        out += ["", "| shape | parameters | tokens/s | tokens | predicted loss |", "|---|---|---|---|---|"]
+        out += ["", "| shape | parameters | tokens/s | tokens | epochs | predicted loss |",
+                "|---|---|---|---|---|---|"]
         out += [f"| {c['shape']} | {c['params']:,} | {c['tokens_per_s'] or '-'} | {c['tokens'] or '-'} | "
-                f"{c['loss'] if c['loss'] is not None else c['why']} |" for c in self.candidates]
+                f"{c.get('epochs') or '-'} | {c['loss'] if c['loss'] is not None else c['why']} |"
+                for c in self.candidates]
         return "\n".join(out) + "\n"
 
 
@@ -232,15 +240,25 @@ def model_config(shape: Shape, vocab: int, seq: int):
                        n_kv_heads=shape.n_kv_heads, vocab_size=-(-vocab // 64) * 64, max_seq_len=seq)
 
 
-def law_loss(n: float, d: float) -> float:
-    return LAW["E"] + LAW["A"] / n ** LAW["alpha"] + LAW["B"] / d ** LAW["beta"]
+def effective_tokens(d: float, unique: float | None) -> float:
+    """Tokens worth of `d` tokens trained on `unique` distinct ones (the corpus read, repeated in epochs):
+    `d` itself for one epoch or less, then Muennighoff et al.'s decaying value of each repeat."""
+    if not unique or d <= unique:
+        return d
+    repeats = d / unique - 1
+    return unique * (1 + REPEAT_HALF_LIFE * (1 - math.exp(-repeats / REPEAT_HALF_LIFE)))
+
+
+def law_loss(n: float, d: float, unique: float | None = None) -> float:
+    return LAW["E"] + LAW["A"] / n ** LAW["alpha"] + LAW["B"] / effective_tokens(d, unique) ** LAW["beta"]
 
 
 # -- the plan ---------------------------------------------------------------------------------------------
-def _rank(budget_s: float, throughput: Throughput, user: dict[str, Any], vocab: int, micro: int, seq: int,
-          train_s: float) -> tuple[list[dict[str, Any]], tuple | None]:
-    """Every candidate shape with its speed, tokens and predicted loss; the best (lowest loss, the first
-    of the ladder on a tie) as (shape, row, N, tokens/s, tokens)."""
+def _rank(throughput: Throughput, user: dict[str, Any], vocab: int, micro: int, seq: int, train_s: float,
+          unique: float) -> tuple[list[dict[str, Any]], tuple | None]:
+    """Every candidate shape with its speed, tokens, epochs over the `unique` tokens that can be read, and
+    predicted loss; the best (lowest loss, the first of the ladder on a tie) as (shape, row, N, tokens/s,
+    tokens)."""
     from lmforge.models.flops import flops_per_token
     from lmforge.tools.scaling_inputs import param_count
 
@@ -256,11 +274,11 @@ def _rank(budget_s: float, throughput: Throughput, user: dict[str, Any], vocab: 
             row["why"] = "larger than the largest shape measured"
             continue
         d = tps * train_s
-        row.update(tokens_per_s=round(tps), tokens=int(d))
+        row.update(tokens_per_s=round(tps), tokens=int(d), epochs=round(d / unique, 2))
         if d / (micro * seq) < MIN_STEPS:
             row["why"] = f"fewer than {MIN_STEPS} steps"
             continue
-        row["loss"] = round(law_loss(n, d), 4)
+        row["loss"] = round(law_loss(n, d, unique), 4)
         if n < LAW_MIN_PARAMS and not any(k.startswith("model.") for k in user):
             # below the range the rule was fitted on: only when no shape in it gets its steps
             row["why"] = "below the rule's measured range"
@@ -331,7 +349,7 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
         the share of the budget preparing may take (and the corpus); the user's data.max_chars if set."""
         if "data.max_chars" in user:
             return int(user["data.max_chars"])
-        return int(min(1.1 * tokens_per_s * seconds * cpt / (1 - 0.1), cap))
+        return int(min(1.1 * tokens_per_s * seconds * cpt / (1 - HELD_SHARE), cap))
 
     def read(chars: int) -> int:
         """Characters preparing reads: data.max_chars of the train text (at least the held-out text's
@@ -350,11 +368,14 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
     if train_s < least_train:
         raise _TooSmall(f"start-up and the probe took {throughput.spent_s:.1f}s and a run needs at least "
                         f"{least_train:.1f}s of training ({MIN_STEPS} steps of the fastest shape)")
-    rows, best = _rank(budget_s, throughput, user, vocab, micro, seq, train_s)
+    # the most that can be read (the corpus, preparing's share, the user's data.max_chars), in tokens: a
+    # shape that would train on more repeats it, each epoch worth less
+    unique = (user["data.max_chars"] if "data.max_chars" in user else cap) * (1 - HELD_SHARE) / cpt
+    rows, best = _rank(throughput, user, vocab, micro, seq, train_s, unique)
     if best is not None:  # read only what the chosen shape trains on: the time saved goes to training
         chars = min(chars, chars_for(best[3], train_s))
         train_s = train_time(chars)
-        rows, best = _rank(budget_s, throughput, user, vocab, micro, seq, train_s)
+        rows, best = _rank(throughput, user, vocab, micro, seq, train_s, unique)
     if best is None:
         keys = ", ".join(sorted(k for k in user if k.startswith("model."))) or "none"
         raise _TooSmall(f"no candidate shape (with the model keys you set: {keys}) gets {MIN_STEPS} steps "
