@@ -28,7 +28,14 @@ def test_ratios_compare_the_planner_with_the_best_of_the_grid_and_nanogpt():
     out = pq.compare(rows)
     assert out["grid_best"] == "d64-L2-lr0.002" and out["planner_vs_grid"] == pytest.approx(1.1)
     assert out["planner_vs_nanogpt"] == pytest.approx(0.5)
-    assert "planner_vs_nanogpt" not in pq.compare(rows[:3])
+    assert "planner_vs_nanogpt" not in pq.compare(rows[:3]) and "planner_mean_bpb" not in out
+    # repeats of the planner: the mean of its runs as well, the first run's ratios unchanged
+    two = pq.compare(rows, [{"name": "planner", "bpb": 1.3}, {"name": "d64-L2-lr0.002", "bpb": 0.5}])
+    assert two["planner_mean_bpb"] == pytest.approx(1.2) and two["planner_mean_vs_grid"] == pytest.approx(1.2)
+    assert two["planner_mean_vs_nanogpt"] == pytest.approx(1.2 / 2.2) and two["planner_vs_grid"] == out[
+        "planner_vs_grid"]
+    assert pq.table_row({"corpus": "c", "budget_s": 60, "rows": rows, **two})[2:] == [
+        "1.1000 (1.2000)", "1.0000 (d64-L2-lr0.002)", "1.100 (1.200)", "0.500 (0.545)"]
 
 
 def test_the_prose_corpus_is_reproducible_and_holds_out_every_20th_story(tmp_path):
