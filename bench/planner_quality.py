@@ -22,7 +22,7 @@ whole held-out text.
 Targets (issue 36): planner within 3% of the grid's best bpb; planner <= 0.75x nanoGPT's bpb. Hours of
 exclusive CPU at the full set (3 corpora x 2/5/15 min x 14 runs): run it alone.
 
-    python bench/planner_quality.py --nanogpt ~/nanoGPT                 # 2, 5, 15 minutes, both corpora
+    python bench/planner_quality.py --nanogpt ~/nanoGPT                 # 2, 5, 15 minutes, every corpus
     python bench/planner_quality.py --budgets 5m --corpora prose
     python bench/planner_quality.py --tiny --out /tmp/pq                # a 20 s smoke run of every part
 """

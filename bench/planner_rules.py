@@ -130,10 +130,9 @@ def law_range(points: list[dict]) -> dict:
     """The smallest model the law may choose: half the smallest non-embedding N measured on the rules'
     corpus, in the speedrun's runs or planner_quality's python grid at 2 minutes (which trained d64-L2 to
     d256-L6 and found the smallest best, as the law ranks them: smaller models that see more tokens)."""
-    from planner_quality import SHAPES  # bench/ (on sys.path)
-
     from lmforge.config.schema import ModelConfig
     from lmforge.tools.scaling_inputs import param_count
+    from planner_quality import SHAPES  # bench/ (on sys.path)
 
     grid = grid_lrs()
     sizes = {}
@@ -193,8 +192,8 @@ def main() -> None:
     old = json.loads(RESULTS.read_text()) if args.keep_prepare else {}
     prepare = old["prepare"] if "prepare" in old else prepare_rates()
     out = {"machine": old.get("machine") or machine_info(), "source": str(SEARCH.relative_to(REPO)),
-           "points": points, "law": fit(points), "range": law_range(points), "lr": lr_rule(points), "batch": batch_rule(points),
-           "prepare": prepare}
+           "points": points, "law": fit(points), "range": law_range(points), "lr": lr_rule(points),
+           "batch": batch_rule(points), "prepare": prepare}
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     law = out["law"]
     print(f"law: L = {law['E']:.4g} + {law['A']:.4g}/N^{law['alpha']:.4g} + {law['B']:.4g}/D^"

@@ -33,7 +33,8 @@ def curve(run: Path) -> list[dict]:
     """The training and eval records, reduced to the fields that must match bit for bit. Timing-only records
     (checkpoint_save_s) are left out: one written after its save commits is lost when a kill lands between
     the commit and the log line, and the resume rightly starts after that step."""
-    rows = [{k: r[k] for k in FIELDS if k in r} for r in read_metrics(run / "metrics.jsonl") if "event" not in r]
+    records = [r for r in read_metrics(run / "metrics.jsonl") if "event" not in r]
+    rows = [{k: r[k] for k in FIELDS if k in r} for r in records]
     return [r for r in rows if set(r) != {"step"}]
 
 

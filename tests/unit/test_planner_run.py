@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from lmforge.config.load import load_config
 from lmforge.tools.planner_probe import Deadline, process_elapsed
 from lmforge.tools.planner_run import DeadlineStop, _EvalUntil, user_keys
@@ -94,3 +96,39 @@ def test_a_budget_given_to_main_in_python_counts_from_the_call(monkeypatch):
     assert main(["train", "--budget", "2m", "--plan-only"]) == 0
     assert 0.0 <= seen["d"].elapsed < 5.0 and seen["d"].left > 115.0
     assert probe.Deadline.from_process(120.0).elapsed >= 10_000.0  # what a command line counts
+
+
+def test_overwriting_a_budget_run_replaces_the_data_prepared_for_its_plan(tmp_path):
+    """`--budget` twice into one run dir with run.overwrite: the second plan's data settings differ (they
+    follow the measured speed), and the old run's prepared data goes with it; a dir that is not prepared
+    data is refused and left as it was."""
+    from lmforge.data.prepare import prepare
+    from lmforge.errors import DataError
+    from lmforge.tools.planner_run import replace_stale_data
+
+    (tmp_path / "train").mkdir()
+    for i in range(10):
+        (tmp_path / "train" / f"{i}.txt").write_text(f"document {i}: some words to train on " * 40)
+    run = tmp_path / "run"
+
+    def cfg(chars: int):
+        return load_config(None, [f"data.sources=[{tmp_path / 'train'}]", f"data.max_chars={chars}",
+                                  "data.tokenizer.vocab_size=300", f"run.dir={run}", "run.overwrite=true"])
+
+    prepare(cfg(4000), console=lambda _: None)
+    said: list[str] = []
+    replace_stale_data(cfg(4000), said.append)  # the same plan's data: reused, not replaced
+    assert said == [] and (run / "data" / "meta.json").is_file()
+    replace_stale_data(cfg(5000), said.append)
+    assert not (run / "data").exists() and said == [f"run.overwrite: replacing {run / 'data'}, prepared for "
+                                                    "another plan"]
+    assert prepare(cfg(5000), console=lambda _: None).meta["stats"]["chars"] == 5000
+    # not prepared data: refused, untouched
+    other = tmp_path / "other"
+    (other / "data").mkdir(parents=True)
+    (other / "data" / "mine.txt").write_text("the user's")
+    mine = load_config(None, [f"data.sources=[{tmp_path / 'train'}]", f"run.dir={other}",
+                              "run.overwrite=true"])
+    with pytest.raises(DataError, match="holds no meta.json"):
+        replace_stale_data(mine, said.append)
+    assert (other / "data" / "mine.txt").read_text() == "the user's"

@@ -256,9 +256,10 @@ def law_loss(n: float, d: float, unique: float | None = None) -> float:
 # -- the plan ---------------------------------------------------------------------------------------------
 def _rank(throughput: Throughput, user: dict[str, Any], vocab: int, micro: int, seq: int, train_s: float,
           unique: float) -> tuple[list[dict[str, Any]], tuple | None]:
-    """Every candidate shape with its speed, tokens, epochs over the `unique` tokens that can be read, and
-    predicted loss; the best (lowest loss, the first of the ladder on a tie) as (shape, row, N, tokens/s,
-    tokens)."""
+    """Every candidate shape with its speed, tokens, epochs over the `unique` tokens that can be read (the
+    corpus, within preparing's share of the budget, or the user's data.max_chars: a shape that trains on
+    more repeats them, each epoch worth less) and predicted loss; the best (lowest loss, the first of the
+    ladder on a tie) as (shape, row, N, tokens/s, tokens)."""
     from lmforge.models.flops import flops_per_token
     from lmforge.tools.scaling_inputs import param_count
 
@@ -358,8 +359,7 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
 
     def train_time(chars: int) -> float:
         prepare = PREPARE_FIXED_S + read(chars) / PREPARE_CHARS_PER_S
-        return budget_s - throughput.spent_s - prepare - SETUP_S - \
-            eval_s - margin_s
+        return budget_s - throughput.spent_s - prepare - SETUP_S - eval_s - margin_s
 
     # first as if the fastest shape trained the whole budget, then for the speed of the shape chosen
     chars = chars_for(fastest, budget_s)
@@ -368,8 +368,6 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
     if train_s < least_train:
         raise _TooSmall(f"start-up and the probe took {throughput.spent_s:.1f}s and a run needs at least "
                         f"{least_train:.1f}s of training ({MIN_STEPS} steps of the fastest shape)")
-    # the most that can be read (the corpus, preparing's share, the user's data.max_chars), in tokens: a
-    # shape that would train on more repeats it, each epoch worth less
     unique = (user["data.max_chars"] if "data.max_chars" in user else cap) * (1 - HELD_SHARE) / cpt
     rows, best = _rank(throughput, user, vocab, micro, seq, train_s, unique)
     if best is not None:  # read only what the chosen shape trains on: the time saved goes to training

@@ -155,7 +155,37 @@ def run_budget(budget_s: float, config: str | None, sets: Sequence[str], *, plan
         write_plan(p, files[0].parent)
         say(f"wrote {files[0]}, plan.json and plan.md; train it with: lmforge train -c {files[0]}")
         return p.to_json()
+    if base.run.overwrite and "data.dir" not in user:
+        replace_stale_data(cfg, say)
     return _train(p, cfg, config, sets, deadline, say)
+
+
+def replace_stale_data(cfg, say: Callable[[str], object]) -> None:
+    """With run.overwrite and no data.dir of the user's, the prepared data in <run.dir>/data is the old
+    run's: a plan's data settings follow the measured speed and change from one `--budget` to the next, so
+    data prepared for another plan goes with the run it belonged to (under the run dir's lock, so never
+    while a run trains there). A dir that is not prepared data (no meta.json) is refused by preparing as
+    before, and nothing outside the run dir is touched."""
+    import shutil
+
+    from lmforge.checkpoint.run_dir import RunLock
+    from lmforge.data.prepare import check_reusable, data_dir
+    from lmforge.data.shards import read_meta
+    from lmforge.errors import DataError
+
+    out = data_dir(cfg)
+    try:
+        check_reusable(cfg)
+        return
+    except DataError:
+        if read_meta(out) is None or out.is_symlink() or out.parent != Path(cfg.run.dir):
+            raise
+    lock = RunLock.acquire(Path(cfg.run.dir))
+    try:
+        say(f"run.overwrite: replacing {out}, prepared for another plan")
+        shutil.rmtree(out)
+    finally:
+        lock.release()
 
 
 def _train(p: Plan, cfg, config: str | None, sets: Sequence[str], deadline: Deadline,
