@@ -13,8 +13,10 @@ whole held-out text.
   README's CPU recipe (train_shakespeare_char with --device=cpu --compile=False --block_size=64
   --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000
   --dropout=0.0, its config's lr 1e-3, min_lr 1e-4, warm-up 100, beta2 0.99): characters as tokens, the
-  same training text, its own model and optimizer (bench/nanogpt_ref.py), run until the budget's wall
-  time (or its 2000 iterations); start-up and data encoding are not counted against it.
+  same training text, its own model and optimizer (bench/nanogpt_ref.py), for the budget's wall time:
+  where more than its 2000 iterations fit, max_iters and lr_decay_iters are raised to what fits at the
+  speed of its warm-up's iterations 10-100 (`schedule_iters`: what a nanoGPT user sets for a longer
+  run, so its cosine still ends at the budget); start-up and data encoding are not counted against it.
 - scoring: lmforge runs with `lmforge eval loss RUN --set eval.max_batches=null` over data.val_sources (the
   held-out file, every window); nanoGPT's model over every window of the held-out text, summed
   nats / ln 2 / UTF-8 bytes.
@@ -153,14 +155,21 @@ def run_nanogpt(root: str, budget: float, train: Path, held: Path) -> dict:
     model = module.GPT(cfg)
     opt = model.configure_optimizers(r["weight_decay"], r["lr"], (0.9, r["beta2"]), "cpu")
 
+    max_iters = r["max_iters"]  # lr_decay_iters too, as in the recipe
+
     def lr_at(it: int) -> float:  # train.py's get_lr
         if it < r["warmup_iters"]:
             return r["lr"] * (it + 1) / (r["warmup_iters"] + 1)
-        ratio = (it - r["warmup_iters"]) / (r["max_iters"] - r["warmup_iters"])
+        ratio = (it - r["warmup_iters"]) / (max_iters - r["warmup_iters"])
         return r["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * min(ratio, 1.0))) * (r["lr"] - r["min_lr"])
 
-    t0, it = time.perf_counter(), 0
-    while it < r["max_iters"] and time.perf_counter() - t0 < budget:
+    t0, it, t10 = time.perf_counter(), 0, None
+    while it < max_iters and time.perf_counter() - t0 < budget:
+        if it == 10:
+            t10 = time.perf_counter()
+        elif it == r["warmup_iters"]:  # the cosine's length, from the warm-up's speed
+            now = time.perf_counter()
+            max_iters = schedule_iters(budget - (now - t0), (now - t10) / (it - 10), it, r["max_iters"])
         ix = torch.randint(len(data) - r["block_size"], (r["batch_size"],))
         x = torch.stack([data[i:i + r["block_size"]] for i in ix])
         y = torch.stack([data[i + 1:i + 1 + r["block_size"]] for i in ix])
@@ -184,7 +193,13 @@ def run_nanogpt(root: str, budget: float, train: Path, held: Path) -> dict:
             nats += float(torch.nn.functional.cross_entropy(logits[0], y[0], reduction="sum"))
     scored = held_text[1:len(ids)]
     return {"name": "nanogpt", "bpb": nats / math.log(2) / len(scored.encode("utf-8")), "iters": it,
-            "train_s": round(seconds, 1)}
+            "max_iters": max_iters, "train_s": round(seconds, 1)}
+
+
+def schedule_iters(left_s: float, s_per_iter: float, done: int, recipe_iters: int) -> int:
+    """nanoGPT's max_iters (= lr_decay_iters) for a budget: the recipe's, or, where more fit in the
+    `left_s` seconds left at `s_per_iter`, those (2% short, so the cosine ends before the clock does)."""
+    return max(recipe_iters, done + int(0.98 * left_s / s_per_iter))
 
 
 def compare(rows: list[dict], repeats: list[dict] = ()) -> dict:
@@ -255,13 +270,19 @@ def main(argv: list[str] | None = None) -> dict:
                     "cell's missing rows, kept under the cell's 'repeats': the spread of one configuration "
                     "from run to run on the same machine (a time budget trains as many steps as the machine "
                     "gives)")
+    ap.add_argument("--redo", default="", help="rows (grid names, planner or nanogpt) of the chosen cells "
+                    "to measure again with --resume: their kept rows are dropped first (the bench's way to "
+                    "re-measure a row whose method changed)")
     ap.add_argument("--tiny", action="store_true", help="a smoke run: 20 s, the prose corpus at 300k "
                     "chars, 2 grid points, 4 x 64 tokens a micro-batch")
     args = ap.parse_args(argv)
     budgets = [duration(b) for b in args.budgets.split(",")]
-    unknown = [n for n in args.repeat.split(",") if n and n != "planner" and n not in HAND_GRID]
-    if unknown:
-        ap.error(f"--repeat {','.join(unknown)}: not a grid row (one of {', '.join(HAND_GRID)}) or planner")
+    for flag, names, extra_ok in (("--repeat", args.repeat, ("planner",)),
+                                  ("--redo", args.redo, ("planner", "nanogpt"))):
+        unknown = [n for n in names.split(",") if n and n not in extra_ok and n not in HAND_GRID]
+        if unknown:
+            ap.error(f"{flag} {','.join(unknown)}: not a grid row (one of {', '.join(HAND_GRID)}) or "
+                     f"{' or '.join(extra_ok)}")
     corpora, grid, chars, extra = args.corpora.split(","), list(HAND_GRID), args.chars, []
     if args.tiny:
         budgets, corpora, grid, chars, extra = [20.0], ["prose"], list(TINY_GRID), 300_000, TINY_SETS
@@ -284,6 +305,8 @@ def main(argv: list[str] | None = None) -> dict:
             if cell is None:
                 cell = {"corpus": corpus, "budget_s": budget, "rows": []}
                 results["cells"].append(cell)
+            redo = set(args.redo.split(",")) - {""}
+            cell["rows"] = [r for r in cell["rows"] if r["name"] not in redo]
             wanted = ["planner", *grid] + (["nanogpt"] if args.nanogpt or not args.tiny else [])
             for name in wanted:
                 if any(r["name"] == name and "bpb" in r for r in cell["rows"]):

@@ -96,6 +96,18 @@ def test_resume_runs_only_the_rows_not_yet_measured(tmp_path, monkeypatch):
     assert [r["name"] for r in rep["cells"][0]["repeats"]] == ["planner", "d64-L2-lr0.004"]
     with pytest.raises(SystemExit):
         pq.main([*args, "--repeat", "d1-L1-lr9"])
+    calls.clear()
+    redo = pq.main([*args, "--resume", "--redo", "d64-L2-lr0.004"])
+    assert calls == ["d64-L2-lr0.004"]  # only the row asked for, measured again
+    assert {r["name"] for r in redo["cells"][0]["rows"]} == {"planner", *pq.TINY_GRID}
+    with pytest.raises(SystemExit):
+        pq.main([*args, "--redo", "d1-L1-lr9"])
+
+
+def test_nanogpt_keeps_its_2000_iterations_and_stretches_its_cosine_to_a_longer_budget():
+    assert pq.schedule_iters(90.0, 0.05, 100, 2000) == 2000  # 1,864 fit: the recipe (clock ends it)
+    assert pq.schedule_iters(100.0, 0.05, 100, 2000) == 2060
+    assert pq.schedule_iters(290.0, 0.05, 100, 2000) == 100 + int(0.98 * 290 / 0.05)  # 5,784
 
 
 def test_progress_reads_steps_and_tokens_of_the_last_training_row(tmp_path):
