@@ -100,6 +100,7 @@ def test_resume_runs_only_the_rows_not_yet_measured(tmp_path, monkeypatch):
     redo = pq.main([*args, "--resume", "--redo", "d64-L2-lr0.004"])
     assert calls == ["d64-L2-lr0.004"]  # only the row asked for, measured again
     assert {r["name"] for r in redo["cells"][0]["rows"]} == {"planner", *pq.TINY_GRID}
+    assert [r["name"] for r in redo["cells"][0]["repeats"]] == ["planner"]  # the redone row's repeat dropped
     with pytest.raises(SystemExit):
         pq.main([*args, "--redo", "d1-L1-lr9"])
 

@@ -132,3 +132,34 @@ def test_overwriting_a_budget_run_replaces_the_data_prepared_for_its_plan(tmp_pa
     with pytest.raises(DataError, match="holds no meta.json"):
         replace_stale_data(mine, said.append)
     assert (other / "data" / "mine.txt").read_text() == "the user's"
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_probe_steps_as_the_run_trains(monkeypatch, keep):
+    """The probe's steps run with the run's optimizer kind (fused AdamW on CPU) and its host-memory
+    setting held, as Trainer.fit holds it: without both, small CPU shapes measured up to 2x slower than
+    they trained and the planner sized data and model for half the tokens the run then saw."""
+    import contextlib
+
+    import torch
+
+    import lmforge.utils.host_memory as hm
+    from lmforge.models import build_model
+    from lmforge.tools.planner import Shape, model_config
+    from lmforge.tools.planner_probe import _step_seconds, probe_optimizer
+
+    held = []
+    real = hm.keep_freed_memory
+
+    @contextlib.contextmanager
+    def spy(enabled=True):
+        with real(enabled) as took:
+            held.append(enabled)
+            yield took
+
+    monkeypatch.setattr(hm, "keep_freed_memory", spy)
+    cpu = torch.device("cpu")
+    seconds, _ = _step_seconds(Shape(32, 1, 2, 1), 256, 2, 16, cpu, "fp32", 0.0, keep)
+    assert seconds > 0 and held == [keep]
+    opt = probe_optimizer(build_model(model_config(Shape(32, 1, 2, 1), 256, 16)).parameters(), cpu)
+    assert opt.defaults["fused"] is True

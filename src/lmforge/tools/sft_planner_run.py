@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from lmforge.errors import ConfigError, DataError, LmforgeError
-from lmforge.tools.planner_probe import Deadline, timed_steps
+from lmforge.tools.planner_probe import Deadline, probe_optimizer, timed_steps
 from lmforge.tools.planner_run import DeadlineStop, PlanFiles, _EvalUntil, user_keys
 from lmforge.tools.sft_planner import (
     EXACT_RECORDS,
@@ -105,9 +105,10 @@ def _step_seconds(cfg, method: str, r: int, micro: int, seq: int, device, precis
         ft = cfg.finetune.model_copy(update={"method": method}) if method == "full" else \
             FinetuneConfig(method="lora" if method == "lora" else method, r=r, alpha=2.0 * r)
         apply_finetune(model, ft)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+        opt = probe_optimizer([p for p in model.parameters() if p.requires_grad], device)
         prec = Precision(precision, device)
-        return timed_steps(model, opt, prec, cfg.model.vocab_size, micro, seq, device, until)
+        return timed_steps(model, opt, prec, cfg.model.vocab_size, micro, seq, device, until,
+                           cfg.train.keep_host_memory)
 
 
 def _memory(device) -> int:
