@@ -271,8 +271,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "from run to run on the same machine (a time budget trains as many steps as the machine "
                     "gives)")
     ap.add_argument("--redo", default="", help="rows (grid names, planner or nanogpt) of the chosen cells "
-                    "to measure again with --resume: their kept rows and repeats are dropped first (the bench's "
-                    "way to re-measure a row whose method changed)")
+                    "to measure again with --resume: their kept rows and repeats are dropped first (the "
+                    "bench's way to re-measure a row whose method changed)")
     ap.add_argument("--tiny", action="store_true", help="a smoke run: 20 s, the prose corpus at 300k "
                     "chars, 2 grid points, 4 x 64 tokens a micro-batch")
     args = ap.parse_args(argv)
