@@ -19,6 +19,7 @@ Any key the user set is kept and the rest is planned around it; the plan says fo
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,8 +42,11 @@ LR_RANGE = (3e-4, 6e-3)
 BATCH_RULE = (0.1968, 0.3271)  # tokens/step = k C^e: DeepSeek's exponent, k from the winner's 4096 tokens
 PREPARE_CHARS_PER_S = 1_207_555.0  # a whole `lmforge prepare` of builtin:python (low quartile of 6 runs)
 CHARS_PER_TOKEN = {1024: 2.839, 2048: 3.423, 4096: 3.916}  # builtin:python, per BPE vocabulary
-# Schedule: the speedrun's WSD (15 s of warm-up in 5 minutes, cooldown over the last 30%).
-WARMUP_SECONDS, WARMUP_SHARE, COOLDOWN_FRACTION = 15.0, 0.05, 0.3
+# Schedule: the speedrun's WSD (warm-up over 5% of training, cooldown over the last 30%), the warm-up at least
+# WARMUP_STEPS updates (nanoGPT's CPU recipe warms up over 100): at 2 minutes d64-L2 trains ~700 steps, and
+# on builtin:python's held-out text 5% (33-40 steps) left it at 1.91-1.98 bpb in 6 runs of one prepared
+# corpus where 100 steps reached 1.683 (docs/stages/planning.md); at most WARMUP_MAX_SHARE of training.
+WARMUP_SHARE, WARMUP_STEPS, WARMUP_MAX_SHARE, COOLDOWN_FRACTION = 0.05, 100, 0.25, 0.3
 
 # -- the shares of the budget (decisions; docs/planning.md says why) -----------------------------------
 PREPARE_SHARE = 0.12  # the most of the budget preparing the corpus and tokenizer may take
@@ -333,6 +337,20 @@ def _works(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[s
         return None
 
 
+def _schedule(choose: Callable[[str, Any, str], None], user: dict[str, Any], update_s: float,
+              train_s: float) -> None:
+    """The schedule's choices: WSD over wall time, its warm-up WARMUP_STEPS updates of `update_s` seconds
+    or WARMUP_SHARE of `train_s`, the longer (at most WARMUP_MAX_SHARE)."""
+    choose("schedule.name", "wsd", "rule: warm-up, flat, cooldown over the end (speedrun)")
+    choose("schedule.unit", "time", "the budget is wall time")
+    if user.get("schedule.name", "wsd") == "wsd":
+        warmup = min(max(WARMUP_STEPS * update_s, WARMUP_SHARE * train_s), WARMUP_MAX_SHARE * train_s)
+        choose("schedule.warmup_seconds", round(warmup, 2), f"rule: {WARMUP_STEPS} steps ({update_s:.3g}s "
+               f"each) or {WARMUP_SHARE:.0%} of training, the longer, at most {WARMUP_MAX_SHARE:.0%}")
+        choose("schedule.cooldown_fraction", COOLDOWN_FRACTION, "rule: the last 30% (speedrun)")
+        choose("schedule.min_lr_ratio", 0.0, "rule: decay to 0 (speedrun)")
+
+
 def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any]) -> Plan:
     check_budget(budget_s, user)
     if not throughput.points:
@@ -408,13 +426,7 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
     lr = min(max(LR_AT_128 * 128 / d_model, LR_RANGE[0]), LR_RANGE[1])
     choose("optim.lr", lr, f"rule: {LR_AT_128:g} x 128 / d_model (python grid, 2 min: 2e-3 beat 4e-3 at "
            "d128)")
-    choose("schedule.name", "wsd", "rule: warm-up, flat, cooldown over the end (speedrun)")
-    choose("schedule.unit", "time", "the budget is wall time")
-    if user.get("schedule.name", "wsd") == "wsd":
-        choose("schedule.warmup_seconds", round(min(WARMUP_SECONDS, WARMUP_SHARE * train_s), 2),
-               f"rule: min({WARMUP_SECONDS:g}s, {WARMUP_SHARE:.0%} of training)")
-        choose("schedule.cooldown_fraction", COOLDOWN_FRACTION, "rule: the last 30% (speedrun)")
-        choose("schedule.min_lr_ratio", 0.0, "rule: decay to 0 (speedrun)")
+    _schedule(choose, user, user.get("train.grad_accum_steps", accum) * micro * seq / tps, train_s)
     choose("train.precision", throughput.precision, throughput.precision_why)
     choose("train.max_time", round(train_s, 2), "what is left of the budget (re-set after preparing)")
     choose("train.max_steps", 1_000_000_000, "the clock ends the run")
