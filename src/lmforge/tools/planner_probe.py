@@ -1,10 +1,10 @@
 """What the budget planner measures: the whole process's clock (`Deadline`, from the process's start) and
 the machine's training speed for a few candidate shapes (`probe`), bounded to a small share of the budget.
 
-The probe trains each shape a step or two as the run will (engine.step.train_step, AdamW fused where the run's
-is, the planned micro-batch and context, random tokens, and host memory kept as `Trainer.fit` keeps it:
-without that, glibc returns each step's temporaries to the OS and small CPU shapes step up to 2x slower than
-they train) and times the steps after the first; shapes go from the
+The probe trains each shape for up to a second (2-8 steps, the fastest kept) as the run will: the engine's
+own step (engine.step.train_step), AdamW fused where the run's is, the planned micro-batch and context,
+random tokens, and host memory kept as `Trainer.fit` keeps it (without that, glibc returns each step's
+temporaries to the OS and small CPU shapes step up to 2x slower than they train). Shapes go from the
 smallest eligible up until the probe's time is spent, so a larger budget measures (and may choose) larger
 shapes. Precision: the existing `resolve_precision("auto", ...)` path, at the largest shape measured, where
 its cost fits what is left of the probe's time (on a CPU it times bf16 steps, which are up to 7x slower
@@ -30,6 +30,11 @@ from lmforge.tools.planner import (
 
 PROBE_SHARE = 0.05  # of the budget, at most (the first shape is always measured)
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 60.0  # a minute measures every shape of the ladder a budget can afford
+# steps a shape is timed: up to PROBE_STEPS within PROBE_SHAPE_S (at least 2), the fastest kept. A fresh
+# process's steps reach speed from the second or third (its heap grows to the step's peak first) and a
+# 2-core machine's steps of 0.1-0.3 s vary by 10-30%: at 5 minutes on kjv one run's 2-3 steps a shape
+# measured d64-L2 and d96-L3 at ~60% of their speed and the plan took d128-L4 (1.302 bpb against 1.243)
+PROBE_STEPS, PROBE_SHAPE_S = 8, 1.0
 PRECISION_COST = 16  # resolve_precision's steps (fp32 + bf16, warm-up and timed) at up to 7x in bf16
 
 
@@ -87,8 +92,9 @@ def probe_optimizer(params, device):
 
 def timed_steps(model, opt, prec, vocab: int, micro: int, seq: int, device, until: float,
                 keep_memory: bool = True) -> float:
-    """The fastest of two training steps of `model` on a random (micro, seq) batch (the first allocates,
-    the optimizer's state included) and, if time allows before `until`, a third. `keep_memory`: the run's
+    """The fastest of up to PROBE_STEPS training steps of `model` on a random (micro, seq) batch, as many as
+    fit in PROBE_SHAPE_S and before `until`, at least two (the first allocates, the optimizer's state
+    included). `keep_memory`: the run's
     train.keep_host_memory, held as `Trainer.fit` holds it (glibc then reuses freed memory instead of
     faulting fresh pages in every step: 2.1x the speed of d64-L2 at 16 x 256 on 2 AVX2 cores)."""
     import torch
@@ -100,23 +106,24 @@ def timed_steps(model, opt, prec, vocab: int, micro: int, seq: int, device, unti
     x = torch.randint(0, vocab, (micro, seq + 1), device=device)
     batch = TokenBatch(x[:, :-1], x[:, 1:])
     times = []
+    start = time.perf_counter()
     with keep_freed_memory(keep_memory):
-        for _ in range(3):
+        for _ in range(PROBE_STEPS):
             t0 = time.perf_counter()
             train_step(model, [batch], opt, prec).loss  # noqa: B018  (reading the loss synchronises)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-            if len(times) >= 2 and time.perf_counter() + times[-1] > until:
+            now = time.perf_counter()
+            times.append(now - t0)
+            if len(times) >= 2 and (now + times[-1] > until or now + times[-1] > start + PROBE_SHAPE_S):
                 break
     return min(times)
 
 
 def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precision: str,
                   until: float, keep_memory: bool = True) -> tuple[float, Any]:
-    """Seconds of one training step of `shape` and the model (for the precision probe): the fastest of two
-    steps (the first allocates, the optimizer's state included) and, if time allows before `until`, a
-    third."""
+    """Seconds of one training step of `shape` and the model (for the precision probe): the fastest of
+    timed_steps'."""
     import torch
 
     from lmforge.engine.precision import Precision
