@@ -239,8 +239,8 @@ class TrainConfig(Section):
     keep_host_memory: bool = Field(
         True, description="While training, keep freed host memory for reuse instead of returning it to the "
         "OS (glibc on Linux; elsewhere nothing changes): steps then allocate without page faults (1.0-1.17x "
-        "faster CPU steps, the more the larger a step's temporaries: bench/host_memory.py), and the process "
-        "holds its peak memory until training ends."
+        "faster CPU steps at bench/host_memory.py's shapes, 1.8x for a d64 two-layer model at 16 x 256 "
+        "tokens), and the process holds its peak memory until training ends."
     )
     log_every: int = Field(10, ge=1, description="Log metrics every this many steps.")
     eval_every: int = Field(200, ge=0, description="Validate every this many steps (0: only at the end).")
