@@ -94,9 +94,9 @@ def timed_steps(model, opt, prec, vocab: int, micro: int, seq: int, device, unti
                 keep_memory: bool = True) -> float:
     """The fastest of up to PROBE_STEPS training steps of `model` on a random (micro, seq) batch, as many as
     fit in PROBE_SHAPE_S and before `until`, at least two (the first allocates, the optimizer's state
-    included). `keep_memory`: the run's
-    train.keep_host_memory, held as `Trainer.fit` holds it (glibc then reuses freed memory instead of
-    faulting fresh pages in every step: 2.1x the speed of d64-L2 at 16 x 256 on 2 AVX2 cores)."""
+    included). `keep_memory`: the run's train.keep_host_memory, held as `Trainer.fit` holds it (glibc then
+    reuses freed memory instead of faulting fresh pages in every step: 1.8x the speed of d64-L2 at 16 x 256
+    on 2 AVX2 cores)."""
     import torch
 
     from lmforge.data.batch import TokenBatch
