@@ -50,6 +50,7 @@ SHAPES = {"d64-L2": (64, 2, 2), "d96-L3": (96, 3, 3), "d128-L4": (128, 4, 4), "d
 HAND_GRID = {f"{name}-lr{lr:g}": (d, n, h, lr) for name, (d, n, h) in SHAPES.items() for lr in (2e-3, 4e-3)}
 TINY_GRID = ("d64-L2-lr0.004", "d96-L3-lr0.002")
 TINY_SETS = ["model.max_seq_len=64", "train.micro_batch_size=4"]  # --tiny: steps of ms, kept by the planner
+SEED = 1337  # run.seed's default: every row's; the k-th repeat of a row in a cell runs at SEED + k
 NANOGPT_RECIPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, max_iters=2000,
                       lr=1e-3, min_lr=1e-4, warmup_iters=100, beta2=0.99, weight_decay=0.1, grad_clip=1.0)
 
@@ -91,28 +92,31 @@ def progress(run_dir: Path) -> dict:
     return {"steps": last["step"], "tokens": last["tokens_seen"]} if last else {}
 
 
-def run_planner(budget: float, train: Path, held: Path, out: Path, extra: list[str]) -> dict:
+def run_planner(budget: float, train: Path, held: Path, out: Path, extra: list[str],
+                seed: int = SEED) -> dict:
     run = out / "planner"
     shutil.rmtree(run, ignore_errors=True)  # the bench's own dir: a rerun plans (and prepares) afresh
     t0 = time.perf_counter()
     proc = lmforge("train", "--budget", f"{budget:g}s", *sets(
         f"data.sources=[{json.dumps(str(train))}]", f"data.val_sources=[{json.dumps(str(held))}]",
-        f"run.dir={run}", "run.overwrite=true", "logging.progress=none", *extra))
+        f"run.dir={run}", "run.overwrite=true", f"run.seed={seed}", "logging.progress=none", *extra))
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"name": "planner", "error": proc.stderr.strip()[-500:], "wall_s": round(wall, 1)}
     plan = json.loads((run / "plan.json").read_text())
     chosen = {c["key"]: c["value"] for c in plan["choices"]}
-    return {"name": "planner", "bpb": score(run), "wall_s": round(wall, 1), **progress(run),
+    return {"name": "planner", "seed": seed, "bpb": score(run), "wall_s": round(wall, 1), **progress(run),
             "shape": f"d{chosen['model.d_model']}-L{chosen['model.n_layers']}", "lr": chosen["optim.lr"],
             "vocab": chosen["data.tokenizer.vocab_size"]}
 
 
-def run_hand(name: str, budget: float, train: Path, held: Path, out: Path, extra: list[str]) -> dict:
+def run_hand(name: str, budget: float, train: Path, held: Path, out: Path, extra: list[str],
+             seed: int = SEED) -> dict:
     d, n, h, lr = HAND_GRID[name]
     run = out / name
+    data = out / ("data-v4096" if seed == SEED else f"data-v4096-s{seed}")  # the seed splits the documents
     common = [f"data.sources=[{json.dumps(str(train))}]", f"data.val_sources=[{json.dumps(str(held))}]",
-              "data.tokenizer.vocab_size=4096", f"data.dir={out / 'data-v4096'}"]
+              "data.tokenizer.vocab_size=4096", f"data.dir={data}", f"run.seed={seed}"]
     prep = lmforge("prepare", *sets(*common))  # before the clock: cached for every grid point
     if prep.returncode != 0:
         return {"name": name, "error": prep.stderr.strip()[-500:]}
@@ -129,7 +133,7 @@ def run_hand(name: str, budget: float, train: Path, held: Path, out: Path, extra
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"name": name, "error": proc.stderr.strip()[-500:], "wall_s": round(wall, 1)}
-    return {"name": name, "bpb": score(run), "wall_s": round(wall, 1), **progress(run)}
+    return {"name": name, "seed": seed, "bpb": score(run), "wall_s": round(wall, 1), **progress(run)}
 
 
 def run_nanogpt(root: str, budget: float, train: Path, held: Path) -> dict:
@@ -268,8 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
                     "machine and grid) and run only the missing ones")
     ap.add_argument("--repeat", default="", help="rows (grid names or planner) to run once more after each "
                     "cell's missing rows, kept under the cell's 'repeats': the spread of one configuration "
-                    "from run to run on the same machine (a time budget trains as many steps as the machine "
-                    "gives)")
+                    "from run to run on the same machine; the k-th repeat of a row in a cell runs at "
+                    "run.seed 1337 + k (another initialisation, document split and order), so the spread "
+                    "is the seed's as well as the machine's timing")
     ap.add_argument("--redo", default="", help="rows (grid names, planner or nanogpt) of the chosen cells "
                     "to measure again with --resume: their kept rows and repeats are dropped first (the "
                     "bench's way to re-measure a row whose method changed)")
@@ -323,8 +328,9 @@ def main(argv: list[str] | None = None) -> dict:
                 cell.update(compare(cell["rows"], cell.get("repeats", [])))
                 save(results, Path(args.results))
             for name in args.repeat.split(",") if args.repeat else []:  # run-to-run spread of a row
-                row = (run_planner(budget, train, held, cell_dir / "repeat", extra) if name == "planner" else
-                       run_hand(name, budget, train, held, cell_dir / "repeat", extra))
+                seed = SEED + 1 + sum(r["name"] == name for r in cell.get("repeats", []))
+                row = (run_planner(budget, train, held, cell_dir / "repeat", extra, seed) if name == "planner"
+                       else run_hand(name, budget, train, held, cell_dir / "repeat", extra, seed))
                 cell.setdefault("repeats", []).append({**row, "name": name})
                 cell.update(compare(cell["rows"], cell["repeats"]))
                 save(results, Path(args.results))

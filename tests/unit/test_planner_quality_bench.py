@@ -67,13 +67,15 @@ def test_resume_runs_only_the_rows_not_yet_measured(tmp_path, monkeypatch):
     calls: list[str] = []
     failing = {"d96-L3-lr0.002"}
 
-    def fake(name):
+    def fake(name, seed=pq.SEED):
         calls.append(name)
-        return {"name": name, "error": "busy"} if name in failing else {"name": name, "bpb": 1.0 + len(calls)}
+        if name in failing:
+            return {"name": name, "error": "busy"}
+        return {"name": name, "seed": seed, "bpb": 1.0 + len(calls)}
 
     monkeypatch.setattr(pq, "materialize", lambda corpus, root, chars: (tmp_path, tmp_path / "held.txt"))
-    monkeypatch.setattr(pq, "run_planner", lambda *a: fake("planner"))
-    monkeypatch.setattr(pq, "run_hand", lambda name, *a: fake(name))
+    monkeypatch.setattr(pq, "run_planner", lambda *a: fake("planner", *a[5:]))
+    monkeypatch.setattr(pq, "run_hand", lambda name, *a: fake(name, *a[5:]))
     args = ["--tiny", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "r.json")]
     first = pq.main(args)
     assert calls == ["planner", *pq.TINY_GRID]
@@ -94,15 +96,36 @@ def test_resume_runs_only_the_rows_not_yet_measured(tmp_path, monkeypatch):
     rep = pq.main([*args, "--resume", "--repeat", "planner,d64-L2-lr0.004"])
     assert calls == ["planner", "d64-L2-lr0.004"]  # nothing missing: only the repeats run
     assert [r["name"] for r in rep["cells"][0]["repeats"]] == ["planner", "d64-L2-lr0.004"]
+    assert {r["seed"] for r in rep["cells"][0]["rows"]} == {1337}
+    rep = pq.main([*args, "--resume", "--repeat", "planner"])  # each repeat of a row: the next seed
+    assert [(r["name"], r["seed"]) for r in rep["cells"][0]["repeats"]] == [
+        ("planner", 1338), ("d64-L2-lr0.004", 1338), ("planner", 1339)]
     with pytest.raises(SystemExit):
         pq.main([*args, "--repeat", "d1-L1-lr9"])
     calls.clear()
     redo = pq.main([*args, "--resume", "--redo", "d64-L2-lr0.004"])
     assert calls == ["d64-L2-lr0.004"]  # only the row asked for, measured again
     assert {r["name"] for r in redo["cells"][0]["rows"]} == {"planner", *pq.TINY_GRID}
-    assert [r["name"] for r in redo["cells"][0]["repeats"]] == ["planner"]  # the redone row's repeat dropped
+    assert [r["name"] for r in redo["cells"][0]["repeats"]] == ["planner"] * 2  # the redone row's dropped
     with pytest.raises(SystemExit):
         pq.main([*args, "--redo", "d1-L1-lr9"])
+
+
+def test_a_repeat_at_another_seed_prepares_and_trains_at_that_seed(tmp_path, monkeypatch):
+    seen: list[list[str]] = []
+
+    def fake_lmforge(*args, timeout=None):
+        seen.append(list(args))
+        return type("Done", (), {"returncode": 1, "stderr": "stop here"})()
+
+    monkeypatch.setattr(pq, "lmforge", fake_lmforge)
+    for seed, data in ((pq.SEED, "data-v4096"), (1338, "data-v4096-s1338")):
+        seen.clear()
+        assert pq.run_hand("d64-L2-lr0.004", 20.0, tmp_path, tmp_path / "h.txt", tmp_path, [], seed)["error"]
+        assert f"data.dir={tmp_path / data}" in seen[0] and f"run.seed={seed}" in seen[0]
+        seen.clear()
+        assert pq.run_planner(20.0, tmp_path, tmp_path / "h.txt", tmp_path, [], seed)["error"]
+        assert f"run.seed={seed}" in seen[0]
 
 
 def test_nanogpt_keeps_its_2000_iterations_and_stretches_its_cosine_to_a_longer_budget():
