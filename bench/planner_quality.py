@@ -71,13 +71,15 @@ def sets(*items: str) -> list[str]:
     return sum((["--set", s] for s in items), [])
 
 
-def score(run_dir: Path) -> float:
-    """bpb of a run over every window of its data.val_sources."""
+def score(run_dir: Path) -> dict:
+    """bpb and loss (nats/token, what bench/planner_rules.py fits its law to) of a run over every window of
+    its data.val_sources."""
     proc = lmforge("eval", "loss", str(run_dir), *sets("eval.max_batches=null"))
     if proc.returncode != 0:
         raise RuntimeError(f"eval loss {run_dir}: {proc.stderr.strip()[-500:]}")
     found = sorted(run_dir.glob("eval_val_*.json"), key=lambda p: p.stat().st_mtime)
-    return float(json.loads(found[-1].read_text())["bpb"])
+    out = json.loads(found[-1].read_text())
+    return {"bpb": float(out["bpb"]), "loss": float(out["loss"])}
 
 
 def progress(run_dir: Path) -> dict:
@@ -105,7 +107,7 @@ def run_planner(budget: float, train: Path, held: Path, out: Path, extra: list[s
         return {"name": "planner", "error": proc.stderr.strip()[-500:], "wall_s": round(wall, 1)}
     plan = json.loads((run / "plan.json").read_text())
     chosen = {c["key"]: c["value"] for c in plan["choices"]}
-    return {"name": "planner", "seed": seed, "bpb": score(run), "wall_s": round(wall, 1), **progress(run),
+    return {"name": "planner", "seed": seed, **score(run), "wall_s": round(wall, 1), **progress(run),
             "shape": f"d{chosen['model.d_model']}-L{chosen['model.n_layers']}", "lr": chosen["optim.lr"],
             "vocab": chosen["data.tokenizer.vocab_size"]}
 
@@ -133,7 +135,13 @@ def run_hand(name: str, budget: float, train: Path, held: Path, out: Path, extra
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         return {"name": name, "error": proc.stderr.strip()[-500:], "wall_s": round(wall, 1)}
-    return {"name": name, "seed": seed, "bpb": score(run), "wall_s": round(wall, 1), **progress(run)}
+    return {"name": name, "seed": seed, **score(run), "wall_s": round(wall, 1), **progress(run),
+            "train_tokens": train_tokens(data)}
+
+
+def train_tokens(data_dir: Path) -> int:
+    """The distinct training tokens of a prepared corpus (what a grid row repeats in epochs)."""
+    return int(json.loads((data_dir / "meta.json").read_text())["splits"]["train"]["tokens"])
 
 
 def run_nanogpt(root: str, budget: float, train: Path, held: Path) -> dict:
