@@ -1,23 +1,29 @@
 """The measurements behind the budget planner's rules (src/lmforge/tools/planner.py cites the numbers this
 writes to bench/results/planner_rules.json; tests/unit/test_planner.py checks that the two agree).
 
+- law: L(N, D) = E + A/N^alpha + B/D^beta fitted (Hoffmann et al. D.2, lmforge.tools.scaling.fit_law) to
+  the best row of each shape (of its two lrs) of bench/planner_quality.py's python grid at every budget
+  measured there (2 and 5 minutes: d64-L2 to d256-L6, vocabulary 4096, scored over one held-out file;
+  bench/results/planner_quality.json): N the non-embedding parameters (Kaplan's count, so that the
+  ranking of shapes does not move with the vocabulary), D the effective tokens the planner counts
+  (Muennighoff's, the grid repeating the corpus in epochs), L the held-out loss. Published laws
+  (Hoffmann, Epoch) are fitted at 1e7-1e10 parameters and over-predict these losses by 3-5x (printed
+  below): the planner ranks shapes by this small-budget fit instead, which is what "smaller models that
+  see more tokens won" looks like as a formula. (Until 2026-11-29 the law was fitted to the speedrun's
+  13 runs below, d128-L4 and up on its own validation split: it put d64-L2 first at 5 minutes, where the
+  grid measured d96-L3 3.5% better.)
+
 From bench/results/speedrun_search.json (the measured search that chose configs/speedrun/cpu-5min.yaml:
 12 candidates at 60 s of training and the best 3 at 300 s, builtin:python, 2 AMD EPYC cores):
 
-- law: L(N, D) = E + A/N^alpha + B/D^beta fitted (Hoffmann et al. D.2, lmforge.tools.scaling.fit_law) to
-  the runs at vocabulary 4096 (nats/token compare only at one vocabulary): N the non-embedding parameters
-  (Kaplan's count, so that the ranking of shapes does not move with the vocabulary), D the tokens
-  each run saw in its budget, L its final validation loss. Published laws (Hoffmann, Epoch) are fitted at
-  1e7-1e10 parameters and over-predict these losses by 3-5x (printed below): the planner ranks shapes by
-  this small-budget fit instead, which is what "smaller models that see more tokens won" looks like as
-  a formula.
 - range: the law ranks shapes down to half the smallest N measured on builtin:python: the speedrun's
   runs (d128-L4 and up) and planner_quality's python grid at 2 minutes (d64-L2 to d256-L6 at two lrs each,
   where the smallest shape won and the bpb grew with N, the order the law gives them).
-- lr: the width rule lr = c * 128 / d_model, c the better of 2e-3 and 4e-3 at d128 in
-  bench/planner_quality.py's python grid at 2 minutes (bench/results/planner_quality.json: 2e-3, by 12%;
-  the speedrun's 5-minute winner ran d128 at 4e-3 but never tried 2e-3 there; its d256 sweep at 60 s,
-  1e-3 to 4e-3, came out within noise).
+- lr: the width rule lr = min(cap, c * 128 / d_model), c the geometric mean of the better of 2e-3 and 4e-3
+  at d128 in bench/planner_quality.py's python grid at 2 and 5 minutes (bench/results/planner_quality.json:
+  2e-3 by 12% at 2 minutes, 4e-3 by 1.5% at 5: c = 2.83e-3), the cap the largest lr that won at any width
+  (4e-3, at d64 and d96 at both budgets; no larger lr was measured). The speedrun's d256 sweep at 60 s,
+  1e-3 to 4e-3, came out within noise.
 - batch: DeepSeek LLM's B_opt = k C^0.3271 (tokens per step, C = 6ND), with k refitted so that the
   5-minute winner's compute gives its measured best batch (16 x 256 = 4096 tokens; 8 x 256 lost at both
   60 s and 300 s, 32 x 128 lost at 60 s).
@@ -46,7 +52,7 @@ sys.path.insert(0, str(REPO / "src"))
 SEARCH = REPO / "bench" / "results" / "speedrun_search.json"
 RESULTS = REPO / "bench" / "results" / "planner_rules.json"
 QUALITY = REPO / "bench" / "results" / "planner_quality.json"  # bench/planner_quality.py's grids
-LR_CORPUS, LR_BUDGET_S = "python", 120.0
+LR_CORPUS, LR_BUDGET_S, LR_BUDGETS_S = "python", 120.0, (120.0, 300.0)
 SEARCH_SHAPE = dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=256, vocab_size=4096)
 BATCH_EXPONENT = 0.3271  # DeepSeek LLM (Bi et al. 2024) eq. 1
 PREPARE_CHARS = (500_000, 2_000_000)
@@ -82,6 +88,42 @@ def _lr(overrides: list[str]) -> float:
     return 2e-3  # the search's starting point (SEARCH_BASE in bench/speedrun_search.py)
 
 
+def grid_points() -> list[dict]:
+    """The better-lr row of each shape of planner_quality's python grid at every budget measured there
+    (bench/results/planner_quality.json): N its non-embedding parameters, D the effective tokens the
+    planner counts (the grid reads the whole corpus and repeats it in epochs: Muennighoff's D' of the
+    tokens trained over the corpus's distinct ones), L the held-out loss (nats/token, vocabulary 4096)."""
+    from lmforge.tools.planner import effective_tokens
+
+    cells = json.loads(QUALITY.read_text())["cells"] if QUALITY.is_file() else []
+    sizes = grid_sizes()
+    best: dict[tuple[str, float], dict] = {}
+    for cell in (c for c in cells if c["corpus"] == LR_CORPUS):
+        for r in cell["rows"]:
+            if not {"loss", "tokens", "train_tokens"} <= set(r) or "-lr" not in r["name"]:
+                continue
+            shape, lr = r["name"].split("-lr")
+            key = (shape, cell["budget_s"])
+            if key not in best or r["loss"] < best[key]["loss"]:
+                best[key] = {"name": f"grid {r['name']}", "budget_s": cell["budget_s"], "n": sizes[shape],
+                             "d": effective_tokens(r["tokens"], r["train_tokens"]), "tokens": r["tokens"],
+                             "train_tokens": r["train_tokens"], "loss": r["loss"], "bpb": r["bpb"],
+                             "lr": float(lr)}
+    return sorted(best.values(), key=lambda p: (p["budget_s"], p["n"]))
+
+
+def grid_sizes() -> dict[str, int]:
+    """Non-embedding parameters of planner_quality's grid shapes."""
+    from lmforge.config.schema import ModelConfig
+    from lmforge.tools.scaling_inputs import param_count
+    from planner_quality import SHAPES  # bench/ (on sys.path)
+
+    return {name: param_count(ModelConfig(d_model=d, n_layers=n, n_heads=h,
+                                          n_kv_heads=h // 2 if h % 2 == 0 else h, max_seq_len=256,
+                                          vocab_size=4096), "non-embedding")
+            for name, (d, n, h) in SHAPES.items()}
+
+
 def fit(points: list[dict]) -> dict:
     from lmforge.tools.scaling import LAWS, fit_law
 
@@ -95,11 +137,11 @@ def fit(points: list[dict]) -> dict:
             "published_laws_predict": published}
 
 
-def grid_lrs() -> dict[str, dict[str, float]]:
-    """bpb of each width of planner_quality's python grid at 2 minutes, per lr: the only runs where every
+def grid_lrs(budget_s: float = LR_BUDGET_S) -> dict[str, dict[str, float]]:
+    """bpb of each width of planner_quality's python grid at `budget_s`, per lr: the runs where every
     width was trained at two lrs (python is the corpus the rules are measured on; prose is held out)."""
     cells = json.loads(QUALITY.read_text())["cells"] if QUALITY.is_file() else []
-    cell = next((c for c in cells if c["corpus"] == LR_CORPUS and c["budget_s"] == LR_BUDGET_S), None)
+    cell = next((c for c in cells if c["corpus"] == LR_CORPUS and c["budget_s"] == budget_s), None)
     out: dict[str, dict[str, float]] = {}
     for r in (cell or {}).get("rows", []):
         if "bpb" in r and "-lr" in r["name"]:
@@ -109,20 +151,23 @@ def grid_lrs() -> dict[str, dict[str, float]]:
 
 
 def lr_rule(points: list[dict]) -> dict:
-    """lr = c x 128 / d_model with c the better lr at d128 of the python grid at 2 minutes (2e-3 beat
-    4e-3 there; the speedrun's 5-minute winner ran d128 at 4e-3 without trying 2e-3). Without that grid,
-    the speedrun's winner."""
-    grid = grid_lrs()
+    """lr = min(cap, c x 128 / d_model): c the geometric mean, over the python grid's budgets, of the better
+    lr at d128 (2e-3 at 2 minutes by 12%, 4e-3 at 5 by 1.5%), the cap the largest lr that won at any width
+    (none above it was measured). Without the grid, the speedrun's winner (uncapped)."""
+    grids = {b: grid_lrs(b) for b in LR_BUDGETS_S}
     sweep = {f"{p['lr']:g}": round(p["bpb"], 4) for p in points
              if p["budget_s"] == 60 and p["d_model"] == 256 and p["name"] in ("base", "lr4e-3", "lr1e-3")}
-    if "d128-L4" in grid:
-        at128 = grid["d128-L4"]
-        lr = float(min(at128, key=at128.get))
-        return {"lr_at_128": lr, "from": f"{LR_CORPUS} grid at {LR_BUDGET_S:g}s, d128-L4: {at128} bpb",
-                "grid": grid, "d256_sweep_60s": sweep}
+    better = {b: {shape: float(min(lrs, key=lrs.get)) for shape, lrs in g.items()} for b, g in grids.items()}
+    at128 = [lrs["d128-L4"] for lrs in better.values() if "d128-L4" in lrs]
+    if at128:
+        c = math.exp(sum(math.log(lr) for lr in at128) / len(at128))
+        return {"lr_at_128": c, "max_lr": max(lr for lrs in better.values() for lr in lrs.values()),
+                "from": f"{LR_CORPUS} grid, the better lr of each width at "
+                        + "; ".join(f"{b:g}s: {lrs}" for b, lrs in better.items()),
+                "grid": {f"{b:g}": g for b, g in grids.items()}, "d256_sweep_60s": sweep}
     final = [p for p in points if p["budget_s"] == max(q["budget_s"] for q in points)]
     best = min(final, key=lambda p: p["loss"])
-    return {"lr_at_128": best["lr"] * best["d_model"] / 128, "from": f"{best['name']} at "
+    return {"lr_at_128": best["lr"] * best["d_model"] / 128, "max_lr": None, "from": f"{best['name']} at "
             f"{best['budget_s']:g}s: lr {best['lr']:g} at d_model {best['d_model']}", "d256_sweep_60s": sweep}
 
 
@@ -130,17 +175,8 @@ def law_range(points: list[dict]) -> dict:
     """The smallest model the law may choose: half the smallest non-embedding N measured on the rules'
     corpus, in the speedrun's runs or planner_quality's python grid at 2 minutes (which trained d64-L2 to
     d256-L6 and found the smallest best, as the law ranks them: smaller models that see more tokens)."""
-    from lmforge.config.schema import ModelConfig
-    from lmforge.tools.scaling_inputs import param_count
-    from planner_quality import SHAPES  # bench/ (on sys.path)
-
     grid = grid_lrs()
-    sizes = {}
-    for name in grid:
-        d, n, h = SHAPES[name]
-        mc = ModelConfig(d_model=d, n_layers=n, n_heads=h, n_kv_heads=h // 2 if h % 2 == 0 else h,
-                         max_seq_len=256, vocab_size=4096)
-        sizes[name] = param_count(mc, "non-embedding")
+    sizes = {name: n for name, n in grid_sizes().items() if name in grid}
     smallest = min([p["n"] for p in points] + list(sizes.values()))
     best = {name: min(lrs.values()) for name, lrs in grid.items()}
     return {"min_params": smallest, "grid_params": sizes, "grid_best_bpb": best,
@@ -188,16 +224,17 @@ def main() -> None:
                     "hold (measured on a busy machine: an idle one's faster rate lets a busy one overrun "
                     "preparing's share) and recompute the rest from the stored runs")
     args = ap.parse_args()
-    points = search_points()
+    points, grid = search_points(), grid_points()
     old = json.loads(RESULTS.read_text()) if args.keep_prepare else {}
     prepare = old["prepare"] if "prepare" in old else prepare_rates()
     out = {"machine": old.get("machine") or machine_info(), "source": str(SEARCH.relative_to(REPO)),
-           "points": points, "law": fit(points), "range": law_range(points), "lr": lr_rule(points),
-           "batch": batch_rule(points), "prepare": prepare}
+           "points": points, "grid_points": grid, "law": fit(grid), "range": law_range(points),
+           "lr": lr_rule(points), "batch": batch_rule(points), "prepare": prepare}
     RESULTS.write_text(json.dumps(out, indent=2) + "\n")
     law = out["law"]
     print(f"law: L = {law['E']:.4g} + {law['A']:.4g}/N^{law['alpha']:.4g} + {law['B']:.4g}/D^"
-          f"{law['beta']:.4g} (rms log residual {law['rms_log_residual']:.4f}, {len(points)} runs)")
+          f"{law['beta']:.4g} (rms log residual {law['rms_log_residual']:.4f}, the best of each shape at "
+          f"each budget of the python grid: {len(grid)} runs)")
     print(f"law's range: N >= {out['range']['min_params'] / 2:,.0f} ({out['range']['from']})")
     print(f"lr at d_model 128: {out['lr']['lr_at_128']:g}; batch k {out['batch']['coefficient']:.4g}")
     prep = out["prepare"]

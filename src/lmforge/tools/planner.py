@@ -2,7 +2,8 @@
 machine's measured throughput (tools/planner_probe.py measures it), the corpus and the keys the user set.
 
 What it chooses, and from what (every constant below cites bench/results/planner_rules.json, written by
-bench/planner_rules.py from the measured runs of bench/results/speedrun_search.json):
+bench/planner_rules.py from the measured runs of bench/results/planner_quality.json's python grid and
+bench/results/speedrun_search.json):
 
 - the phases of the whole process inside the budget: what was already spent (start-up and the probe),
   preparing the corpus and tokenizer (data.max_chars and the tokenizer's sample bounded by a share of the
@@ -27,18 +28,24 @@ from lmforge.errors import ConfigError
 
 # -- rules, with the measurements that chose them (bench/results/planner_rules.json) -------------------
 # L(N, D) in nats/token at vocabulary 4096, N the non-embedding parameters (so the ranking of shapes does
-# not move with the vocabulary), fitted to the 13 speedrun runs (N 0.79M-5.8M, D 0.27M-3.4M tokens, rms
-# log residual 0.025); E is not identifiable at these losses (all >= 3.7 nats) and the fit puts it at 0.
-# Published laws (Hoffmann, Epoch) predict 10-25 nats for the same runs.
-LAW = dict(E=0.0, A=14.2883, B=101.547, alpha=0.218476, beta=0.235491)
+# not move with the vocabulary), D the effective tokens (below), fitted to the best row of each shape of
+# bench/planner_quality.py's python grid at 2 and 5 minutes (12 runs: N 0.1M-4.4M, D 0.3M-7.5M tokens, rms
+# log residual 0.014): it ranks both budgets' shapes as measured (d64-L2 first at 2 minutes,
+# d96-L3 at 5), and on the held-out kjv grids too. Fitted to the speedrun's 13 runs (d128-L4 and up) before,
+# it put d64-L2 first at 5 minutes, where d96-L3 was 3.5% better. Larger N and D are extrapolations.
+# Published laws (Hoffmann, Epoch) predict 10-25 nats for such runs.
+LAW = dict(E=2.11689, A=460.228, B=453.464, alpha=0.584195, beta=0.380996)
 # half the smallest N measured on builtin:python (planner_quality's python grid at 2 min: d64-L2 won, bpb
 # growing with N as the law ranks them): below it the rule is an extrapolation
 LAW_MIN_PARAMS = 0.5 * 98_624
 # repeated data: epochs beyond the first are worth less (Muennighoff et al. 2023, "Scaling Data-Constrained
 # Language Models", eq. 5: D' = U + U R* (1 - exp(-R / R*)), R the repeats, their fitted R*_D = 15.4)
 REPEAT_HALF_LIFE = 15.4
-LR_AT_128 = 2.0e-3  # lr = LR_AT_128 * 128 / d_model: the better lr at d128 of the python grid at 2 min
-LR_RANGE = (3e-4, 6e-3)
+# lr = LR_AT_128 * 128 / d_model within LR_RANGE: LR_AT_128 the geometric mean of the better lr at d128 in
+# the python grid at 2 and 5 min (2e-3 by 12%, 4e-3 by 1.5%); the top of the range the largest lr that won at
+# any width (4e-3, at d64 and d96 at both budgets; no larger one was measured)
+LR_AT_128 = 0.00282843
+LR_RANGE = (3e-4, 4e-3)
 BATCH_RULE = (0.1968, 0.3271)  # tokens/step = k C^e: DeepSeek's exponent, k from the winner's 4096 tokens
 PREPARE_CHARS_PER_S = 1_207_555.0  # a whole `lmforge prepare` of builtin:python (low quartile of 6 runs)
 CHARS_PER_TOKEN = {1024: 2.839, 2048: 3.423, 4096: 3.916}  # builtin:python, per BPE vocabulary
@@ -424,8 +431,8 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
            "tokens/step")
     d_model = user.get("model.d_model", shape.d_model)
     lr = min(max(LR_AT_128 * 128 / d_model, LR_RANGE[0]), LR_RANGE[1])
-    choose("optim.lr", lr, f"rule: {LR_AT_128:g} x 128 / d_model (python grid, 2 min: 2e-3 beat 4e-3 at "
-           "d128)")
+    choose("optim.lr", lr, f"rule: {LR_AT_128:.3g} x 128 / d_model, at most {LR_RANGE[1]:g} (python grid, "
+           "2 and 5 min)")
     _schedule(choose, user, user.get("train.grad_accum_steps", accum) * micro * seq / tps, train_s)
     choose("train.precision", throughput.precision, throughput.precision_why)
     choose("train.max_time", round(train_s, 2), "what is left of the budget (re-set after preparing)")
