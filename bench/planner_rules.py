@@ -225,6 +225,10 @@ def main() -> None:
                     "preparing's share) and recompute the rest from the stored runs")
     args = ap.parse_args()
     points, grid = search_points(), grid_points()
+    if len(grid) < 5:  # the law has five constants
+        sys.exit(f"planner_rules: {len(grid)} python grid rows with a held-out loss in {QUALITY}; the law "
+                 "needs the grid at 2 and 5 minutes: python bench/planner_quality.py --budgets 2m,5m "
+                 "--corpora python")
     old = json.loads(RESULTS.read_text()) if args.keep_prepare else {}
     prepare = old["prepare"] if "prepare" in old else prepare_rates()
     out = {"machine": old.get("machine") or machine_info(), "source": str(SEARCH.relative_to(REPO)),
