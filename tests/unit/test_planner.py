@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,63 @@ def test_the_warm_up_is_100_updates_or_5_percent_of_training_the_longer():
     assert slow["schedule.warmup_seconds"] == pytest.approx(0.25 * slow["train.max_time"], abs=0.01)
     mine = P.plan(120, table(), P.Corpus(), {"schedule.warmup_seconds": 3.0}).settings
     assert mine["schedule.warmup_seconds"] == 3.0
+
+
+def test_the_evaluation_keeps_what_its_batches_take_at_the_measured_forward_speed():
+    """The final evaluation is 3% of the budget at the forward speed the probe measured (2 cores: 2.0-2.8x
+    a step's), at most the held-out text's windows; the time kept after training is what those batches take
+    (x1.25, + the final checkpoint), so a small held-out text leaves the rest to training."""
+    step = 16 * 256 / 15000
+    timed = P.Throughput("cpu", tuple(replace(p, eval_batch_s=step / 2.5)
+                                      for p in table({(96, 3): 15000}).points), spent_s=1.0)
+    p, old = P.plan(300, timed, P.Corpus(), {}), P.plan(300, table({(96, 3): 15000}), P.Corpus(), {})
+    n = p.settings["train.eval_batches"]
+    assert n == int(0.03 * 300 / (step / 2.5))
+    assert old.settings["train.eval_batches"] == int(0.03 * 300 / (step / 2))  # no forward timed: 2x
+    assert p.phases["evaluate"] == pytest.approx(n * step / 2.5 * P.EVAL_SAFETY + P.EVAL_FIXED_S, abs=0.01)
+    assert sum(p.phases.values()) == pytest.approx(300, abs=0.1)
+    # data.val_sources are evaluated whole: no more batches than their windows (+25%), no more time kept
+    held = P.plan(300, timed, P.Corpus(val_chars=400_000), {})
+    windows = 400_000 / P.CHARS_PER_TOKEN[4096] / 256
+    assert held.settings["train.eval_batches"] == math.ceil(1.25 * windows / 16) < n
+    assert held.phases["evaluate"] == pytest.approx(
+        held.settings["train.eval_batches"] * step / 2.5 * P.EVAL_SAFETY + P.EVAL_FIXED_S, abs=0.01)
+    assert held.settings["train.max_time"] > p.settings["train.max_time"] + 5
+    assert "at most the held-out text's windows" in {c.key: c.why for c in held.choices}["train.eval_batches"]
+
+
+def test_the_probe_stops_before_shapes_that_cannot_win(monkeypatch):
+    """On a CPU a shape is measured only where the loss rule, at 1.5x the best FLOP/s measured so far,
+    says it could beat the shapes measured: at 2 minutes d64-L2 and d96-L3 are enough (the rest took ~3 s
+    of the probe), a long budget measures on, and a GPU (whose FLOP/s grows with the shape) always does."""
+    import time
+
+    from lmforge.tools import planner_probe as PP
+
+    speeds = {(64, 2): 29865, (96, 3): 16350, (128, 4): 9637, (192, 4): 5974, (256, 4): 4122}
+    corpus = P.Corpus(chars=9_000_000, val_chars=450_000)
+    two = table(dict(list(speeds.items())[:2]))
+    assert not P.could_win(120, two, corpus, {}, list(P.LADDER[2:]))
+    assert P.could_win(3600, two, corpus, {}, list(P.LADDER[2:]))
+    assert P.could_win(120, replace(two, device="cuda"), corpus, {}, list(P.LADDER[2:]))
+    # the shapes it skips are ones the whole table would not have chosen
+    assert P.plan(120, two, corpus, {}).settings["model.d_model"] == \
+        P.plan(120, table(speeds), corpus, {}).settings["model.d_model"]
+
+    timed = []
+
+    def fake_step(shape, vocab, micro, seq, device, precision, until, keep=True):
+        timed.append(shape.name)
+        step = micro * seq / speeds.get((shape.d_model, shape.n_layers), 30000)
+        return step, step / 8, None
+
+    monkeypatch.setattr(PP, "_step_seconds", fake_step)
+    said = []
+    got = PP.probe(120, {"train.precision": "fp32"}, PP.Deadline.since(120, time.perf_counter()), "cpu",
+                   said.append, corpus)
+    assert [p.shape.name for p in got.points] == ["d64-L2", "d96-L3"] and timed[1:] == ["d64-L2", "d96-L3"]
+    assert got.points[0].eval_batch_s == pytest.approx(16 * 256 / 29865 / 8)
+    assert any("d128-L4 and larger: not measured" in s for s in said)
+    everything = PP.probe(120, {"train.precision": "fp32"}, PP.Deadline.since(120, time.perf_counter()),
+                          "cpu", said.append)  # no corpus: no rule to stop by
+    assert len(everything.points) > 2

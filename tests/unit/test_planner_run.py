@@ -159,7 +159,8 @@ def test_the_probe_steps_as_the_run_trains(monkeypatch, keep):
 
     monkeypatch.setattr(hm, "keep_freed_memory", spy)
     cpu = torch.device("cpu")
-    seconds, _ = _step_seconds(Shape(32, 1, 2, 1), 256, 2, 16, cpu, "fp32", 0.0, keep)
+    seconds, forward, _ = _step_seconds(Shape(32, 1, 2, 1), 256, 2, 16, cpu, "fp32", 0.0, keep)
     assert seconds > 0 and held == [keep]
+    assert 0 < forward < seconds  # the evaluation's forward, timed after the steps
     opt = probe_optimizer(build_model(model_config(Shape(32, 1, 2, 1), 256, 16)).parameters(), cpu)
     assert opt.defaults["fused"] is True

@@ -7,8 +7,9 @@ bench/results/speedrun_search.json):
 
 - the phases of the whole process inside the budget: what was already spent (start-up and the probe),
   preparing the corpus and tokenizer (data.max_chars and the tokenizer's sample bounded by a share of the
-  budget at the measured prepare rate), training (what is left), the final evaluation (a few % of the
-  budget at the measured speed) and a small exit margin;
+  budget at the measured prepare rate), training (what is left), the final evaluation (its batches sized
+  to a few % of the budget, the time kept for it what they take at the probe's measured forward speed) and
+  a small exit margin;
 - the model shape: every candidate of a ladder of shapes sees the tokens its measured (or interpolated)
   speed gives in the training time; the one a loss rule L(N, D) fitted to small-budget runs on a 2-core
   CPU predicts lowest wins (there, smaller models that see more tokens won);
@@ -57,12 +58,18 @@ WARMUP_SHARE, WARMUP_STEPS, WARMUP_MAX_SHARE, COOLDOWN_FRACTION = 0.05, 100, 0.2
 
 # -- the shares of the budget (decisions; docs/planning.md says why) -----------------------------------
 PREPARE_SHARE = 0.12  # the most of the budget preparing the corpus and tokenizer may take
-EVAL_SHARE = 0.03  # the final evaluation
-EVAL_SPEEDUP = 3.0  # a forward alone takes about a third of a training step (forward + backward)
-# exit: saving the model, the report, the interpreter's exit (~1 s for a small model on a busy 2-core machine)
-MARGIN_SHARE, MARGIN_S = 0.02, 2.0
+# the final evaluation: the batches EVAL_SHARE of the budget evaluates at the forward speed the probe
+# measured, at most the windows of data.val_sources; the time kept for them x EVAL_SAFETY (+ EVAL_FIXED_S, the
+# final checkpoint). Kept as 3% of the budget whatever the held-out text's size, it ended the 2- and
+# 5-minute runs of bench/planner_quality.py 6-16 s before their budget (python's held-out text is 28 batches)
+EVAL_SHARE = 0.03
+EVAL_SPEEDUP = 2.0  # where no forward was timed: 2 AVX2 cores measured 2.0-2.8x a step's speed (d64-d128)
+EVAL_SAFETY, EVAL_FIXED_S = 1.25, 0.5
+# exit: the report, curves.png, the interpreter's exit (~1-2 s on a busy 2-core machine); the whole process
+# may end up to 5% past its budget, so the margin need not hold all of it
+MARGIN_SHARE, MARGIN_S = 0.01, 2.0
 PLOT_MIN_BUDGET_S = 120.0  # drawing curves.png imports matplotlib: 1-5 s, too much of a shorter budget
-SETUP_S = 1.5  # assembling the run: model, optimizer, loaders (measured ~0.5-1 s at these sizes)
+SETUP_S = 1.0  # assembling the run: model, optimizer, loaders (measured 0.12-0.45 s at 2 and 5 minutes)
 PREPARE_FIXED_S = 0.5
 MIN_TRAIN_S = 5.0  # below this a run is mostly its first, slow steps
 MIN_STEPS = 20  # ... and fewer steps than this train nothing
@@ -106,6 +113,7 @@ class Measured:
     vocab: int
     flops_per_token: float
     tokens_per_s: float
+    eval_batch_s: float | None = None  # seconds of one evaluation forward of a (micro, seq) batch
 
 
 @dataclass(frozen=True)
@@ -140,6 +148,15 @@ class Throughput:
             w = math.log(flops_per_token / f0) / math.log(f1 / f0)
             return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
         return mono[-1][1]
+
+    def eval_ratio(self, flops_per_token: float) -> float:
+        """An evaluation batch's seconds over a training step's at the measured shape nearest in FLOPs per
+        token (1 / EVAL_SPEEDUP where the probe timed no forward)."""
+        timed = [p for p in self.points if p.eval_batch_s]
+        if not timed:
+            return 1 / EVAL_SPEEDUP
+        p = min(timed, key=lambda p: abs(math.log(p.flops_per_token / flops_per_token)))
+        return p.eval_batch_s * p.tokens_per_s / (p.micro * p.seq_len)
 
 
 @dataclass(frozen=True)
@@ -223,7 +240,7 @@ def vocab_for(budget_s: float, user: dict[str, Any]) -> tuple[int, str]:
     each other at 60 s), halved where the budget's tokenizer sample is too small to fill it."""
     if "data.tokenizer.vocab_size" in user:
         return int(user["data.tokenizer.vocab_size"]), "user"
-    sample = PREPARE_SHARE * budget_s * PREPARE_CHARS_PER_S / 2  # half the preparing time trains the BPE
+    sample = PREPARE_SHARE * budget_s * PREPARE_CHARS_PER_S  # the BPE trains on all the text read
     vocab = 4096
     while vocab > 1024 and sample / vocab < 250:  # a merge needs material: >= 250 chars per entry
         vocab //= 2
@@ -337,6 +354,50 @@ class _TooSmall(Exception):
     pass
 
 
+# the probe stops before shapes that cannot win: on a CPU a larger shape runs at most PROBE_FLOPS_SLACK x the
+# FLOP/s of the best shape measured (on 2 AVX2 cores d64-L2 to d256-L4 ran at 70-105 GFLOP/s, rising with the
+# shape by at most 1.13x a step); a GPU's FLOP/s grows many-fold with the shape, so it measures on
+PROBE_FLOPS_SLACK = 1.5
+
+
+def could_win(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any],
+              shapes: list[Shape]) -> bool:
+    """Whether any of `shapes` (not measured yet) might beat the plan of the shapes `throughput` has: the
+    loss rule's prediction for each at PROBE_FLOPS_SLACK x the best FLOP/s measured, trained for the plan's
+    training and preparing time together, on the whole corpus, must beat the plan's. True on a GPU, and
+    where there is no plan yet or its shape is below the rule's range."""
+    from lmforge.models.flops import flops_per_token
+    from lmforge.tools.scaling_inputs import param_count
+
+    if throughput.device != "cpu" or not shapes:
+        return bool(shapes)
+    try:
+        p = _plan(budget_s, throughput, corpus, user)
+    except (_TooSmall, ConfigError):
+        return True
+    if p.predicted["params"] < LAW_MIN_PARAMS:
+        return True
+    vocab, seq = p.settings["data.tokenizer.vocab_size"], p.settings["model.max_seq_len"]
+    flops_s = PROBE_FLOPS_SLACK * max(q.flops_per_token * q.tokens_per_s for q in throughput.points)
+    train_s = p.phases["train"] + p.phases["prepare"]
+    unique = corpus.chars * (1 - HELD_SHARE) / corpus.per_token(vocab) if corpus.chars else None
+    for shape in shapes:
+        mc = model_config(shape, vocab, seq)
+        d = flops_s / flops_per_token(mc, seq) * train_s
+        if law_loss(param_count(mc, "non-embedding"), d, unique) < p.predicted["loss"]:
+            return True
+    return False
+
+
+def _eval_batches(budget_s: float, batch_s: float, micro: int, seq: int, corpus: Corpus, cpt: float) -> int:
+    """The final evaluation's batches: what EVAL_SHARE of the budget evaluates at `batch_s` seconds a batch,
+    at most the windows of data.val_sources (evaluated whole; +25% for a text that tokenizes finer)."""
+    n = max(1, int(EVAL_SHARE * budget_s / batch_s))
+    if corpus.val_chars:
+        n = min(n, max(1, math.ceil(1.25 * corpus.val_chars / cpt / seq / micro)))
+    return n
+
+
 def _works(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any]) -> Plan | None:
     try:
         return _plan(budget_s, throughput, corpus, user)
@@ -358,7 +419,29 @@ def _schedule(choose: Callable[[str, Any, str], None], user: dict[str, Any], upd
         choose("schedule.min_lr_ratio", 0.0, "rule: decay to 0 (speedrun)")
 
 
+def _evaluation_choices(choose: Callable[[str, Any, str], None], throughput: Throughput, corpus: Corpus,
+                        user: dict[str, Any], eval_batches: int, tokens_read: float, budget_s: float) -> None:
+    """The final evaluation's choices (one, at the end, of `eval_batches`; held-out text for it where the
+    user gave no data.val_sources), the one checkpoint, and no curves.png for short budgets."""
+    micro, seq = batch_shape(throughput.device, user)
+    choose("train.eval_every", 0, "one evaluation, at the end")
+    speed = "the measured forward" if any(q.eval_batch_s for q in throughput.points) else \
+        f"{EVAL_SPEEDUP:g}x the training"
+    choose("train.eval_batches", eval_batches, f"rule: {EVAL_SHARE:.0%} of the budget at {speed} speed" +
+           (", at most the held-out text's windows" if corpus.val_chars else ""))
+    if "data.val_sources" not in user:
+        val_tokens = 1.5 * eval_batches * micro * (seq + 1)
+        frac = min(max(val_tokens / max(1.0, tokens_read), VAL_FRACTION_RANGE[0]), VAL_FRACTION_RANGE[1])
+        choose("data.val_fraction", round(frac, 4), "rule: enough held-out text for the evaluation")
+    choose("checkpoint.every", 0, "one checkpoint, at the end")
+    if budget_s < PLOT_MIN_BUDGET_S:
+        choose("logging.plot", False, f"rule: curves.png costs 1-5 s; drawn from {PLOT_MIN_BUDGET_S:g}s "
+               "budgets")
+
+
 def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any]) -> Plan:
+    from lmforge.models.flops import flops_per_token
+
     check_budget(budget_s, user)
     if not throughput.points:
         raise ConfigError("the throughput probe measured no shape (not even the smallest) in its time")
@@ -367,7 +450,16 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
     cpt = corpus.per_token(vocab)
     fastest = max(p.tokens_per_s for p in throughput.points)
     step_s = micro * seq / fastest
-    eval_s, margin_s = EVAL_SHARE * budget_s, MARGIN_SHARE * budget_s + MARGIN_S
+
+    def evaluation(shape: Shape) -> tuple[int, float]:
+        """The final evaluation of `shape`: its batches and the seconds kept for them."""
+        fpt = flops_per_token(model_config(shape, vocab, seq), seq)
+        batch_s = micro * seq / (throughput.tokens_per_s(fpt) or fastest) * throughput.eval_ratio(fpt)
+        n = user.get("train.eval_batches") or _eval_batches(budget_s, batch_s, micro, seq, corpus, cpt)
+        return n, n * batch_s * EVAL_SAFETY + EVAL_FIXED_S
+
+    eval_s = evaluation(min(throughput.points, key=lambda p: p.flops_per_token).shape)[1]
+    margin_s = MARGIN_SHARE * budget_s + MARGIN_S
     cap = min(PREPARE_SHARE * budget_s * PREPARE_CHARS_PER_S, corpus.chars or math.inf)
 
     def chars_for(tokens_per_s: float, seconds: float) -> int:
@@ -395,8 +487,11 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
                         f"{least_train:.1f}s of training ({MIN_STEPS} steps of the fastest shape)")
     unique = (user["data.max_chars"] if "data.max_chars" in user else cap) * (1 - HELD_SHARE) / cpt
     rows, best = _rank(throughput, user, vocab, micro, seq, train_s, unique)
-    if best is not None:  # read only what the chosen shape trains on: the time saved goes to training
+    for _ in range(2):  # read only what the chosen shape trains on (the time saved goes to training) and
+        if best is None:  # keep its evaluation's time; once more where that changed the choice
+            break
         chars = min(chars, chars_for(best[3], train_s))
+        eval_s = evaluation(best[0])[1]
         train_s = train_time(chars)
         rows, best = _rank(throughput, user, vocab, micro, seq, train_s, unique)
     if best is None:
@@ -417,7 +512,8 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
     choose("data.max_chars", max(chars, corpus.val_chars), f"rule: what {tps:,.0f} tok/s trains on, <= "
            f"{PREPARE_SHARE:.0%} of the budget at {PREPARE_CHARS_PER_S:,.0f} chars/s")
     choose("data.max_chars_from", "spread", "rule: documents from the whole corpus, not its start")
-    choose("data.tokenizer.train_chars", max(1000, chars // 2), "rule: half of the corpus read")
+    choose("data.tokenizer.train_chars", max(1000, max(chars, corpus.val_chars)),
+           "rule: all the text read (python's held-out text: 0.7% fewer tokens than from half of it)")
     rule = f"rule: lowest L(N,D) at {measured}, {d / n:.1f} tokens/non-embedding param"
     for k in ("d_model", "n_layers", "n_heads", "n_kv_heads"):
         choose(f"model.{k}", getattr(shape, k), rule if k == "d_model" else f"with d_model ({shape.name})")
@@ -437,17 +533,6 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
     choose("train.precision", throughput.precision, throughput.precision_why)
     choose("train.max_time", round(train_s, 2), "what is left of the budget (re-set after preparing)")
     choose("train.max_steps", 1_000_000_000, "the clock ends the run")
-    choose("train.eval_every", 0, "one evaluation, at the end")
-    eval_batches = max(1, int(eval_s * EVAL_SPEEDUP * tps / (micro * seq)))
-    choose("train.eval_batches", eval_batches, f"rule: {EVAL_SHARE:.0%} of the budget at {EVAL_SPEEDUP:g}x "
-           "the training speed")
-    if "data.val_sources" not in user:
-        val_tokens = 1.5 * eval_batches * micro * (seq + 1)
-        frac = min(max(val_tokens / max(1.0, chars / cpt), VAL_FRACTION_RANGE[0]), VAL_FRACTION_RANGE[1])
-        choose("data.val_fraction", round(frac, 4), "rule: enough held-out text for the evaluation")
-    choose("checkpoint.every", 0, "one checkpoint, at the end")
-    if budget_s < PLOT_MIN_BUDGET_S:
-        choose("logging.plot", False, f"rule: curves.png costs 1-5 s; drawn from {PLOT_MIN_BUDGET_S:g}s "
-               "budgets")
+    _evaluation_choices(choose, throughput, corpus, user, evaluation(shape)[0], chars / cpt, budget_s)
     predicted = {"params": n, "tokens": int(d), "tokens_per_s": tps, "loss": row["loss"]}
     return Plan(budget_s, {k: round(v, 2) for k, v in phases.items()}, choices, rows, predicted)

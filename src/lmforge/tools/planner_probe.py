@@ -19,11 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lmforge.tools.planner import (
+    Corpus,
     Measured,
     Shape,
     Throughput,
     batch_shape,
     candidate_shapes,
+    could_win,
     model_config,
     vocab_for,
 )
@@ -120,10 +122,36 @@ def timed_steps(model, opt, prec, vocab: int, micro: int, seq: int, device, unti
     return min(times)
 
 
+def timed_forward(model, prec, vocab: int, micro: int, seq: int, device, repeats: int = 2) -> float:
+    """The fastest of `repeats` evaluation forwards of a random (micro, seq) batch as the final evaluation
+    runs them (engine.evaluate: eval mode, no autograd, the loss read)."""
+    import torch
+
+    from lmforge.data.batch import TokenBatch
+    from lmforge.engine.objectives import CausalLM
+
+    x = torch.randint(0, vocab, (micro, seq + 1), device=device)
+    batch, objective, times = TokenBatch(x[:, :-1], x[:, 1:]), CausalLM(), []
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                with prec.autocast():
+                    float(objective(model, batch).loss)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+    finally:
+        model.train(was_training)
+    return min(times)
+
+
 def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precision: str,
-                  until: float, keep_memory: bool = True) -> tuple[float, Any]:
-    """Seconds of one training step of `shape` and the model (for the precision probe): the fastest of
-    timed_steps'."""
+                  until: float, keep_memory: bool = True) -> tuple[float, float, Any]:
+    """Seconds of one training step of `shape` (the fastest of timed_steps'), of one evaluation forward
+    (timed_forward's, after the steps: the model is warm) and the model (for the precision probe)."""
     import torch
 
     from lmforge.engine.precision import Precision
@@ -134,12 +162,14 @@ def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precis
         model = build_model(model_config(shape, vocab, seq), device=device)
         opt = probe_optimizer(model.parameters(), device)
         prec = Precision(precision, device)
-        return timed_steps(model, opt, prec, vocab, micro, seq, device, until, keep_memory), model
+        step = timed_steps(model, opt, prec, vocab, micro, seq, device, until, keep_memory)
+        return step, timed_forward(model, prec, vocab, micro, seq, device), model
 
 
 def probe(budget_s: float, user: dict[str, Any], deadline: Deadline, device_name: str = "auto",
-          say: Callable[[str], object] = print) -> Throughput:
-    """Tokens/s of the candidate shapes this budget may choose, measured in at most PROBE_SHARE of it."""
+          say: Callable[[str], object] = print, corpus: Corpus | None = None) -> Throughput:
+    """Tokens/s of the candidate shapes this budget may choose, measured in at most PROBE_SHARE of it;
+    with `corpus`, it stops before shapes the planner's loss rule says cannot win (planner.could_win)."""
     import torch
 
     from lmforge.engine.precision import resolve_precision
@@ -164,17 +194,23 @@ def probe(budget_s: float, user: dict[str, Any], deadline: Deadline, device_name
     keep = bool(user.get("train.keep_host_memory", True))
     _step_seconds(Shape(32, 1, 1, 1), vocab, 1, 16, device, precision, 0.0, keep)
     points, model, last = [], None, 0.0
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
         if points and time.perf_counter() + 3 * last * 1.5 > until:
             break  # the next (larger) shape would not finish its steps in the probe's time
+        so_far = Throughput(device.type, tuple(points), precision, spent_s=deadline.elapsed)
+        if points and corpus is not None and not could_win(budget_s, so_far, corpus, user, shapes[i:]):
+            say(f"  {shape.name} and larger: not measured (the loss rule at the best speed they could reach "
+                "predicts none beats the shapes measured)")
+            break
         try:
-            seconds, model = _step_seconds(shape, vocab, micro, seq, device, precision, until, keep)
+            seconds, forward, model = _step_seconds(shape, vocab, micro, seq, device, precision, until, keep)
         except torch.OutOfMemoryError:
             break
         last = seconds
         mc = model_config(shape, vocab, seq)
-        points.append(Measured(shape, micro, seq, vocab, flops_per_token(mc, seq), micro * seq / seconds))
-        say(f"  {shape.name}: {points[-1].tokens_per_s:,.0f} tok/s")
+        points.append(Measured(shape, micro, seq, vocab, flops_per_token(mc, seq), micro * seq / seconds,
+                               forward))
+        say(f"  {shape.name}: {points[-1].tokens_per_s:,.0f} tok/s (evaluation forward {forward:.3f}s)")
     why = f"{precision} (set)" if asked != "auto" else f"{precision} (auto on {device.type})"
     if asked == "auto" and device.type == "cpu" and model is not None:
         cost = PRECISION_COST * last

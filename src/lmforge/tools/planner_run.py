@@ -15,9 +15,6 @@ from typing import Any
 
 from lmforge.errors import ConfigError, LmforgeError
 from lmforge.tools.planner import (
-    EVAL_SHARE,
-    MARGIN_S,
-    MARGIN_SHARE,
     MIN_TRAIN_S,
     SETUP_S,
     Corpus,
@@ -142,11 +139,11 @@ def run_budget(budget_s: float, config: str | None, sets: Sequence[str], *, plan
     elif holds_run(run_dir) and not base.run.overwrite:
         raise LmforgeError(f"run.dir {run_dir} already holds a run; --set run.overwrite=true to replace it, "
                            "or choose another run.dir")
-    throughput = probe(budget_s, user, deadline, base.train.device, say)
     from lmforge.data.sources import source_size
 
     corpus = Corpus(chars=sum(source_size(s) for s in base.data.source_paths) or None,
                     val_chars=sum(source_size(s) for s in base.data.val_sources))
+    throughput = probe(budget_s, user, deadline, base.train.device, say, corpus)
     p = plan(budget_s, throughput, corpus, user)
     say(p.table())
     cfg = planned_config(config, sets, p)
@@ -199,7 +196,7 @@ def _train(p: Plan, cfg, config: str | None, sets: Sequence[str], deadline: Dead
     prepare(cfg, console=say)
     actual = {"start-up and probe": p.phases["start-up and probe"], "prepare": deadline.elapsed - t_prepare}
     budget = p.budget_s
-    eval_s, margin_s = EVAL_SHARE * budget, MARGIN_SHARE * budget + MARGIN_S
+    eval_s, margin_s = p.phases["evaluate"], p.phases["margin"]  # the plan's, for the shape it chose
     train_s = round(deadline.left - SETUP_S - eval_s - margin_s, 2)
     if train_s < MIN_TRAIN_S:
         raise LmforgeError(f"preparing the data took {actual['prepare']:.1f}s (planned "
