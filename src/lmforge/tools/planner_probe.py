@@ -197,8 +197,9 @@ def probe(budget_s: float, user: dict[str, Any], deadline: Deadline, device_name
     for i, shape in enumerate(shapes):
         if points and time.perf_counter() + 3 * last * 1.5 > until:
             break  # the next (larger) shape would not finish its steps in the probe's time
-        so_far = Throughput(device.type, tuple(points), precision, spent_s=deadline.elapsed)
-        if points and corpus is not None and not could_win(budget_s, so_far, corpus, user, shapes[i:]):
+        if points and corpus is not None and not could_win(
+                budget_s, Throughput(device.type, tuple(points), precision, spent_s=deadline.elapsed), corpus,
+                user, shapes[i:]):
             say(f"  {shape.name} and larger: not measured (the loss rule at the best speed they could reach "
                 "predicts none beats the shapes measured)")
             break
