@@ -286,12 +286,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--redo", default="", help="rows (grid names, planner or nanogpt) of the chosen cells "
                     "to measure again with --resume: their kept rows and repeats are dropped first (the "
                     "bench's way to re-measure a row whose method changed)")
+    ap.add_argument("--rows", default="", help="rows (grid names, planner or nanogpt) to run, in this order, "
+                    "instead of every row (with --resume: those of them still missing): the rows a fit needs "
+                    "first when a sitting cannot hold the whole cell")
     ap.add_argument("--tiny", action="store_true", help="a smoke run: 20 s, the prose corpus at 300k "
                     "chars, 2 grid points, 4 x 64 tokens a micro-batch")
     args = ap.parse_args(argv)
     budgets = [duration(b) for b in args.budgets.split(",")]
     for flag, names, extra_ok in (("--repeat", args.repeat, ("planner",)),
-                                  ("--redo", args.redo, ("planner", "nanogpt"))):
+                                  ("--redo", args.redo, ("planner", "nanogpt")),
+                                  ("--rows", args.rows, ("planner", "nanogpt"))):
         unknown = [n for n in names.split(",") if n and n not in extra_ok and n not in HAND_GRID]
         if unknown:
             ap.error(f"{flag} {','.join(unknown)}: not a grid row (one of {', '.join(HAND_GRID)}) or "
@@ -323,6 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
             if "repeats" in cell:  # a redone row's repeats measured the old method too
                 cell["repeats"] = [r for r in cell["repeats"] if r["name"] not in redo]
             wanted = ["planner", *grid] + (["nanogpt"] if args.nanogpt or not args.tiny else [])
+            if args.rows:
+                wanted = [n for n in args.rows.split(",") if n]
             for name in wanted:
                 if any(r["name"] == name and "bpb" in r for r in cell["rows"]):
                     continue

@@ -109,6 +109,14 @@ def test_resume_runs_only_the_rows_not_yet_measured(tmp_path, monkeypatch):
     assert [r["name"] for r in redo["cells"][0]["repeats"]] == ["planner"] * 2  # the redone row's dropped
     with pytest.raises(SystemExit):
         pq.main([*args, "--redo", "d1-L1-lr9"])
+    calls.clear()
+    pq.main([*args, "--resume", "--redo", "planner", "--rows", "d64-L2-lr0.004,planner"])
+    assert calls == ["planner"]  # with --resume: those of them still missing
+    calls.clear()
+    pq.main([*args, "--rows", "d96-L3-lr0.002,planner"])  # only these, in this order
+    assert calls == ["d96-L3-lr0.002", "planner"]
+    with pytest.raises(SystemExit):
+        pq.main([*args, "--rows", "d1-L1-lr9"])
 
 
 def test_a_repeat_at_another_seed_prepares_and_trains_at_that_seed(tmp_path, monkeypatch):
