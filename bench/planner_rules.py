@@ -2,11 +2,13 @@
 writes to bench/results/planner_rules.json; tests/unit/test_planner.py checks that the two agree).
 
 - law: L(N, D) = E + A/N^alpha + B/D^beta fitted (Hoffmann et al. D.2, lmforge.tools.scaling.fit_law) to
-  the best row of each shape (of its two lrs) of bench/planner_quality.py's python grid at every budget
-  measured there (2 and 5 minutes: d64-L2 to d256-L6, vocabulary 4096, scored over one held-out file;
+  the best row of each shape (of its two lrs) of bench/planner_quality.py's python grid at 2 and 5 minutes
+  (--budgets; d64-L2 to d256-L6, vocabulary 4096, scored over one held-out file;
   bench/results/planner_quality.json): N the non-embedding parameters (Kaplan's count, so that the
   ranking of shapes does not move with the vocabulary), D the effective tokens the planner counts
-  (Muennighoff's, the grid repeating the corpus in epochs), L the held-out loss. Published laws
+  (Muennighoff's, the grid repeating the corpus in epochs; their R* = 15.4, or with --free-half-life the
+  R* that fits best), L the held-out loss. A refit's candidates go elsewhere (--out): the planner's
+  constants are held to what this file holds. Published laws
   (Hoffmann, Epoch) are fitted at 1e7-1e10 parameters and over-predict these losses by 3-5x (printed
   below): the planner ranks shapes by this small-budget fit instead, which is what "smaller models that
   see more tokens won" looks like as a formula. (Until 2026-11-29 the law was fitted to the speedrun's
@@ -34,6 +36,7 @@ tokenizer's sample from the budget).
 
     python bench/planner_rules.py                  # writes bench/results/planner_rules.json
     python bench/planner_rules.py --keep-prepare   # the same, keeping the prepare rates it holds
+    python bench/planner_rules.py --keep-prepare --budgets 120,300,900 --free-half-life --out /tmp/refit.json
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ sys.path.insert(0, str(REPO / "src"))
 SEARCH = REPO / "bench" / "results" / "speedrun_search.json"
 RESULTS = REPO / "bench" / "results" / "planner_rules.json"
 QUALITY = REPO / "bench" / "results" / "planner_quality.json"  # bench/planner_quality.py's grids
-LR_CORPUS, LR_BUDGET_S, LR_BUDGETS_S = "python", 120.0, (120.0, 300.0)
+LR_CORPUS, LR_BUDGET_S, LAW_BUDGETS_S = "python", 120.0, (120.0, 300.0)  # the grids the law and lr use
+# repeat half-lives R* tried with --free-half-life (Muennighoff et al.'s fitted 15.4 first: it stays unless
+# another fits the grid better, e.g. while no run repeats its corpus enough to tell them apart)
+HALF_LIVES = (15.4, *(round(2 ** (k / 2), 3) for k in range(13)))
 SEARCH_SHAPE = dict(d_model=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=256, vocab_size=4096)
 BATCH_EXPONENT = 0.3271  # DeepSeek LLM (Bi et al. 2024) eq. 1
 PREPARE_CHARS = (500_000, 2_000_000)
@@ -88,8 +94,8 @@ def _lr(overrides: list[str]) -> float:
     return 2e-3  # the search's starting point (SEARCH_BASE in bench/speedrun_search.py)
 
 
-def grid_points() -> list[dict]:
-    """The better-lr row of each shape of planner_quality's python grid at every budget measured there
+def grid_points(budgets: tuple[float, ...] = LAW_BUDGETS_S) -> list[dict]:
+    """The better-lr row of each shape of planner_quality's python grid at `budgets`
     (bench/results/planner_quality.json): N its non-embedding parameters, D the effective tokens the
     planner counts (the grid reads the whole corpus and repeats it in epochs: Muennighoff's D' of the
     tokens trained over the corpus's distinct ones), L the held-out loss (nats/token, vocabulary 4096)."""
@@ -98,7 +104,7 @@ def grid_points() -> list[dict]:
     cells = json.loads(QUALITY.read_text())["cells"] if QUALITY.is_file() else []
     sizes = grid_sizes()
     best: dict[tuple[str, float], dict] = {}
-    for cell in (c for c in cells if c["corpus"] == LR_CORPUS):
+    for cell in (c for c in cells if c["corpus"] == LR_CORPUS and c["budget_s"] in budgets):
         for r in cell["rows"]:
             if not {"loss", "tokens", "train_tokens"} <= set(r) or "-lr" not in r["name"]:
                 continue
@@ -124,16 +130,30 @@ def grid_sizes() -> dict[str, int]:
             for name, (d, n, h) in SHAPES.items()}
 
 
-def fit(points: list[dict]) -> dict:
+def fit(points: list[dict], half_lives: tuple[float, ...] | None = None) -> dict:
+    """The law, and the repeat half-life R* of its effective tokens: the law fitted at each of `half_lives`
+    (the planner's REPEAT_HALF_LIFE alone by default), the one with the smallest rms log residual kept (the
+    points' D set to its effective tokens)."""
+    from lmforge.tools.planner import REPEAT_HALF_LIFE, effective_tokens
     from lmforge.tools.scaling import LAWS, fit_law
 
-    law = fit_law([p["n"] for p in points], [p["d"] for p in points], [p["loss"] for p in points],
-                  count="non-embedding")
-    rms = math.sqrt(sum((math.log(law.loss(p["n"], p["d"])) - math.log(p["loss"])) ** 2 for p in points)
-                    / len(points))
+    def at(half_life: float) -> tuple[float, object, list[float]]:
+        d = [effective_tokens(p["tokens"], p["train_tokens"], half_life) for p in points]
+        law = fit_law([p["n"] for p in points], d, [p["loss"] for p in points], count="non-embedding")
+        rms = math.sqrt(sum((math.log(law.loss(p["n"], dp)) - math.log(p["loss"])) ** 2
+                            for p, dp in zip(points, d, strict=True)) / len(points))
+        return rms, law, d
+
+    tried = {h: at(h) for h in half_lives or (REPEAT_HALF_LIFE,)}
+    half_life = min(tried, key=lambda h: tried[h][0])  # the first of equals: Muennighoff's
+    rms, law, d = tried[half_life]
+    for p, dp in zip(points, d, strict=True):
+        p["d"] = dp
     published = {name: [round(pub.loss(p["n"], p["d"]), 2) for p in points] for name, pub in LAWS.items()}
     return {"E": law.E, "A": law.A, "B": law.B, "alpha": law.alpha, "beta": law.beta,
-            "count": "non-embedding", "min_params": min(p["n"] for p in points), "rms_log_residual": rms,
+            "repeat_half_life": half_life, "count": "non-embedding",
+            "min_params": min(p["n"] for p in points), "rms_log_residual": rms,
+            "rms_at_half_life": {f"{h:g}": round(t[0], 5) for h, t in tried.items()},
             "published_laws_predict": published}
 
 
@@ -150,14 +170,15 @@ def grid_lrs(budget_s: float = LR_BUDGET_S) -> dict[str, dict[str, float]]:
     return out
 
 
-def lr_rule(points: list[dict]) -> dict:
+def lr_rule(points: list[dict], budgets: tuple[float, ...] = LAW_BUDGETS_S) -> dict:
     """lr = min(cap, c x 128 / d_model): c the geometric mean, over the python grid's budgets, of the better
     lr at d128 (2e-3 at 2 minutes by 12%, 4e-3 at 5 by 1.5%), the cap the largest lr that won at any width
     (none above it was measured). Without the grid, the speedrun's winner (uncapped)."""
-    grids = {b: grid_lrs(b) for b in LR_BUDGETS_S}
+    grids = {b: grid_lrs(b) for b in budgets}
     sweep = {f"{p['lr']:g}": round(p["bpb"], 4) for p in points
              if p["budget_s"] == 60 and p["d_model"] == 256 and p["name"] in ("base", "lr4e-3", "lr1e-3")}
-    better = {b: {shape: float(min(lrs, key=lrs.get)) for shape, lrs in g.items()} for b, g in grids.items()}
+    better = {b: {shape: float(min(lrs, key=lrs.get)) for shape, lrs in g.items() if len(lrs) > 1}
+              for b, g in grids.items() if g}  # a width measured at one lr so far has no better one
     at128 = [lrs["d128-L4"] for lrs in better.values() if "d128-L4" in lrs]
     if at128:
         c = math.exp(sum(math.log(lr) for lr in at128) / len(at128))
@@ -223,8 +244,17 @@ def main() -> None:
     ap.add_argument("--keep-prepare", action="store_true", help="keep the prepare rates the results already "
                     "hold (measured on a busy machine: an idle one's faster rate lets a busy one overrun "
                     "preparing's share) and recompute the rest from the stored runs")
+    ap.add_argument("--budgets", default=",".join(f"{b:g}" for b in LAW_BUDGETS_S), help="the python grid's "
+                    "budgets (seconds) the law and the lr rule are fitted to (a refit's candidates: more "
+                    "budgets than the planner's rules use)")
+    ap.add_argument("--free-half-life", action="store_true", help="fit the repeat half-life R* too (the "
+                    f"one of {', '.join(f'{h:g}' for h in HALF_LIVES)} that fits best) instead of the "
+                    "planner's REPEAT_HALF_LIFE")
+    ap.add_argument("--out", default=str(RESULTS), help="where to write (a refit's candidates elsewhere: "
+                    "the planner's constants are held equal to bench/results/planner_rules.json)")
     args = ap.parse_args()
-    points, grid = search_points(), grid_points()
+    budgets = tuple(float(b) for b in args.budgets.split(","))
+    points, grid = search_points(), grid_points(budgets)
     if len(grid) < 5:  # the law has five constants
         sys.exit(f"planner_rules: {len(grid)} python grid rows with a held-out loss in {QUALITY}; the law "
                  "needs the grid at 2 and 5 minutes: python bench/planner_quality.py --budgets 2m,5m "
@@ -232,18 +262,20 @@ def main() -> None:
     old = json.loads(RESULTS.read_text()) if args.keep_prepare else {}
     prepare = old["prepare"] if "prepare" in old else prepare_rates()
     out = {"machine": old.get("machine") or machine_info(), "source": str(SEARCH.relative_to(REPO)),
-           "points": points, "grid_points": grid, "law": fit(grid), "range": law_range(points),
-           "lr": lr_rule(points), "batch": batch_rule(points), "prepare": prepare}
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
+           "points": points, "grid_points": grid,
+           "law": fit(grid, HALF_LIVES if args.free_half_life else None), "range": law_range(points),
+           "lr": lr_rule(points, budgets), "batch": batch_rule(points), "prepare": prepare}
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     law = out["law"]
     print(f"law: L = {law['E']:.4g} + {law['A']:.4g}/N^{law['alpha']:.4g} + {law['B']:.4g}/D^"
-          f"{law['beta']:.4g} (rms log residual {law['rms_log_residual']:.4f}, the best of each shape at "
-          f"each budget of the python grid: {len(grid)} runs)")
+          f"{law['beta']:.4g}, R* {law['repeat_half_life']:g} "
+          f"(rms log residual {law['rms_log_residual']:.4f}, "
+          f"the best of each shape at each budget {args.budgets} s of the python grid: {len(grid)} runs)")
     print(f"law's range: N >= {out['range']['min_params'] / 2:,.0f} ({out['range']['from']})")
     print(f"lr at d_model 128: {out['lr']['lr_at_128']:g}; batch k {out['batch']['coefficient']:.4g}")
     prep = out["prepare"]
     print(f"prepare: {prep['chars_per_s']:,.0f} chars/s; chars/token {prep['chars_per_token']}")
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

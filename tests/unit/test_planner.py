@@ -135,6 +135,7 @@ def test_the_rules_are_the_measured_ones():
     for k in ("E", "A", "B", "alpha", "beta"):
         assert P.LAW[k] == pytest.approx(law[k], rel=1e-4, abs=1e-6), k
     assert P.LAW_MIN_PARAMS == 0.5 * rules["range"]["min_params"]
+    assert P.REPEAT_HALF_LIFE == law["repeat_half_life"]
     assert P.LR_AT_128 == pytest.approx(rules["lr"]["lr_at_128"], rel=1e-5)
     assert P.LR_RANGE[1] == rules["lr"]["max_lr"]
     batch = rules["batch"]
@@ -145,10 +146,12 @@ def test_the_rules_are_the_measured_ones():
 
 def test_repeated_epochs_are_worth_less_and_a_small_corpus_chooses_a_larger_model():
     assert P.effective_tokens(5e5, 1e6) == 5e5 and P.effective_tokens(5e5, None) == 5e5
-    # Muennighoff et al. 2023 eq. 5 with R*_D = 15.4: 4 epochs of U tokens are worth 3.73 U
-    assert P.effective_tokens(4e6, 1e6) == pytest.approx(1e6 * (1 + 15.4 * (1 - math.exp(-3 / 15.4))))
-    assert P.effective_tokens(4e6, 1e6) == pytest.approx(3.7258e6, rel=1e-4)
-    assert P.effective_tokens(1e9, 1e6) < 16.4e6  # never more than U (1 + R*)
+    # Muennighoff et al. 2023 eq. 5 with their R*_D = 15.4: 4 epochs of U tokens are worth 3.73 U
+    assert P.effective_tokens(4e6, 1e6, 15.4) == pytest.approx(1e6 * (1 + 15.4 * (1 - math.exp(-3 / 15.4))))
+    assert P.effective_tokens(4e6, 1e6, 15.4) == pytest.approx(3.7258e6, rel=1e-4)
+    h = P.REPEAT_HALF_LIFE  # the planner's, fitted to the python grid
+    assert P.effective_tokens(4e6, 1e6) == pytest.approx(1e6 * (1 + h * (1 - math.exp(-3 / h))))
+    assert P.effective_tokens(1e9, 1e6) < 1e6 * (1 + h) + 1  # never more than U (1 + R*)
     small, large = P.plan(1800, table(), P.Corpus(chars=1_000_000), {}), P.plan(1800, table(), P.Corpus(), {})
     assert small.predicted["params"] > large.predicted["params"]
     rows = {r["shape"]: r for r in small.candidates}

@@ -268,13 +268,13 @@ def model_config(shape: Shape, vocab: int, seq: int):
                        n_kv_heads=shape.n_kv_heads, vocab_size=-(-vocab // 64) * 64, max_seq_len=seq)
 
 
-def effective_tokens(d: float, unique: float | None) -> float:
+def effective_tokens(d: float, unique: float | None, half_life: float = REPEAT_HALF_LIFE) -> float:
     """Tokens worth of `d` tokens trained on `unique` distinct ones (the corpus read, repeated in epochs):
     `d` itself for one epoch or less, then Muennighoff et al.'s decaying value of each repeat."""
     if not unique or d <= unique:
         return d
     repeats = d / unique - 1
-    return unique * (1 + REPEAT_HALF_LIFE * (1 - math.exp(-repeats / REPEAT_HALF_LIFE)))
+    return unique * (1 + half_life * (1 - math.exp(-repeats / half_life)))
 
 
 def law_loss(n: float, d: float, unique: float | None = None) -> float:
