@@ -192,6 +192,32 @@ def lr_rule(points: list[dict], budgets: tuple[float, ...] = LAW_BUDGETS_S) -> d
             f"{best['budget_s']:g}s: lr {best['lr']:g} at d_model {best['d_model']}", "d256_sweep_60s": sweep}
 
 
+def ranks(law: dict) -> list[dict]:
+    """Each cell of planner_quality (every corpus and budget, kjv and prose held out from the fit): its shapes
+    in the order of their best row's bpb and in the order of the law's loss at those rows' own tokens: what
+    the planner uses the law for is choosing the first."""
+    from lmforge.tools.planner import effective_tokens
+
+    cells = json.loads(QUALITY.read_text())["cells"] if QUALITY.is_file() else []
+    sizes, out = grid_sizes(), []
+    for cell in cells:
+        best: dict[str, dict] = {}
+        for r in cell["rows"]:
+            shape = r["name"].split("-lr")[0]
+            if {"bpb", "tokens", "train_tokens"} <= set(r) and shape in sizes and (
+                    shape not in best or r["bpb"] < best[shape]["bpb"]):
+                best[shape] = r
+        if len(best) < 2:
+            continue
+        loss = {s: law["E"] + law["A"] / sizes[s] ** law["alpha"] + law["B"] / effective_tokens(
+            r["tokens"], r["train_tokens"], law["repeat_half_life"]) ** law["beta"] for s, r in best.items()}
+        measured, predicted = sorted(best, key=lambda s: best[s]["bpb"]), sorted(loss, key=loss.get)
+        out.append({"corpus": cell["corpus"], "budget_s": cell["budget_s"], "measured": measured,
+                    "predicted": predicted, "first_right": measured[0] == predicted[0],
+                    "bpb": {s: round(best[s]["bpb"], 4) for s in measured}})
+    return out
+
+
 def law_range(points: list[dict]) -> dict:
     """The smallest model the law may choose: half the smallest non-embedding N measured on the rules'
     corpus, in the speedrun's runs or planner_quality's python grid at 2 minutes (which trained d64-L2 to
@@ -265,12 +291,16 @@ def main() -> None:
            "points": points, "grid_points": grid,
            "law": fit(grid, HALF_LIVES if args.free_half_life else None), "range": law_range(points),
            "lr": lr_rule(points, budgets), "batch": batch_rule(points), "prepare": prepare}
+    out["ranks"] = ranks(out["law"])
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     law = out["law"]
     print(f"law: L = {law['E']:.4g} + {law['A']:.4g}/N^{law['alpha']:.4g} + {law['B']:.4g}/D^"
           f"{law['beta']:.4g}, R* {law['repeat_half_life']:g} "
           f"(rms log residual {law['rms_log_residual']:.4f}, "
           f"the best of each shape at each budget {args.budgets} s of the python grid: {len(grid)} runs)")
+    for r in out["ranks"]:
+        print(f"{r['corpus']} {r['budget_s']:g}s: measured {' < '.join(r['measured'])}; law "
+              f"{' < '.join(r['predicted'])} (first {'right' if r['first_right'] else 'WRONG'})")
     print(f"law's range: N >= {out['range']['min_params'] / 2:,.0f} ({out['range']['from']})")
     print(f"lr at d_model 128: {out['lr']['lr_at_128']:g}; batch k {out['batch']['coefficient']:.4g}")
     prep = out["prepare"]

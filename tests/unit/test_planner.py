@@ -144,6 +144,21 @@ def test_the_rules_are_the_measured_ones():
     assert P.CHARS_PER_TOKEN == {int(k): v for k, v in rules["prepare"]["chars_per_token"].items()}
 
 
+def test_the_law_chooses_the_shape_the_grids_measured_best_on_its_own_corpus(monkeypatch):
+    """bench/planner_rules.py's ranks: each planner_quality cell's shapes by measured bpb and by the law at
+    their own tokens; stored as measured, and on python at 2 and 5 minutes (the law's data) the law's first
+    is the measured first."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import planner_rules
+
+    rules = json.loads((REPO / "bench" / "results" / "planner_rules.json").read_text())
+    assert planner_rules.ranks(rules["law"]) == rules["ranks"]
+    fitted = {(r["corpus"], r["budget_s"]): r for r in rules["ranks"]}
+    for budget in planner_rules.LAW_BUDGETS_S:
+        cell = fitted["python", budget]
+        assert cell["first_right"] and cell["measured"][0] == cell["predicted"][0], budget
+
+
 def test_repeated_epochs_are_worth_less_and_a_small_corpus_chooses_a_larger_model():
     assert P.effective_tokens(5e5, 1e6) == 5e5 and P.effective_tokens(5e5, None) == 5e5
     # Muennighoff et al. 2023 eq. 5 with their R*_D = 15.4: 4 epochs of U tokens are worth 3.73 U
