@@ -192,12 +192,9 @@ def lr_rule(points: list[dict], budgets: tuple[float, ...] = LAW_BUDGETS_S) -> d
             f"{best['budget_s']:g}s: lr {best['lr']:g} at d_model {best['d_model']}", "d256_sweep_60s": sweep}
 
 
-def ranks(law: dict) -> list[dict]:
-    """Each cell of planner_quality (every corpus and budget, kjv and prose held out from the fit): its shapes
-    in the order of their best row's bpb and in the order of the law's loss at those rows' own tokens: what
-    the planner uses the law for is choosing the first."""
-    from lmforge.tools.planner import effective_tokens
-
+def cell_bests() -> list[tuple[str, float, list[tuple[str, dict]]]]:
+    """Each cell of planner_quality with two or more grid shapes: (corpus, budget_s, [(shape, its best
+    row)] best bpb first)."""
     cells = json.loads(QUALITY.read_text())["cells"] if QUALITY.is_file() else []
     sizes, out = grid_sizes(), []
     for cell in cells:
@@ -207,14 +204,28 @@ def ranks(law: dict) -> list[dict]:
             if {"bpb", "tokens", "train_tokens"} <= set(r) and shape in sizes and (
                     shape not in best or r["bpb"] < best[shape]["bpb"]):
                 best[shape] = r
-        if len(best) < 2:
-            continue
+        if len(best) >= 2:
+            out.append((cell["corpus"], cell["budget_s"], sorted(best.items(), key=lambda kv: kv[1]["bpb"])))
+    return out
+
+
+def ranks(law: dict) -> list[dict]:
+    """Each cell of planner_quality (every corpus and budget, kjv and prose held out from the fit): its shapes
+    in the order of their best row's bpb and in the order of the law's loss at those rows' own tokens: what
+    the planner uses the law for is choosing the first; its regret is the bpb of the law's first over the
+    measured first's."""
+    from lmforge.tools.planner import effective_tokens
+
+    sizes, out = grid_sizes(), []
+    for corpus, budget, best in cell_bests():
         loss = {s: law["E"] + law["A"] / sizes[s] ** law["alpha"] + law["B"] / effective_tokens(
-            r["tokens"], r["train_tokens"], law["repeat_half_life"]) ** law["beta"] for s, r in best.items()}
-        measured, predicted = sorted(best, key=lambda s: best[s]["bpb"]), sorted(loss, key=loss.get)
-        out.append({"corpus": cell["corpus"], "budget_s": cell["budget_s"], "measured": measured,
+            r["tokens"], r["train_tokens"], law["repeat_half_life"]) ** law["beta"] for s, r in best}
+        rows = dict(best)
+        measured, predicted = [s for s, _ in best], sorted(loss, key=loss.get)
+        out.append({"corpus": corpus, "budget_s": budget, "measured": measured,
                     "predicted": predicted, "first_right": measured[0] == predicted[0],
-                    "bpb": {s: round(best[s]["bpb"], 4) for s in measured}})
+                    "regret": round(rows[predicted[0]]["bpb"] / rows[measured[0]]["bpb"] - 1, 4),
+                    "bpb": {s: round(rows[s]["bpb"], 4) for s in measured}})
     return out
 
 
@@ -300,7 +311,8 @@ def main() -> None:
           f"the best of each shape at each budget {args.budgets} s of the python grid: {len(grid)} runs)")
     for r in out["ranks"]:
         print(f"{r['corpus']} {r['budget_s']:g}s: measured {' < '.join(r['measured'])}; law "
-              f"{' < '.join(r['predicted'])} (first {'right' if r['first_right'] else 'WRONG'})")
+              f"{' < '.join(r['predicted'])} (first {'right' if r['first_right'] else 'WRONG'}, "
+              f"regret {100 * r['regret']:.1f}%)")
     print(f"law's range: N >= {out['range']['min_params'] / 2:,.0f} ({out['range']['from']})")
     print(f"lr at d_model 128: {out['lr']['lr_at_128']:g}; batch k {out['batch']['coefficient']:.4g}")
     prep = out["prepare"]

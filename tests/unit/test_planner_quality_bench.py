@@ -158,3 +158,41 @@ def test_kjv_chapters_are_documents_with_one_line_per_verse():
         "Genesis 1\n\n1 In the beginning God created the heaven and the earth.\n2 And the earth was without "
         "form, and void.\n", "1 Samuel 3\n\n1 And the child Samuel ministered.\n"]
     assert "kjv" in corpora.CORPORA
+
+
+def test_the_law_scan_recovers_a_law_and_says_what_it_would_choose():
+    """bench/planner_law_scan.py: points made by a law on the scan's grid give that law back (A and B by least
+    squares, rms ~0), and each cell's first is the shape that law's loss ranks first, its regret the first's
+    bpb over the cell's best."""
+    import numpy as np
+
+    import planner_law_scan as scan
+    from lmforge.tools.planner import effective_tokens
+
+    true = dict(E=1.0, A=200.0, B=300.0, alpha=0.5, beta=0.3, h=4.0)
+
+    def loss(n, tokens, distinct):
+        return true["E"] + true["A"] / n ** true["alpha"] + true["B"] / effective_tokens(
+            tokens, distinct, true["h"]) ** true["beta"]
+
+    shapes = [(1e5, 2e7), (3e5, 1.2e7), (8e5, 7e6), (3e6, 3e6)]  # (N, tokens) at one budget, corpus 2.5M
+    points = [{"n": n, "tokens": t * k, "train_tokens": 2.5e6, "loss": loss(n, t * k, 2.5e6)}
+              for k in (0.15, 0.4, 1.0) for n, t in shapes]
+    # one cell whose measured order is the law's, one where the measured best is not the law's first
+    at = [loss(n, t, 2.5e6) for n, t in shapes]
+    order = sorted(range(4), key=at.__getitem__)
+    cells = [{"corpus": "right", "budget_s": 900.0,
+              "shapes": [(shapes[i][0], shapes[i][1], 2.5e6, at[i]) for i in order]},
+             {"corpus": "wrong", "budget_s": 900.0,
+              "shapes": [(shapes[i][0], shapes[i][1], 2.5e6, 1.0 + 0.1 * j) for j, i in
+                         enumerate([order[1], order[0], *order[2:]])]}]
+    grid = dict(E=np.array([0.5, 1.0, 1.5]), alpha=np.array([0.4, 0.5, 0.6]), beta=np.array([0.2, 0.3, 0.4]))
+    laws = scan.scan(points, cells, grid, half_lives=(2.0, 4.0, 15.4))
+    best = laws[0]
+    assert best["rms"] < 1e-9 and best["repeat_half_life"] == 4.0
+    assert (best["E"], best["alpha"], best["beta"]) == (1.0, 0.5, 0.3)
+    assert best["A"] == pytest.approx(200.0, rel=1e-6) and best["B"] == pytest.approx(300.0, rel=1e-6)
+    judged = scan.judged(best, cells)
+    assert judged["pattern"] == "Yn"  # in "wrong", the law's first is measured second best: 10% worse
+    assert judged["regret_pct"] == {"right 900s": 0.0, "wrong 900s": 10.0}
+    assert all(later["rms"] >= best["rms"] for later in laws)
