@@ -84,11 +84,8 @@ def judged(law: dict, cells: list[dict]) -> dict:
 
 def planner_law(points: list[dict], cells: list[dict]) -> dict:
     """The planner's LAW and REPEAT_HALF_LIFE scored as the scanned laws are."""
-    from lmforge.tools.planner import LAW, REPEAT_HALF_LIFE, effective_tokens
-
-    def loss(n: float, tokens: float, distinct: float) -> float:
-        d = effective_tokens(tokens, distinct, REPEAT_HALF_LIFE)
-        return LAW["E"] + LAW["A"] / n ** LAW["alpha"] + LAW["B"] / d ** LAW["beta"]
+    from lmforge.tools.planner import LAW, REPEAT_HALF_LIFE
+    from lmforge.tools.planner import law_loss as loss
 
     rms = math.sqrt(sum(math.log(loss(p["n"], p["tokens"], p["train_tokens"]) / p["loss"]) ** 2
                         for p in points) / len(points))
