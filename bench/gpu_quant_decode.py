@@ -120,8 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     for B in batches:
         prompts = torch.randint(0, p["vocab"], (B, p["prompt"]), generator=gen).to(device)
         names = [*sides, "transformers"]
-        for n in names:  # warm-up: allocator, kernels, the first dequantize
-            run_hf(hf, prompts, 2, device) if n == "transformers" else run_ours(sides[n], prompts, 2, device)
+        # warm-up, a whole untimed round: allocator, kernels, the first dequantize, the cache at full length
+        # (a 2-token warm-up left the first timed round 3-5x slower on an H200, 2026-11-29)
+        for n in names:
+            if n == "transformers":
+                run_hf(hf, prompts, new, device)
+            else:
+                run_ours(sides[n], prompts, new, device)
         times = {n: [] for n in names}
         toks = {}
         for r in range(args.rounds):
