@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from corpora import CORPORA, materialize  # bench/ (on sys.path)
+from corpora import CORPORA, cut_train, materialize  # bench/ (on sys.path)
 from machine import machine_info, print_markdown_table
 
 REPO = Path(__file__).resolve().parents[1]
@@ -273,6 +273,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budgets", default="2m,5m,15m")
     ap.add_argument("--corpora", default=",".join(CORPORA))
     ap.add_argument("--chars", type=int, default=20_000_000, help="characters of each corpus")
+    ap.add_argument("--train-chars", type=int, default=None, help="train on only the first documents of "
+                    "each corpus's training text, up to this many characters (bench/corpora.py cut_train; "
+                    "the held-out text unchanged): cells named CORPUS-<N/1000>k, the small-corpus regime "
+                    "where the planner bounds epochs")
     ap.add_argument("--nanogpt", default=None, help="a nanoGPT checkout (else $LMFORGE_NANOGPT, else none)")
     ap.add_argument("--out", default=str(REPO / "runs" / "planner-quality"))
     ap.add_argument("--results", default=str(RESULTS))
@@ -315,6 +319,9 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out) / stamp
     for corpus in corpora:
         train, held = materialize(corpus, Path(args.out) / "corpora", chars)
+        if args.train_chars:
+            corpus = f"{corpus}-{args.train_chars // 1000}k"
+            train = cut_train(train, Path(args.out) / "corpora" / corpus / "train", args.train_chars)
         for budget in budgets:
             cell_dir = out / corpus / f"{budget:g}s"
             key = (corpus, budget)

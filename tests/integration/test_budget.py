@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -53,6 +54,30 @@ def test_budget_run_stays_within_budget(tmp_path):
     assert out.index("model.n_layers") < out.index("training a byte-level BPE")
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("val_bpb" in r for r in records)
+
+
+def test_a_corpus_the_budget_would_memorize_ends_the_run_early(tmp_path):
+    """A corpus of ~40k characters and a 30 s budget: the planner trains at most planner.EPOCH_CAP epochs,
+    keeps that train.max_time after preparing (the time preparing saved is not spent on more epochs) and
+    the process ends well before its budget."""
+    from lmforge.tools import planner as P
+
+    src = tmp_path / "corpus"
+    src.mkdir()
+    for i, path in enumerate(sorted(Path(P.__file__).parent.glob("*.py"))[:8]):
+        (src / f"{i}.txt").write_text(path.read_text()[:5000])
+    budget = 30.0
+    sets = [a if not a.startswith("data.sources=") else f'data.sources=["{src}"]' for a in TINY]
+    proc, wall = lmforge("train", "--budget", f"{budget:g}s", "--set", f"run.dir={tmp_path / 'run'}", *sets)
+    if proc.returncode == 2 and "too small for any model on this machine" in proc.stderr:
+        pytest.skip(f"this machine is too busy for a {budget:g}s budget: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    settings = {c["key"]: c["value"] for c in plan["choices"]}
+    assert plan["phases"]["not needed"] > 5
+    cfg = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert cfg["train"]["max_time"] == settings["train.max_time"] == plan["train.max_time"]
+    assert wall < budget - plan["phases"]["not needed"] / 2, proc.stdout
 
 
 def test_plan_only_writes_a_config_that_plain_train_reads(tmp_path, capsys):

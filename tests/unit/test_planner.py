@@ -159,7 +159,7 @@ def test_the_law_chooses_the_shape_the_grids_measured_best_on_its_own_corpus(mon
         assert cell["first_right"] and cell["measured"][0] == cell["predicted"][0], budget
 
 
-def test_repeated_epochs_are_worth_less_and_a_small_corpus_chooses_a_larger_model():
+def test_repeated_epochs_are_worth_less_and_a_small_corpus_is_not_memorized():
     assert P.effective_tokens(5e5, 1e6) == 5e5 and P.effective_tokens(5e5, None) == 5e5
     # Muennighoff et al. 2023 eq. 5 with their R*_D = 15.4: 4 epochs of U tokens are worth 3.73 U
     assert P.effective_tokens(4e6, 1e6, 15.4) == pytest.approx(1e6 * (1 + 15.4 * (1 - math.exp(-3 / 15.4))))
@@ -168,9 +168,56 @@ def test_repeated_epochs_are_worth_less_and_a_small_corpus_chooses_a_larger_mode
     assert P.effective_tokens(4e6, 1e6) == pytest.approx(1e6 * (1 + h * (1 - math.exp(-3 / h))))
     assert P.effective_tokens(1e9, 1e6) < 1e6 * (1 + h) + 1  # never more than U (1 + R*)
     small, large = P.plan(1800, table(), P.Corpus(chars=1_000_000), {}), P.plan(1800, table(), P.Corpus(), {})
-    assert small.predicted["params"] > large.predicted["params"]
+    vocab = small.settings["data.tokenizer.vocab_size"]  # 2048: 1M characters fill 4096 entries too thinly
+    unique = 1_000_000 * (1 - P.HELD_SHARE) / P.CHARS_PER_TOKEN[vocab]
+    assert small.predicted["tokens"] <= P.EPOCH_CAP * unique + 1 < large.predicted["tokens"]
     rows = {r["shape"]: r for r in small.candidates}
-    assert rows["d96-L3"]["epochs"] > 10 and "| epochs |" in small.markdown()
+    for r in rows.values():
+        bound = min(P.EPOCH_CAP, P.DATA_BOUND * unique / r["params"])
+        assert r["loss"] is None or r["epochs"] <= bound + 0.01
+    assert rows["d96-L3"]["epochs"] == P.EPOCH_CAP and "| epochs | seconds |" in small.markdown()
+    assert "not needed" in small.phases and "not needed" not in large.phases
+
+
+# the H200's probe of 2026-11-29 (bench/results/gpu_suite: the planner row), 16 x 1024 tokens, bf16
+H200 = {(64, 2): 1634997, (96, 3): 1506577, (128, 4): 998501, (192, 4): 1186763, (256, 4): 996847,
+        (256, 6): 803876, (320, 5): 792487, (384, 6): 925045, (512, 8): 599424, (640, 10): 435178}
+
+
+def test_a_corpus_too_small_for_the_machine_bounds_the_epochs_and_the_run_ends_early():
+    """At most EPOCH_CAP epochs and DATA_BOUND / (N/U): on the H200, builtin:python's 8.4M characters (1.9M
+    unique tokens) chose d640-L10 for 58 epochs, which memorized them (2.66 bpb); bounded, a smaller model
+    trains 10 epochs and the run ends minutes before its budget, saying why."""
+    assert P.bounded_tokens(1e6, 5e6, None) == 5e6  # no corpus size: no bound
+    assert P.bounded_tokens(1e5, 5e6, 1e6) == 5e6  # 5 epochs, 0.1 parameters per unique token
+    assert P.bounded_tokens(1e5, 5e7, 1e6) == P.EPOCH_CAP * 1e6
+    assert P.bounded_tokens(4e7, 5e7, 1e6) == pytest.approx(P.DATA_BOUND / 40 * 1e6)
+    gpu = table(H200, spent=20.1, device="cuda", seq=1024)
+    p = P.plan(300, gpu, P.Corpus(chars=8_378_640), {})
+    unique = 8_378_640 * (1 - P.HELD_SHARE) / P.CHARS_PER_TOKEN[4096]
+    n, d = p.predicted["params"], p.predicted["tokens"]
+    assert d <= P.EPOCH_CAP * unique + 1 and n * d <= P.DATA_BOUND * unique ** 2 * 1.0001
+    assert n < 45_479_040 and p.settings["model.d_model"] < 640  # not d640-L10
+    assert p.phases["not needed"] > 100 and sum(p.phases.values()) == pytest.approx(300, abs=0.1)
+    assert p.settings["train.max_time"] == pytest.approx(d / p.predicted["tokens_per_s"], abs=0.01)
+    assert "more would memorize them" in {c.key: c.why for c in p.choices}["train.max_time"]
+    rows = {r["shape"]: r for r in p.candidates}
+    assert rows["d640-L10"]["epochs"] == pytest.approx(P.DATA_BOUND / (45_479_040 / unique), rel=1e-3)
+    # a corpus as large as the budget reads trains the whole budget
+    whole = P.plan(300, gpu, P.Corpus(), {})
+    assert "not needed" not in whole.phases
+    # the CPU planner's choice where the corpus is large enough is unchanged: python's 15 minutes
+    assert P.plan(900, table(), P.Corpus(chars=9_150_973, val_chars=407_809), {}).settings[
+        "model.d_model"] == P.plan(900, table(), P.Corpus(), {}).settings["model.d_model"]
+
+
+def test_the_vocabulary_fits_the_corpus_as_well_as_the_budget():
+    assert P.vocab_for(300, {})[0] == 4096
+    assert P.vocab_for(300, {}, 8_000_000)[0] == 4096
+    assert P.vocab_for(300, {}, 400_000) == (1024, "rule: >= 250 sample chars per entry (400,000 chars)")
+    assert P.vocab_for(300, {}, 700_000)[0] == 2048
+    assert P.vocab_for(300, {"data.tokenizer.vocab_size": 8192}, 1000)[0] == 8192
+    assert P.plan(300, table(), P.Corpus(chars=400_000), {}).settings["data.tokenizer.vocab_size"] == 1024
 
 
 def test_the_warm_up_is_100_updates_or_5_percent_of_training_the_longer():

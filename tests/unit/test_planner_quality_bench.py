@@ -119,6 +119,25 @@ def test_resume_runs_only_the_rows_not_yet_measured(tmp_path, monkeypatch):
         pq.main([*args, "--rows", "d1-L1-lr9"])
 
 
+def test_train_chars_cuts_the_training_text_into_its_own_cell(tmp_path, monkeypatch):
+    src = tmp_path / "full"
+    src.mkdir()
+    for i, n in enumerate((400, 700, 300, 200)):
+        (src / f"{i:06d}.txt").write_text("x" * n)
+    cut = corpora.cut_train(src, tmp_path / "cut" / "train", 1000)
+    assert sorted(p.name for p in cut.glob("*.txt")) == ["000000.txt", "000002.txt", "000003.txt"]  # 900
+    assert corpora.cut_train(src, cut, 10) == cut and len(list(cut.glob("*.txt"))) == 3  # written once
+    seen = []
+    monkeypatch.setattr(pq, "materialize", lambda corpus, root, chars: (src, tmp_path / "held.txt"))
+    monkeypatch.setattr(pq, "run_hand", lambda name, budget, train, *a: seen.append(train) or
+                        {"name": name, "seed": pq.SEED, "bpb": 1.0})
+    got = pq.main(["--budgets", "30s", "--corpora", "python", "--train-chars", "1000", "--rows",
+                   "d64-L2-lr0.004", "--out", str(tmp_path / "runs"), "--results", str(tmp_path / "r.json")])
+    assert [c["corpus"] for c in got["cells"]] == ["python-1k"]
+    assert seen == [tmp_path / "runs" / "corpora" / "python-1k" / "train"]
+    assert sum(len(p.read_text()) for p in seen[0].glob("*.txt")) == 900
+
+
 def test_a_repeat_at_another_seed_prepares_and_trains_at_that_seed(tmp_path, monkeypatch):
     seen: list[list[str]] = []
 

@@ -42,6 +42,17 @@ LAW_MIN_PARAMS = 0.5 * 98_624
 # repeated data: epochs beyond the first are worth less (Muennighoff et al. 2023, "Scaling Data-Constrained
 # Language Models", eq. 5: D' = U + U R* (1 - exp(-R / R*)), R the repeats, their fitted R*_D = 15.4)
 REPEAT_HALF_LIFE = 15.4
+# ... and past a point they do harm: a model that sees a small corpus too often memorizes it (training loss
+# to ~0, held-out loss rising past a uniform guess's). Muennighoff et al.'s law never rises, so the planner
+# bounds the epochs a run trains: at most EPOCH_CAP, and at most DATA_BOUND / (N / U) (N non-embedding
+# parameters, U unique tokens: the more parameters per unique token, the sooner a model memorizes). A run
+# the bound stops short ends before its budget. Measured (docs/stages/planning.md): on python's text cut to
+# 97k unique tokens, d64-L2 and d96-L3 at 31 and 17.5 epochs reached 4.2 and 3.6 bpb where runs of 7-11.5
+# epochs reached 3.18-3.26 (N/U x epochs up to 120); at 36k unique tokens every run of 13-94 epochs was past
+# a uniform guess; on one H200, d640-L10 (N/U 24) memorized 1.9M tokens: training loss under the held-out
+# level from ~4.5 epochs (N/U x epochs ~108), held-out 2.66 bpb after 58. In the python and kjv grids
+# (1-2.5M unique tokens) only kjv's d64-L2 and d96-L3 at 15 minutes pass 10 epochs (22 and 12.5, fine).
+EPOCH_CAP, DATA_BOUND = 10.0, 100.0
 # lr = LR_AT_128 * 128 / d_model within LR_RANGE: LR_AT_128 the geometric mean of the better lr at d128 in
 # the python grid at 2 and 5 min (2e-3 by 12%, 4e-3 by 1.5%); the top of the range the largest lr that won at
 # any width (4e-3, at d64 and d96 at both budgets; no larger one was measured)
@@ -215,11 +226,11 @@ class Plan:
         out += [f"| {k} | {v:.1f} |" for k, v in self.phases.items()]
         out += ["", "| choice | value | why |", "|---|---|---|"]
         out += [f"| {c.key} | {_show(c.value)} | {c.why} |" for c in self.choices]
-        out += ["", "| shape | parameters | tokens/s | tokens | epochs | predicted loss |",
-                "|---|---|---|---|---|---|"]
+        out += ["", "| shape | parameters | tokens/s | tokens | epochs | seconds | predicted loss |",
+                "|---|---|---|---|---|---|---|"]
         out += [f"| {c['shape']} | {c['params']:,} | {c['tokens_per_s'] or '-'} | {c['tokens'] or '-'} | "
-                f"{c.get('epochs') or '-'} | {c['loss'] if c['loss'] is not None else c['why']} |"
-                for c in self.candidates]
+                f"{c.get('epochs') or '-'} | {c.get('train_s') or '-'} | "
+                f"{c['loss'] if c['loss'] is not None else c['why']} |" for c in self.candidates]
         return "\n".join(out) + "\n"
 
 
@@ -235,12 +246,14 @@ def batch_shape(device: str, user: dict[str, Any]) -> tuple[int, int]:
     return user.get("train.micro_batch_size") or 16, seq
 
 
-def vocab_for(budget_s: float, user: dict[str, Any]) -> tuple[int, str]:
+def vocab_for(budget_s: float, user: dict[str, Any], corpus_chars: int | None = None) -> tuple[int, str]:
     """The tokenizer's vocabulary: the user's, else 4096 (the speedrun's; 2048-8192 came within 0.05 bpb of
-    each other at 60 s), halved where the budget's tokenizer sample is too small to fill it."""
+    each other at 60 s), halved where the tokenizer's sample (what the budget reads, at most the corpus's
+    `corpus_chars`) is too small to fill it."""
     if "data.tokenizer.vocab_size" in user:
         return int(user["data.tokenizer.vocab_size"]), "user"
     sample = PREPARE_SHARE * budget_s * PREPARE_CHARS_PER_S  # the BPE trains on all the text read
+    sample = min(sample, corpus_chars or sample)
     vocab = 4096
     while vocab > 1024 and sample / vocab < 250:  # a merge needs material: >= 250 chars per entry
         vocab //= 2
@@ -277,6 +290,12 @@ def effective_tokens(d: float, unique: float | None, half_life: float = REPEAT_H
     return unique * (1 + half_life * (1 - math.exp(-repeats / half_life)))
 
 
+def bounded_tokens(n: float, d: float, unique: float | None) -> float:
+    """The tokens a run of `n` non-embedding parameters trains on when it could see `d` of `unique` distinct
+    ones: `d`, at most EPOCH_CAP and DATA_BOUND x unique / n epochs (more would memorize the corpus)."""
+    return d if not unique else min(d, unique * min(EPOCH_CAP, DATA_BOUND * unique / n))
+
+
 def law_loss(n: float, d: float, unique: float | None = None) -> float:
     return LAW["E"] + LAW["A"] / n ** LAW["alpha"] + LAW["B"] / effective_tokens(d, unique) ** LAW["beta"]
 
@@ -302,8 +321,9 @@ def _rank(throughput: Throughput, user: dict[str, Any], vocab: int, micro: int, 
         if tps is None:
             row["why"] = "larger than the largest shape measured"
             continue
-        d = tps * train_s
-        row.update(tokens_per_s=round(tps), tokens=int(d), epochs=round(d / unique, 2))
+        d = bounded_tokens(n, tps * train_s, unique)
+        row.update(tokens_per_s=round(tps), tokens=int(d), epochs=round(d / unique, 2),
+                   train_s=round(d / tps, 1))
         if d / (micro * seq) < MIN_STEPS:
             row["why"] = f"fewer than {MIN_STEPS} steps"
             continue
@@ -379,12 +399,13 @@ def could_win(budget_s: float, throughput: Throughput, corpus: Corpus, user: dic
         return True
     vocab, seq = p.settings["data.tokenizer.vocab_size"], p.settings["model.max_seq_len"]
     flops_s = PROBE_FLOPS_SLACK * max(q.flops_per_token * q.tokens_per_s for q in throughput.points)
-    train_s = p.phases["train"] + p.phases["prepare"]
+    train_s = p.phases["train"] + p.phases.get("not needed", 0.0) + p.phases["prepare"]
     unique = corpus.chars * (1 - HELD_SHARE) / corpus.per_token(vocab) if corpus.chars else None
     for shape in shapes:
         mc = model_config(shape, vocab, seq)
-        d = flops_s / flops_per_token(mc, seq) * train_s
-        if law_loss(param_count(mc, "non-embedding"), d, unique) < p.predicted["loss"]:
+        n = param_count(mc, "non-embedding")
+        d = bounded_tokens(n, flops_s / flops_per_token(mc, seq) * train_s, unique)
+        if law_loss(n, d, unique) < p.predicted["loss"]:
             return True
     return False
 
@@ -446,7 +467,7 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
     if not throughput.points:
         raise ConfigError("the throughput probe measured no shape (not even the smallest) in its time")
     micro, seq = batch_shape(throughput.device, user)
-    vocab, vocab_why = vocab_for(budget_s, user)
+    vocab, vocab_why = vocab_for(budget_s, user, corpus.chars)
     cpt = corpus.per_token(vocab)
     fastest = max(p.tokens_per_s for p in throughput.points)
     step_s = micro * seq / fastest
@@ -500,8 +521,11 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
                         f"in {train_s:.1f}s of training at the measured speed")
     shape, row, n, tps, d = best
     prepare_s = PREPARE_FIXED_S + read(chars) / PREPARE_CHARS_PER_S
+    time_s, train_s = train_s, min(train_s, d / tps)  # the data bound may end training early
     phases = {"start-up and probe": throughput.spent_s, "prepare": prepare_s,
               "setup": SETUP_S, "train": train_s, "evaluate": eval_s, "margin": margin_s}
+    if train_s < time_s - 0.5:
+        phases["not needed"] = time_s - train_s
     measured = f"measured: {tps:,.0f} tok/s"
     choices = [Choice("budget", f"{budget_s:g}s", "--budget")]
 
@@ -531,7 +555,11 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
            "2 and 5 min)")
     _schedule(choose, user, user.get("train.grad_accum_steps", accum) * micro * seq / tps, train_s)
     choose("train.precision", throughput.precision, throughput.precision_why)
-    choose("train.max_time", round(train_s, 2), "what is left of the budget (re-set after preparing)")
+    if "not needed" in phases:
+        choose("train.max_time", round(train_s, 2), f"rule: {d / unique:.1f} epochs of {unique:,.0f} unique "
+               f"tokens, at most {EPOCH_CAP:g} and {DATA_BOUND:g} / (N/U): more would memorize them")
+    else:
+        choose("train.max_time", round(train_s, 2), "what is left of the budget (re-set after preparing)")
     choose("train.max_steps", 1_000_000_000, "the clock ends the run")
     _evaluation_choices(choose, throughput, corpus, user, evaluation(shape)[0], chars / cpt, budget_s)
     predicted = {"params": n, "tokens": int(d), "tokens_per_s": tps, "loss": row["loss"]}

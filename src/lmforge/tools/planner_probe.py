@@ -179,7 +179,7 @@ def probe(budget_s: float, user: dict[str, Any], deadline: Deadline, device_name
 
     device = resolve_device(device_name, World.from_env())
     micro, seq = batch_shape(device.type, user)
-    vocab = vocab_for(budget_s, user)[0]
+    vocab = vocab_for(budget_s, user, corpus.chars if corpus else None)[0]
     asked = user.get("train.precision", "auto")
     precision = resolve_precision(asked, device)  # no model: fp32 on a CPU, bf16 on a GPU that has it
     # smallest first: the cheapest to measure, and what a tiny budget needs (the planner takes shapes below

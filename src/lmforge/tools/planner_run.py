@@ -203,6 +203,8 @@ def _train(p: Plan, cfg, config: str | None, sets: Sequence[str], deadline: Dead
                            f"{p.phases['prepare']:.1f}s), which leaves {train_s:.1f}s of training in the "
                            f"--budget {budget:g}s; give a larger budget (the data is prepared now and is "
                            "reused)")
+    if "not needed" in p.phases:  # the epoch bound ends training early: time saved in preparing is not used
+        train_s = min(train_s, p.settings["train.max_time"])
     if abs(train_s - p.settings["train.max_time"]) > 0.5:
         say(f"train.max_time {train_s:g}s (planned {p.settings['train.max_time']:g}s): preparing took "
             f"{actual['prepare']:.1f}s")
