@@ -460,6 +460,13 @@ def _evaluation_choices(choose: Callable[[str, Any, str], None], throughput: Thr
                "budgets")
 
 
+def _max_time_why(phases: dict[str, float], epochs: float, unique: float) -> str:
+    if "not needed" in phases:  # the epoch bound ends training before the budget does
+        return (f"rule: {epochs:.1f} epochs of {unique:,.0f} unique tokens, at most {EPOCH_CAP:g} and "
+                f"{DATA_BOUND:g} / (N/U): more would memorize them")
+    return "what is left of the budget (re-set after preparing)"
+
+
 def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any]) -> Plan:
     from lmforge.models.flops import flops_per_token
 
@@ -555,11 +562,7 @@ def _plan(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[st
            "2 and 5 min)")
     _schedule(choose, user, user.get("train.grad_accum_steps", accum) * micro * seq / tps, train_s)
     choose("train.precision", throughput.precision, throughput.precision_why)
-    if "not needed" in phases:
-        choose("train.max_time", round(train_s, 2), f"rule: {d / unique:.1f} epochs of {unique:,.0f} unique "
-               f"tokens, at most {EPOCH_CAP:g} and {DATA_BOUND:g} / (N/U): more would memorize them")
-    else:
-        choose("train.max_time", round(train_s, 2), "what is left of the budget (re-set after preparing)")
+    choose("train.max_time", round(train_s, 2), _max_time_why(phases, d / unique, unique))
     choose("train.max_steps", 1_000_000_000, "the clock ends the run")
     _evaluation_choices(choose, throughput, corpus, user, evaluation(shape)[0], chars / cpt, budget_s)
     predicted = {"params": n, "tokens": int(d), "tokens_per_s": tps, "loss": row["loss"]}
