@@ -164,33 +164,3 @@ def test_the_probe_steps_as_the_run_trains(monkeypatch, keep):
     assert 0 < forward < seconds  # the evaluation's forward, timed after the steps
     opt = probe_optimizer(build_model(model_config(Shape(32, 1, 2, 1), 256, 16)).parameters(), cpu)
     assert opt.defaults["fused"] is True
-
-
-def test_a_shape_is_timed_by_the_median_of_its_warm_steps(monkeypatch):
-    """The first step (it allocates) is not timed and the rest are summarised by their median: keeping the
-    fastest of two steps, the cold one among them, measured d128-L4 at 7,303 and 10,437 tok/s in two
-    15-minute plans where it trained at ~8,800, and the plans chose different shapes."""
-    import lmforge.engine.step as step_mod
-    import lmforge.tools.planner_probe as PP
-
-    durations = iter([4.0, 1.0, 0.5, 1.5, 1.25, 0.75, 1.125, 1.375, 1.0, 9.0])  # the first: a cold step
-    clock = [0.0]
-    monkeypatch.setattr(PP.time, "perf_counter", lambda: clock[0])
-
-    class Out:
-        loss = 0.0
-
-    def fake_step(*a, **k):
-        clock[0] += next(durations)
-        return Out()
-
-    monkeypatch.setattr(step_mod, "train_step", fake_step)
-    monkeypatch.setattr(PP, "PROBE_SHAPE_S", 1e9)
-    import torch
-
-    cpu = torch.device("cpu")
-    # PROBE_STEPS (8) timed steps after the cold one, the ninth never run: median (1.0 + 1.125) / 2
-    assert PP.timed_steps(None, None, None, 16, 2, 8, cpu, until=1e9) == 1.0625
-    # a deadline near: the cold step and at least two timed ones, whatever `until` says
-    durations = iter([4.0, 1.0, 0.5])
-    assert PP.timed_steps(None, None, None, 16, 2, 8, cpu, until=0.0) == 0.75

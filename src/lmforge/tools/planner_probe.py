@@ -1,11 +1,10 @@
 """What the budget planner measures: the whole process's clock (`Deadline`, from the process's start) and
 the machine's training speed for a few candidate shapes (`probe`), bounded to a small share of the budget.
 
-The probe trains each shape for about a second (one untimed step, then the median of 2-8) as the run
-will: the engine's own step (engine.step.train_step), AdamW fused where the run's is, the planned
-micro-batch and context, random tokens, and host memory kept as `Trainer.fit` keeps it (without that,
-glibc returns each step's temporaries to the OS and small CPU shapes step up to 2x slower than they
-train). Shapes go from the
+The probe trains each shape for up to a second (2-8 steps, the fastest kept) as the run will: the engine's
+own step (engine.step.train_step), AdamW fused where the run's is, the planned micro-batch and context,
+random tokens, and host memory kept as `Trainer.fit` keeps it (without that, glibc returns each step's
+temporaries to the OS and small CPU shapes step up to 2x slower than they train). Shapes go from the
 smallest eligible up until the probe's time is spent, so a larger budget measures (and may choose) larger
 shapes. Precision: the existing `resolve_precision("auto", ...)` path, at the largest shape measured, where
 its cost fits what is left of the probe's time (on a CPU it times bf16 steps, which are up to 7x slower
@@ -14,7 +13,6 @@ where there are no bf16 units)."""
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,12 +32,10 @@ from lmforge.tools.planner import (
 
 PROBE_SHARE = 0.05  # of the budget, at most (the first shape is always measured)
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 60.0  # a minute measures every shape of the ladder a budget can afford
-# steps a shape is timed: one untimed (it allocates: the optimizer's state, the heap's growth to the step's
-# peak), then up to PROBE_STEPS within PROBE_SHAPE_S of the start (at least 2), their median kept. A 2-core
-# machine's steps vary by 10-30%: at 5 minutes on kjv one run's 2-3 steps a shape measured d64-L2 and d96-L3
-# at ~60% of their speed and the plan took d128-L4 (1.302 bpb against 1.243); at 15 minutes, keeping the
-# fastest of 2 steps (the first among them) measured d128-L4 at 7,303 and 10,437 tok/s in two runs where it
-# trained at ~8,800, and the two plans chose d96-L3 and d128-L4 (docs/stages/planning.md)
+# steps a shape is timed: up to PROBE_STEPS within PROBE_SHAPE_S (at least 2), the fastest kept. A fresh
+# process's steps reach speed from the second or third (its heap grows to the step's peak first) and a
+# 2-core machine's steps of 0.1-0.3 s vary by 10-30%: at 5 minutes on kjv one run's 2-3 steps a shape
+# measured d64-L2 and d96-L3 at ~60% of their speed and the plan took d128-L4 (1.302 bpb against 1.243)
 PROBE_STEPS, PROBE_SHAPE_S = 8, 1.0
 PRECISION_COST = 16  # resolve_precision's steps (fp32 + bf16, warm-up and timed) at up to 7x in bf16
 
@@ -98,11 +94,11 @@ def probe_optimizer(params, device):
 
 def timed_steps(model, opt, prec, vocab: int, micro: int, seq: int, device, until: float,
                 keep_memory: bool = True) -> float:
-    """Seconds of one training step of `model` on a random (micro, seq) batch: the median of up to
-    PROBE_STEPS steps after one untimed step (it allocates, the optimizer's state included), as many as fit
-    in PROBE_SHAPE_S and before `until`, at least two. `keep_memory`: the run's train.keep_host_memory, held
-    as `Trainer.fit` holds it (glibc then reuses freed memory instead of faulting fresh pages in every step:
-    1.8x the speed of d64-L2 at 16 x 256 on 2 AVX2 cores)."""
+    """The fastest of up to PROBE_STEPS training steps of `model` on a random (micro, seq) batch, as many as
+    fit in PROBE_SHAPE_S and before `until`, at least two (the first allocates, the optimizer's state
+    included). `keep_memory`: the run's train.keep_host_memory, held as `Trainer.fit` holds it (glibc then
+    reuses freed memory instead of faulting fresh pages in every step: 1.8x the speed of d64-L2 at 16 x 256
+    on 2 AVX2 cores)."""
     import torch
 
     from lmforge.data.batch import TokenBatch
@@ -114,17 +110,16 @@ def timed_steps(model, opt, prec, vocab: int, micro: int, seq: int, device, unti
     times = []
     start = time.perf_counter()
     with keep_freed_memory(keep_memory):
-        for i in range(PROBE_STEPS + 1):
+        for _ in range(PROBE_STEPS):
             t0 = time.perf_counter()
             train_step(model, [batch], opt, prec).loss  # noqa: B018  (reading the loss synchronises)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             now = time.perf_counter()
-            if i:
-                times.append(now - t0)
+            times.append(now - t0)
             if len(times) >= 2 and (now + times[-1] > until or now + times[-1] > start + PROBE_SHAPE_S):
                 break
-    return statistics.median(times)
+    return min(times)
 
 
 def timed_forward(model, prec, vocab: int, micro: int, seq: int, device, repeats: int = 2) -> float:

@@ -90,7 +90,7 @@ def data_facts(cfg, n_exact: int, say: Callable[[str], object]) -> DataFacts:
 
 def _step_seconds(cfg, method: str, r: int, micro: int, seq: int, device, precision: str, until: float
                   ) -> float:
-    """timed_steps' median of fine-tuning steps of the base's shape (random weights: the speed is the
+    """The fastest of timed_steps' fine-tuning steps of the base's shape (random weights: the speed is the
     same) with `method`'s trainable parameters."""
     import torch
 
