@@ -22,26 +22,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from machine import machine_info  # bench/ (on sys.path)
+from planner_quality import lmforge, sets
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
 RESULTS = REPO / "bench" / "results" / "planner_probe_accuracy.json"
 VOCAB, MICRO, SEQ = 4096, 16, 256
-
-
-def lmforge(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lmforge", *args], cwd=REPO, capture_output=True, text=True)
-
-
-def sets(*items: str) -> list[str]:
-    return sum((["--set", s] for s in items), [])
 
 
 def data_sets(work: Path, corpus: str) -> list[str]:
