@@ -3,9 +3,9 @@
 For each shape of the planner's ladder asked for, in rounds (shapes interleaved, so a slow minute of a
 shared machine falls on every shape rather than on one):
 - probe: `tools.planner_probe._step_seconds`, the library's own measurement (the fastest of the first
-  2-8 steps that fit in PROBE_SHAPE_S, the cold first step among them), in this process after one tiny
-  step (as `probe` does);
-- median and warm-min: on a fresh model, one untimed step, then the steps that fit in PROBE_SHAPE_S (at
+  2-8 a second of the steps that fit in --shape-seconds, the cold first step among them), in this
+  process after one tiny step (as `probe` does);
+- median and warm-min: on a fresh model, one untimed step, then the steps that fit in --shape-seconds (at
   least two): their median (the rule 17fadf3 tried and 3de03c6 reverted) and their fastest;
 - train: `lmforge train` of that shape for --seconds on a prepared corpus (builtin:python at vocabulary
   4096 unless --corpus), fp32, 16 x 256 tokens as the planner's CPU runs: the median of its 10-step
@@ -49,9 +49,9 @@ def prepare(work: Path, corpus: str) -> list[str]:
     return data_sets(work, corpus)
 
 
-def after_warm(shape) -> tuple[float, float]:
-    """tokens/s by the median and by the fastest of the steps that fit in PROBE_SHAPE_S of the start (at
-    least two, at most PROBE_STEPS) after one untimed step."""
+def after_warm(shape, shape_s: float) -> tuple[float, float]:
+    """tokens/s by the median and by the fastest of the steps that fit in `shape_s` of the start (at least
+    two, at most PROBE_STEPS a second) after one untimed step."""
     import torch
 
     from lmforge.data.batch import TokenBatch
@@ -59,7 +59,7 @@ def after_warm(shape) -> tuple[float, float]:
     from lmforge.engine.step import train_step
     from lmforge.models import build_model
     from lmforge.tools.planner import model_config
-    from lmforge.tools.planner_probe import PROBE_SHAPE_S, PROBE_STEPS, probe_optimizer
+    from lmforge.tools.planner_probe import PROBE_STEPS, probe_optimizer
     from lmforge.utils.host_memory import keep_freed_memory
 
     cpu = torch.device("cpu")
@@ -68,13 +68,13 @@ def after_warm(shape) -> tuple[float, float]:
     x = torch.randint(0, VOCAB, (MICRO, SEQ + 1))
     batch, times, start = TokenBatch(x[:, :-1], x[:, 1:]), [], time.perf_counter()
     with keep_freed_memory(True):
-        for i in range(PROBE_STEPS + 1):
+        for i in range(max(2, round(PROBE_STEPS * shape_s)) + 1):
             t0 = time.perf_counter()
             train_step(model, [batch], opt, prec).loss  # noqa: B018
             now = time.perf_counter()
             if i:
                 times.append(now - t0)
-            if len(times) >= 2 and now + times[-1] > start + PROBE_SHAPE_S:
+            if len(times) >= 2 and now + times[-1] > start + shape_s:
                 break
     return MICRO * SEQ / statistics.median(times), MICRO * SEQ / min(times)
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from lmforge.tools.planner import LADDER, Shape
-    from lmforge.tools.planner_probe import _step_seconds
+    from lmforge.tools.planner_probe import PROBE_SHAPE_S, _step_seconds, shape_seconds
 
     ladder = {s.name: s for s in LADDER}
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -126,18 +126,17 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seconds", type=float, default=20.0, help="of training per shape and round")
     ap.add_argument("--corpus", default="builtin:python")
     ap.add_argument("--shape-seconds", type=float, default=None, help="time each probe statistic this long "
-                    "a shape (planner_probe.PROBE_SHAPE_S, and PROBE_STEPS raised to 8 a second): does a "
-                    "longer probe predict better?")
+                    "a shape (default: what the planner gives a shape at --budget): does a longer probe "
+                    "predict better?")
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds: the planner's budget whose probe "
+                    "time a shape gets (planner_probe.shape_seconds) unless --shape-seconds")
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     shapes = [ladder.get(n) for n in args.shapes.split(",")]
     if None in shapes or args.rounds < 1 or args.seconds < 5 or not 0.1 <= (args.shape_seconds or 1) <= 60:
         ap.error(f"--shapes from {', '.join(ladder)}; --rounds >= 1; --seconds >= 5; --shape-seconds 0.1-60")
-    if args.shape_seconds:
-        import lmforge.tools.planner_probe as PP
-
-        PP.PROBE_SHAPE_S = args.shape_seconds
-        PP.PROBE_STEPS = max(PP.PROBE_STEPS, round(8 * args.shape_seconds))
+    shape_s = args.shape_seconds or shape_seconds(args.budget)
+    print(f"{shape_s:g}s a shape (the planner's: {PROBE_SHAPE_S[0]:g}-{PROBE_SHAPE_S[1]:g}s)", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="lmforge-probe-") as tmp:
         work = Path(tmp)
@@ -146,8 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
         _step_seconds(Shape(32, 1, 1, 1), VOCAB, 1, 16, cpu, "fp32", 0.0)  # one-time costs, as probe() pays
         for r in range(args.rounds):
             for shape in shapes:
-                step, _, _ = _step_seconds(shape, VOCAB, MICRO, SEQ, cpu, "fp32", time.perf_counter() + 60)
-                probe, (median, warm_min) = MICRO * SEQ / step, after_warm(shape)
+                step, _, _ = _step_seconds(shape, VOCAB, MICRO, SEQ, cpu, "fp32", time.perf_counter() + 60,
+                                           shape_s=shape_s)
+                probe, (median, warm_min) = MICRO * SEQ / step, after_warm(shape, shape_s)
                 train, windows = train_speed(shape, data, work, args.seconds)
                 rows.append({"round": r, "shape": shape.name, "probe": round(probe), "median": round(median),
                              "warm_min": round(warm_min), "train": round(train), "train_windows": windows,

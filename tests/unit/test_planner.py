@@ -275,10 +275,11 @@ def test_the_probe_stops_before_shapes_that_cannot_win(monkeypatch):
     assert P.plan(120, two, corpus, {}).settings["model.d_model"] == \
         P.plan(120, table(speeds), corpus, {}).settings["model.d_model"]
 
-    timed = []
+    timed, shape_times = [], []
 
-    def fake_step(shape, vocab, micro, seq, device, precision, until, keep=True):
+    def fake_step(shape, vocab, micro, seq, device, precision, until, keep=True, shape_s=1.0):
         timed.append(shape.name)
+        shape_times.append(shape_s)
         step = micro * seq / speeds.get((shape.d_model, shape.n_layers), 30000)
         return step, step / 8, None
 
@@ -286,9 +287,50 @@ def test_the_probe_stops_before_shapes_that_cannot_win(monkeypatch):
     said = []
     got = PP.probe(120, {"train.precision": "fp32"}, PP.Deadline.since(120, time.perf_counter()), "cpu",
                    said.append, corpus)
-    assert [p.shape.name for p in got.points] == ["d64-L2", "d96-L3"] and timed[1:] == ["d64-L2", "d96-L3"]
+    assert [p.shape.name for p in got.points] == ["d64-L2", "d96-L3"]
+    assert timed[1:] == ["d64-L2", "d96-L3"] * 2  # both within 10% of the best loss: timed again
+    # each shape is timed for 1% of the budget within 1-5 s (the tiny warm-up step for the least)
+    assert shape_times[1:] == [pytest.approx(1.2)] * 4
+    assert [PP.shape_seconds(b) for b in (20, 120, 300, 900, 3600)] == pytest.approx([1, 1.2, 3, 5, 5])
     assert got.points[0].eval_batch_s == pytest.approx(16 * 256 / 29865 / 8)
     assert any("d128-L4 and larger: not measured" in s for s in said)
     everything = PP.probe(120, {"train.precision": "fp32"}, PP.Deadline.since(120, time.perf_counter()),
                           "cpu", said.append)  # no corpus: no rule to stop by
     assert len(everything.points) > 2
+
+
+def test_a_stalled_reading_is_timed_again_and_the_faster_kept(monkeypatch):
+    """A stall of the machine while d64-L2 is timed (its first reading at 60% of its speed, as two busy
+    2-minute runs read it) plans d96-L3; the second pass times the shapes within 10% of the best predicted
+    loss once more and keeps the faster reading, so the plan is the one the shapes' own speeds make."""
+    import time
+
+    from lmforge.tools import planner_probe as PP
+
+    speeds = {(64, 2): 29865, (96, 3): 16350, (128, 4): 9637, (192, 4): 5974, (256, 4): 4122}
+    corpus = P.Corpus(chars=9_000_000, val_chars=450_000)
+    stalled = {**speeds, (64, 2): 0.6 * 29865}
+    assert P.plan(120, table(speeds), corpus, {}).settings["model.d_model"] == 64
+    assert P.plan(120, table(stalled), corpus, {}).settings["model.d_model"] == 96  # what a stall did
+    reads: list[str] = []
+
+    def fake_step(shape, vocab, micro, seq, device, precision, until, keep=True, shape_s=1.0):
+        reads.append(shape.name)
+        key = (shape.d_model, shape.n_layers)
+        tps = (stalled if reads.count(shape.name) == 1 else speeds).get(key, 30000)
+        return micro * seq / tps, micro * seq / tps / 8, None
+
+    monkeypatch.setattr(PP, "_step_seconds", fake_step)
+    said: list[str] = []
+    got = PP.probe(120, {"train.precision": "fp32"}, PP.Deadline.since(120, time.perf_counter()), "cpu",
+                   said.append, corpus)
+    # the stalled d64-L2 let d128-L4 be measured too; all three are within 10%, all three timed again
+    assert reads[1:] == ["d64-L2", "d96-L3", "d128-L4"] * 2
+    assert [round(q.tokens_per_s) for q in got.points] == [29865, 16350, 9637]
+    assert P.plan(120, got, corpus, {}).settings["model.d_model"] == 64
+    assert "  again (the shapes within 10% of the best predicted loss): d64-L2, d96-L3, d128-L4" in said
+    # without a corpus (no loss rule to rank by) or with one shape measured there is no second pass
+    reads.clear()
+    PP.probe(120, {"train.precision": "fp32"}, PP.Deadline.since(120, time.perf_counter()), "cpu",
+             said.append)
+    assert len(reads) == len(set(reads)) > 3

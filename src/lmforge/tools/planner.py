@@ -410,6 +410,19 @@ def could_win(budget_s: float, throughput: Throughput, corpus: Corpus, user: dic
     return False
 
 
+def contenders(budget_s: float, throughput: Throughput, corpus: Corpus, user: dict[str, Any],
+               near: float) -> list[str]:
+    """The measured shapes whose predicted loss is within `near` (a fraction) of the plan's best: those a
+    probe that read one of them slow could have ranked wrongly. Empty where no plan can be made yet."""
+    try:
+        p = _plan(budget_s, throughput, corpus, user)
+    except (_TooSmall, ConfigError):
+        return []
+    measured = {q.shape.name for q in throughput.points}
+    return [c["shape"] for c in p.candidates if c["shape"] in measured and c["loss"] is not None
+            and c["loss"] <= p.predicted["loss"] * (1 + near)]
+
+
 def _eval_batches(budget_s: float, batch_s: float, micro: int, seq: int, corpus: Corpus, cpt: float) -> int:
     """The final evaluation's batches: what EVAL_SHARE of the budget evaluates at `batch_s` seconds a batch,
     at most the windows of data.val_sources (evaluated whole; +25% for a text that tokenizes finer)."""
