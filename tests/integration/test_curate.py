@@ -190,6 +190,7 @@ def test_rerun_resumes_and_changed_config_needs_overwrite(tmp_path, corpus, refe
     assert len(list((out / "work" / "completions").iterdir())) == 7
 
 
+@pytest.mark.slow  # 12 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_kill_9_and_resume_is_byte_identical(tmp_path, corpus, reference):
     out = tmp_path / "killed"
     cfg = config_yaml(tmp_path, corpus, out)
@@ -218,6 +219,7 @@ def test_kill_9_and_resume_is_byte_identical(tmp_path, corpus, reference):
     assert json.loads((out / "report.json").read_text())["resumed_units"] >= len(done_before)
 
 
+@pytest.mark.slow  # 13 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_ray_engine_matches_local(tmp_path, corpus, reference):
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

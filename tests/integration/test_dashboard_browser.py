@@ -115,6 +115,7 @@ def _curve_pixels(png: bytes) -> tuple[float, int]:
     return float(grey.std()), near
 
 
+@pytest.mark.slow  # 38 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_dashboard_drives_a_run_in_chromium(browser, served, tmp_path):
     ws, url, token = served
     t0 = time.monotonic()

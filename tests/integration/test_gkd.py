@@ -89,6 +89,7 @@ def test_gkd_trains_evaluates_and_exports(world, tmp_path, capsys, case):
     assert (tmp_path / "hf" / "config.json").exists() and (tmp_path / "hf" / "tokenizer.json").exists()
 
 
+@pytest.mark.slow  # 6 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_a_crashed_run_resumes_bit_identically(world, tmp_path):
     extra = ("gkd.lmbda=0.5", "gkd.beta=0.3", "gkd.temperature=1.2")
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"

@@ -140,6 +140,7 @@ def test_train_job_streams_metrics_and_succeeds(ws, alice, finished):
     assert page["object"] == "list" and job_id in [j["id"] for j in page["data"]]
 
 
+@pytest.mark.slow  # 22 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_cancel_then_resume_equals_uninterrupted(ws, alice):
     steps = dict(max_steps=80, eval_every=40)
     straight = alice.post("/v1/jobs", json={"config": tiny_yaml(ws, **steps)}).json()["id"]
@@ -238,6 +239,7 @@ def test_config_errors_are_422_with_key_and_line(ws, alice):
     assert r.status_code == 422 and "--set optim.lr" in r.json()["error"]["message"]
 
 
+@pytest.mark.slow  # 25 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_server_sigkill_loses_no_job(ws, tmp_path):
     """SIGKILL the server with one job running, one whose process then dies too, and one queued: the
     restarted server re-attaches the first (and can cancel it), marks the second interrupted (resumable;

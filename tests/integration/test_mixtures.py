@@ -52,6 +52,7 @@ def test_replay_mixture_logs_per_source_tokens_at_the_weights(tmp_path, corpora)
     assert last["epochs/old"] > 0 and last["epochs/new"] > 0
 
 
+@pytest.mark.slow  # 9 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_crashed_mixture_run_resumes_bit_for_bit(tmp_path, corpora):
     extra = ("train.max_steps=16", "checkpoint.every=5", "train.eval_every=8")
     data = tmp_path / "data"

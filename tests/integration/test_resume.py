@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY, tiny_overrides
 from lmforge.config import load_config
 from lmforge.metrics.loggers import read_metrics
@@ -26,6 +28,7 @@ def curve(run_dir: Path) -> list[dict]:
     return [{k: r[k] for k in COMPARED if k in r} for r in read_metrics(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.slow  # 25 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_sigkill_and_resume_is_bit_identical(tmp_path, shared_data_dir):
     extra = ["train.max_steps=40", "checkpoint.every=7", "train.eval_every=15", "checkpoint.keep_last=2"]
     straight = tmp_path / "straight"

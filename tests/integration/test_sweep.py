@@ -27,6 +27,7 @@ def sweep_args(out: Path, data_dir: Path, *grid: str, base: Path = TINY) -> list
             "--out", str(out)]
 
 
+@pytest.mark.slow  # 20 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_grid_sweep_resumes_and_scaling_fit_reads_it(tmp_path, shared_data_dir, capsys):
     out, base = tmp_path / "sweep", tmp_path / "base.yaml"
     base.write_text(TINY.read_text())
@@ -83,6 +84,7 @@ def test_grid_sweep_resumes_and_scaling_fit_reads_it(tmp_path, shared_data_dir, 
     assert "d_model" in (tmp_path / "plan.yaml").read_text()
 
 
+@pytest.mark.slow  # 13 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_a_failed_point_is_trained_again_over_its_dir(tmp_path, shared_data_dir):
     out = tmp_path / "sweep"
     assert main(sweep_args(out, shared_data_dir, "train.max_steps=2")) == 0

@@ -83,6 +83,7 @@ def test_tensorboard_events(tiny_cfg, tmp_path):
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow  # 10 s on 2 cores: the slow tier (CI), keeping the default suite near 15 min
 def test_sigterm_saves_and_resumes(tmp_path, shared_data_dir):
     args = sum((["--set", o] for o in tiny_overrides(tmp_path / "run", shared_data_dir, "train.max_steps=400",
                                                          "checkpoint.every=0")), [])
