@@ -3,8 +3,8 @@
 For each shape of the planner's ladder asked for, in rounds (shapes interleaved, so a slow minute of a
 shared machine falls on every shape rather than on one):
 - probe: `tools.planner_probe._step_seconds`, the library's own measurement (the fastest of the first
-  2-8 a second of the steps that fit in --shape-seconds, the cold first step among them), in this
-  process after one tiny step (as `probe` does);
+  2-8 steps that fit in PROBE_SHAPE_S, 1 s, or in --shape-seconds, at most 8 a second, the cold first
+  step among them), in this process after one tiny step (as `probe` does);
 - median and warm-min: on a fresh model, one untimed step, then the steps that fit in --shape-seconds (at
   least two): their median (the rule 17fadf3 tried and 3de03c6 reverted) and their fastest;
 - train: `lmforge train` of that shape for --seconds on a prepared corpus (builtin:python at vocabulary
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from lmforge.tools.planner import LADDER, Shape
-    from lmforge.tools.planner_probe import PROBE_SHAPE_S, _step_seconds, shape_seconds
+    from lmforge.tools.planner_probe import PROBE_SHAPE_S, _step_seconds
 
     ladder = {s.name: s for s in LADDER}
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -126,17 +126,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seconds", type=float, default=20.0, help="of training per shape and round")
     ap.add_argument("--corpus", default="builtin:python")
     ap.add_argument("--shape-seconds", type=float, default=None, help="time each probe statistic this long "
-                    "a shape (default: what the planner gives a shape at --budget): does a longer probe "
-                    "predict better?")
-    ap.add_argument("--budget", type=float, default=120.0, help="seconds: the planner's budget whose probe "
-                    "time a shape gets (planner_probe.shape_seconds) unless --shape-seconds")
+                    "a shape (default: the planner's PROBE_SHAPE_S): does a longer probe predict better?")
     ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     shapes = [ladder.get(n) for n in args.shapes.split(",")]
     if None in shapes or args.rounds < 1 or args.seconds < 5 or not 0.1 <= (args.shape_seconds or 1) <= 60:
         ap.error(f"--shapes from {', '.join(ladder)}; --rounds >= 1; --seconds >= 5; --shape-seconds 0.1-60")
-    shape_s = args.shape_seconds or shape_seconds(args.budget)
-    print(f"{shape_s:g}s a shape (the planner's: {PROBE_SHAPE_S[0]:g}-{PROBE_SHAPE_S[1]:g}s)", flush=True)
+    shape_s = args.shape_seconds or PROBE_SHAPE_S
     rows = []
     with tempfile.TemporaryDirectory(prefix="lmforge-probe-") as tmp:
         work = Path(tmp)

@@ -275,11 +275,10 @@ def test_the_probe_stops_before_shapes_that_cannot_win(monkeypatch):
     assert P.plan(120, two, corpus, {}).settings["model.d_model"] == \
         P.plan(120, table(speeds), corpus, {}).settings["model.d_model"]
 
-    timed, shape_times = [], []
+    timed = []
 
     def fake_step(shape, vocab, micro, seq, device, precision, until, keep=True, shape_s=1.0):
         timed.append(shape.name)
-        shape_times.append(shape_s)
         step = micro * seq / speeds.get((shape.d_model, shape.n_layers), 30000)
         return step, step / 8, None
 
@@ -289,9 +288,6 @@ def test_the_probe_stops_before_shapes_that_cannot_win(monkeypatch):
                    said.append, corpus)
     assert [p.shape.name for p in got.points] == ["d64-L2", "d96-L3"]
     assert timed[1:] == ["d64-L2", "d96-L3"] * 2  # both within 10% of the best loss: timed again
-    # each shape is timed for 1% of the budget within 1-5 s (the tiny warm-up step for the least)
-    assert shape_times[1:] == [pytest.approx(1.2)] * 4
-    assert [PP.shape_seconds(b) for b in (20, 120, 300, 900, 3600)] == pytest.approx([1, 1.2, 3, 5, 5])
     assert got.points[0].eval_batch_s == pytest.approx(16 * 256 / 29865 / 8)
     assert any("d128-L4 and larger: not measured" in s for s in said)
     everything = PP.probe(120, {"train.precision": "fp32"}, PP.Deadline.since(120, time.perf_counter()),

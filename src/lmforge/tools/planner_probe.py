@@ -33,15 +33,13 @@ from lmforge.tools.planner import (
 
 PROBE_SHARE = 0.05  # of the budget, at most (the first shape is always measured)
 PROBE_MIN_S, PROBE_MAX_S = 0.5, 60.0  # a minute measures every shape of the ladder a budget can afford
-# steps a shape is timed: as many as fit in shape_seconds(budget) (at least 2, at most PROBE_STEPS a
-# second), the fastest kept. A fresh process's steps reach speed from the second or third (its heap grows
-# to the step's peak first) and a 2-core machine's steps of 0.1-0.3 s vary by 10-30%: at 5 minutes on kjv
-# one run's 2-3 steps a shape measured d64-L2 and d96-L3 at ~60% of their speed and the plan took d128-L4
-# (1.302 bpb against 1.243). bench/planner_probe_accuracy.py: the fastest of 1 s of steps measured
-# 0.83-1.17x the speed the shape then trains at, of 3 s 0.99-1.15x (the low tail, which moved plans in
-# near ties, cut): a shape gets PROBE_SHAPE_SHARE of the budget within PROBE_SHAPE_S (1.2 s at 2
-# minutes, 3 s at 5, 5 s at 15)
-PROBE_STEPS, PROBE_SHAPE_SHARE, PROBE_SHAPE_S = 8, 0.01, (1.0, 5.0)
+# steps a shape is timed: as many as fit in PROBE_SHAPE_S (at least 2, at most PROBE_STEPS a second), the
+# fastest kept. A fresh process's steps reach speed from the second or third (its heap grows to the step's
+# peak first) and a 2-core machine's steps of 0.1-0.3 s vary by 10-30%: at 5 minutes on kjv one run's 2-3
+# steps a shape measured d64-L2 and d96-L3 at ~60% of their speed and the plan took d128-L4 (1.302 bpb
+# against 1.243). Longer is not cheaper than a second pass (below): 3 s a shape over the ladder and again
+# took 23.6 s of a 5-minute budget (1 s and one pass: ~6.5 s)
+PROBE_STEPS, PROBE_SHAPE_S = 8, 1.0
 # a second pass: a stall of the machine while one shape is timed (another process's burst on a small
 # machine) reads as a slow shape and flips a near tie (on 2 busy cores d64-L2 read at 17,462-17,889 tok/s
 # instead of 22,691-28,861, and two 2-minute plans took d96-L3: python 1.962 bpb against 1.704-1.747), so
@@ -49,11 +47,6 @@ PROBE_STEPS, PROBE_SHAPE_SHARE, PROBE_SHAPE_S = 8, 0.01, (1.0, 5.0)
 # keep the faster reading (on a CPU, where the time allows)
 REMEASURE_NEAR = 0.1
 PRECISION_COST = 16  # resolve_precision's steps (fp32 + bf16, warm-up and timed) at up to 7x in bf16
-
-
-def shape_seconds(budget_s: float) -> float:
-    """Seconds of steps the probe times one shape for, at a budget of `budget_s`."""
-    return min(max(PROBE_SHAPE_SHARE * budget_s, PROBE_SHAPE_S[0]), PROBE_SHAPE_S[1])
 
 
 def process_elapsed() -> float:
@@ -109,7 +102,7 @@ def probe_optimizer(params, device):
 
 
 def timed_steps(model, opt, prec, vocab: int, micro: int, seq: int, device, until: float,
-                keep_memory: bool = True, shape_s: float = PROBE_SHAPE_S[0]) -> float:
+                keep_memory: bool = True, shape_s: float = PROBE_SHAPE_S) -> float:
     """The fastest of the training steps of `model` on a random (micro, seq) batch that fit in `shape_s`
     seconds and before `until` (at most PROBE_STEPS a second of it), at least two (the first allocates,
     the optimizer's state included). `keep_memory`: the run's train.keep_host_memory, held as `Trainer.fit`
@@ -165,7 +158,7 @@ def timed_forward(model, prec, vocab: int, micro: int, seq: int, device, repeats
 
 
 def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precision: str,
-                  until: float, keep_memory: bool = True, shape_s: float = PROBE_SHAPE_S[0]
+                  until: float, keep_memory: bool = True, shape_s: float = PROBE_SHAPE_S
                   ) -> tuple[float, float, Any]:
     """Seconds of one training step of `shape` (the fastest of timed_steps'), of one evaluation forward
     (timed_forward's, after the steps: the model is warm) and the model (for the precision probe)."""
@@ -184,8 +177,7 @@ def _step_seconds(shape: Shape, vocab: int, micro: int, seq: int, device, precis
 
 
 def _second_pass(points: list, budget_s: float, deadline: Deadline, corpus: Corpus, user: dict[str, Any],
-                 precision: str, until: float, per_shape: float, keep: bool, say: Callable[[str], object]
-                 ) -> list:
+                 precision: str, until: float, keep: bool, say: Callable[[str], object]) -> list:
     """`points` with the contenders (planner.contenders) timed once more where the probe's time allows,
     each keeping the faster of its two readings."""
     import torch
@@ -196,7 +188,7 @@ def _second_pass(points: list, budget_s: float, deadline: Deadline, corpus: Corp
         return points
     say(f"  again (the shapes within {REMEASURE_NEAR:.0%} of the best predicted loss): {', '.join(again)}")
     # its own time: a stall is what used the first pass's (each contender at most its share again)
-    until = max(until, time.perf_counter()) + per_shape * len(again)
+    until = max(until, time.perf_counter()) + PROBE_SHAPE_S * len(again)
     out = list(points)
     for i, q in enumerate(points):
         if q.shape.name not in again:
@@ -204,7 +196,7 @@ def _second_pass(points: list, budget_s: float, deadline: Deadline, corpus: Corp
         if time.perf_counter() + 2 * q.micro * q.seq_len / q.tokens_per_s > until:
             break
         seconds, forward, _ = _step_seconds(q.shape, q.vocab, q.micro, q.seq_len, torch.device("cpu"),
-                                            precision, until, keep, per_shape)
+                                            precision, until, keep)
         tps = q.micro * q.seq_len / seconds
         if tps > q.tokens_per_s:
             out[i] = replace(q, tokens_per_s=tps, eval_batch_s=min(forward, q.eval_batch_s or forward))
@@ -232,9 +224,9 @@ def probe(budget_s: float, user: dict[str, Any], deadline: Deadline, device_name
     # its rule's range only when none in it gets its steps)
     shapes = candidate_shapes(user)
     allot = min(max(PROBE_MIN_S, PROBE_SHARE * budget_s), PROBE_MAX_S)
-    until, per_shape = time.perf_counter() + allot, shape_seconds(budget_s)
+    until = time.perf_counter() + allot
     say(f"planning: measuring training speed of up to {len(shapes)} shapes ({micro} x {seq} tokens, "
-        f"{precision}, ~{per_shape:.1f}s a shape) for at most {allot:.1f}s")
+        f"{precision}) for at most {allot:.1f}s")
     # one tiny step first: the process's first step pays one-time costs (thread pools, allocator, lazy
     # imports) of a second or more that would otherwise be charged to the first shape measured
     keep = bool(user.get("train.keep_host_memory", True))
@@ -250,8 +242,7 @@ def probe(budget_s: float, user: dict[str, Any], deadline: Deadline, device_name
                 "predicts none beats the shapes measured)")
             break
         try:
-            seconds, forward, model = _step_seconds(shape, vocab, micro, seq, device, precision, until, keep,
-                                                    per_shape)
+            seconds, forward, model = _step_seconds(shape, vocab, micro, seq, device, precision, until, keep)
         except torch.OutOfMemoryError:
             break
         last = seconds
@@ -260,8 +251,7 @@ def probe(budget_s: float, user: dict[str, Any], deadline: Deadline, device_name
                                forward))
         say(f"  {shape.name}: {points[-1].tokens_per_s:,.0f} tok/s (evaluation forward {forward:.3f}s)")
     if device.type == "cpu" and corpus is not None and len(points) > 1:
-        points = _second_pass(points, budget_s, deadline, corpus, user, precision, until, per_shape, keep,
-                              say)
+        points = _second_pass(points, budget_s, deadline, corpus, user, precision, until, keep, say)
     why = f"{precision} (set)" if asked != "auto" else f"{precision} (auto on {device.type})"
     if asked == "auto" and device.type == "cpu" and model is not None:
         cost = PRECISION_COST * last
