@@ -43,3 +43,16 @@ def print_markdown_table(headers: list[str], rows: list[list[str]]) -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for row in rows:
         print(line(row))
+
+
+def write_results(path, args, rows: list[dict], summary: dict) -> dict:
+    """{machine, args, rows, summary} of a bench run written to `path` (a pathlib.Path; its folder made) and
+    the summary printed; returned."""
+    import json
+
+    out = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+           "summary": summary}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(summary, indent=1))
+    return out

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from machine import machine_info  # bench/ (on sys.path)
+from machine import write_results  # bench/ (on sys.path)
 from planner_quality import lmforge, sets
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,12 +150,7 @@ def main(argv: list[str] | None = None) -> dict:
                              "probe_ratio": round(probe / train, 3), "median_ratio": round(median / train, 3),
                              "warm_min_ratio": round(warm_min / train, 3)})
                 print(json.dumps(rows[-1]), flush=True)
-    out = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-           "summary": summary(rows)}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out["summary"], indent=1))
-    return out
+    return write_results(args.results, args, rows, summary(rows))
 
 
 if __name__ == "__main__":

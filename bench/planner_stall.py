@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from machine import machine_info  # bench/ (on sys.path)
+from machine import write_results  # bench/ (on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results" / "planner_stall.json"
@@ -106,12 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
                     rows.append({"run": i, "side": side, "condition": condition, **r,
                                  "wall_s": round(time.perf_counter() - t0, 1)})
                     print(json.dumps(rows[-1]), flush=True)
-    out = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-           "summary": summary(rows)}
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(out, indent=2) + "\n")
-    print(json.dumps(out["summary"], indent=1))
-    return out
+    return write_results(args.results, args, rows, summary(rows))
 
 
 if __name__ == "__main__":
